@@ -1,0 +1,79 @@
+# specquant - every stage is `python -m pipeline <stage> $(ARGS)`; ARGS are Hydra overrides.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.specquant-setup
+ARGS ?=
+NPROC ?= 1
+# the drafter variants `make all` produces on the embedded default
+DRAFTER_QUANTS ?= nvfp4 nvfp4-nocalib nvfp4a16 w4a16
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup all test lint clean assets data cache quantize-drafter quantize-target manifest evaluate publish \
+	verify repro-check reliability
+
+setup: $(STAMP)
+
+# torch first, pinned, so nothing pulls a multi-GB CUDA build; then the project with dev extras
+$(STAMP): pyproject.toml
+	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PYTHON) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PYTHON) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+data: setup
+	$(PYTHON) -m pipeline data $(ARGS)
+
+cache: setup
+ifeq ($(NPROC),1)
+	$(PYTHON) -m pipeline cache $(ARGS)
+else
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m pipeline cache $(ARGS)
+endif
+
+quantize-drafter: setup
+	$(PYTHON) -m pipeline quantize-drafter $(ARGS)
+
+quantize-target: setup
+	$(PYTHON) -m pipeline quantize-target $(ARGS)
+
+manifest: setup
+	$(PYTHON) -m pipeline manifest $(ARGS)
+
+evaluate: setup
+	$(PYTHON) -m pipeline evaluate $(ARGS)
+
+publish: setup
+	$(PYTHON) -m pipeline publish $(ARGS)
+
+verify: setup
+	$(PYTHON) -m pipeline verify $(if $(RUN),$(RUN),runs/tiny)
+
+all: setup
+	$(MAKE) data ARGS="$(ARGS)"
+	$(MAKE) cache ARGS="$(ARGS)"
+	@for q in $(DRAFTER_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q $(ARGS)" || exit 1; done
+	$(MAKE) quantize-target ARGS="$(ARGS)"
+	$(MAKE) evaluate ARGS="$(ARGS)"
+	$(MAKE) manifest ARGS="$(ARGS)"
+	$(MAKE) publish ARGS="$(ARGS)"
+	$(PYTHON) -m pipeline verify runs/tiny
+	@echo "specquant: all stages done; outputs are in $(CURDIR)/runs/tiny (eval/report.md, drafter/, target/, provenance/)"
+
+test: setup
+	$(PYTHON) -m pytest -q -x --durations=15 $(PYTEST_ARGS)
+
+# rebuild the embedded tiny world (corpus, tokenizer, target, drafter) from its seeds
+assets: setup
+	$(PYTHON) -m pipeline.tiny.build $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check pipeline tests
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

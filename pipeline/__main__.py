@@ -1,0 +1,99 @@
+"""`python -m pipeline <stage> [hydra overrides]` - the single entry point of every stage.
+
+Configuration is composed (and validated against the schemas) before any heavy
+import, so a wrong key or type fails in about a second with one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# stage name -> module exposing `run(cfg) -> dict`
+STAGES = {
+    "data": "pipeline.data",
+    "cache": "pipeline.cache",
+    "quantize-drafter": "pipeline.quantize_drafter",
+    "quantize-target": "pipeline.quantize_target",
+    "manifest": "pipeline.manifest",
+    "evaluate": "pipeline.evaluate",
+    "publish": "pipeline.publish",
+}
+# commands that take their own argv instead of Hydra overrides
+COMMANDS = {
+    "verify": "pipeline.verify",
+    "convert": "pipeline.models.convert",
+}
+
+USAGE = (
+    "usage: python -m pipeline <stage> [key=value ...]\n"
+    f"  stages:   {', '.join(STAGES)}\n"
+    f"  commands: {', '.join(COMMANDS)} (see `python -m pipeline <command> --help`)"
+)
+
+
+def _compose_or_exit(overrides: list[str]):
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pipeline.config import compose, unknown_keys
+
+    try:
+        cfg = compose(overrides)
+        # resolve every interpolation now so type errors surface before work starts
+        from omegaconf import OmegaConf
+
+        extra = unknown_keys(cfg)
+        if extra:
+            print(f"error: invalid configuration: unknown key `{extra[0]}`; remove it or fix its spelling "
+                  "(see conf/ and pipeline/config.py for the valid keys).", file=sys.stderr)
+            raise SystemExit(2)
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        return cfg
+    except (HydraException, OmegaConfBaseException) as exc:
+        parts, e = [], exc
+        while e is not None:  # Hydra wraps the useful OmegaConf message (key, value, type) as the cause
+            text = str(e).split("\n")[0].strip()
+            if text and text not in parts:
+                parts.append(text)
+            e = e.__cause__
+        msg = "; ".join(parts)
+        print(f"error: invalid configuration: {msg} (check the key and value in your overrides or conf/)",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help", "help"}:
+        print(USAGE)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+
+    from pipeline.errors import SpecquantError
+
+    if name in COMMANDS:
+        try:
+            return int(importlib.import_module(COMMANDS[name]).main(rest) or 0)
+        except SpecquantError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if name not in STAGES:
+        print(f"error: unknown stage {name!r}; choose one of {', '.join([*STAGES, *COMMANDS])}.", file=sys.stderr)
+        return 2
+
+    cfg = _compose_or_exit(rest)
+    from pipeline.stage import run_stage
+
+    try:
+        run_stage(name, STAGES[name], cfg, rest)
+    except SpecquantError as exc:
+        from pipeline.secrets import scrub
+
+        print(f"error: {scrub(str(exc))}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Typed Hydra configuration: one dataclass per `conf/` group, registered in a ConfigStore.
+
+The YAML files in `conf/` are merged onto these schemas, so a wrong type or an
+unknown key fails at composition time, before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING
+    path: str = MISSING  # local directory or Hub repo id
+    revision: str | None = None  # pinned commit for Hub repo ids
+    tokenizer: str | None = None  # defaults to `path`
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    license: str | None = None
+
+
+@dataclass
+class DrafterConfig:
+    name: str = MISSING
+    path: str = MISSING  # local directory or Hub repo id
+    revision: str | None = None
+    format: str = "auto"  # auto | zlab | speculators
+    mask_token: str = "<|MASK|>"
+    license: str | None = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataSource:
+    name: str = MISSING  # subset label recorded in counts and manifests
+    path: str | None = None  # local .json / .jsonl file
+    hub_id: str | None = None  # Hub dataset id, loaded with datasets.load_dataset
+    revision: str | None = None
+    split: str = "train"
+    format: str = "auto"  # auto | sharegpt | openai
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    sources: list[DataSource] = field(default_factory=list)
+    num_samples: int = 256
+    max_seq_len: int = 2048
+    min_assistant_tokens: int = 1
+    max_turn_chars: int = 200_000
+    system_prompt: str | None = None
+
+
+@dataclass
+class CacheConfig:
+    storage_dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | fp8
+    samples_per_shard: int = 64
+    max_shard_bytes: int = 2 * 1024**3
+    batch_tokens: int = 8192
+    distributed_backend: str = "auto"  # auto | gloo | nccl
+
+
+@dataclass
+class QuantConfig:
+    name: str = MISSING  # output variant directory name, e.g. nvfp4
+    scheme: str = MISSING  # nvfp4 | nvfp4a16 | w4a16
+    observer: str = "minmax"
+    observer_kwargs: dict[str, Any] = field(default_factory=dict)
+    group_size: int | None = None  # None = the scheme's default (16 for NVFP4, 128 for W4A16)
+    algorithm: str = "rtn"  # rtn | gptq
+    calibration: str = "cache"  # cache | none (calibration-free baseline)
+    num_samples: int = 64
+    anchors_per_sequence: int = 32
+    max_seq_len: int = 2048
+    ignore: list[str] = field(default_factory=list)
+    quantize_qkv: bool = False
+    pipeline: str = "basic"
+    heldout_samples: int = 8
+
+
+@dataclass
+class EvalPromptSet:
+    name: str = MISSING
+    path: str | None = None
+    hub_id: str | None = None
+    revision: str | None = None
+    split: str = "test"
+    field: str = "prompt"  # column holding the prompt text (or messages)
+
+
+@dataclass
+class EvalConfig:
+    name: str = MISSING
+    prompt_sets: list[EvalPromptSet] = field(default_factory=list)
+    max_new_tokens: int = 64
+    limit: int | None = None  # prompts per subset, for quick runs
+    variants: list[str] = field(default_factory=list)  # drafter variants; empty = every one in the run
+    target_variant: str = "bf16"
+
+
+@dataclass
+class PublishConfig:
+    dry_run: bool = True
+    endpoint: str = "https://huggingface.co"
+    namespace: str | None = None
+    repo_id: str | None = None  # overrides <namespace>/<drafter>-<variant>
+    token_env: str = "HF_TOKEN"
+    private: bool = False
+    variants: list[str] = field(default_factory=list)
+    tag: str | None = None
+
+
+@dataclass
+class SpecquantConfig:
+    run_name: str = MISSING
+    seed: int = 0
+    runs_root: str = "runs"
+    run_dir: str = "${runs_root}/${run_name}"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    target_quant: QuantConfig = field(default_factory=QuantConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="specquant_schema", node=SpecquantConfig)
+
+
+def compose(overrides: list[str] | None = None, config_dir: str | Path | None = None):
+    """Compose the real config tree with overrides (the entry point and tests both use this)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(Path(config_dir or CONF_DIR).resolve()), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides or []))
+
+
+def unknown_keys(node: Any, schema: type = None, prefix: str = "") -> list[str]:
+    """Keys present in a composed config but absent from its dataclass schema (catches `+key=...`)."""
+    import dataclasses
+    import typing
+
+    from omegaconf import DictConfig, ListConfig
+
+    schema = schema or SpecquantConfig
+    hints = typing.get_type_hints(schema)
+    names = {f.name for f in dataclasses.fields(schema)}
+    bad: list[str] = []
+    for key in node.keys() if isinstance(node, DictConfig) else []:
+        full = f"{prefix}{key}"
+        if key not in names:
+            bad.append(full)
+            continue
+        hint = hints[key]
+        args = typing.get_args(hint)
+        sub = node._get_node(key)
+        if dataclasses.is_dataclass(hint):
+            bad += unknown_keys(sub, hint, full + ".")
+        elif args and dataclasses.is_dataclass(args[0]) and isinstance(sub, ListConfig):
+            for i, item in enumerate(sub):
+                bad += unknown_keys(item, args[0], f"{full}[{i}].")
+    return bad

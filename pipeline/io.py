@@ -1,0 +1,146 @@
+"""Atomic writes, hashing and path confinement shared by every stage.
+
+Nothing a stage writes is ever visible half-written: data goes to a temporary
+file in the destination directory, is fsynced, then renamed over the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from pipeline.errors import bad_value
+
+TMP_PREFIX = ".tmp-specquant-"
+_CHUNK = 1 << 20
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]:
+    """Open a temp file beside `path`; on clean exit fsync and rename it over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path, "wb") as fh:
+        fh.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def dumps_json(obj: Any) -> str:
+    """Canonical JSON: sorted keys, 2-space indent, trailing newline (byte-stable)."""
+    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, dumps_json(obj))
+
+
+def read_json(path: str | os.PathLike, field: str = "path") -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise bad_value(field, str(path), "the file does not exist", "run the stage that writes it first") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_value(field, str(path), f"the file is not valid JSON ({exc})", "delete it and re-run the stage that writes it") from None
+
+
+class HashingWriter:
+    """A file-like wrapper that hashes bytes as they are written (no second read)."""
+
+    def __init__(self, fh: BinaryIO):
+        self._fh = fh
+        self._h = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: bytes) -> int:
+        self._h.update(data)
+        self.bytes += len(data)
+        return self._fh.write(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fh, name)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_tree(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """{relative posix path: {"sha256", "bytes"}} for every regular file under root, sorted."""
+    root = Path(root)
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted(root.rglob("*")):
+        if not p.is_file() or p.is_symlink():
+            continue
+        rel = p.relative_to(root).as_posix()
+        if p.name.startswith(TMP_PREFIX) or any(rel == e or rel.startswith(e.rstrip("/") + "/") for e in exclude):
+            continue
+        out[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    return out
+
+
+def confine(path: str | os.PathLike, root: str | os.PathLike, field: str) -> Path:
+    """Resolve `path` (symlinks included) and refuse it unless it lies inside `root`."""
+    root_r = Path(root).resolve()
+    p = Path(path)
+    resolved = (p if p.is_absolute() else root_r / p).resolve()
+    if resolved != root_r and root_r not in resolved.parents:
+        raise bad_value(field, str(path), f"it resolves to {resolved}, outside the run directory {root_r}",
+                        "use a path inside the run directory and remove symlinks that point out of it")
+    return resolved
+
+
+def remove_stale_temps(directory: str | os.PathLike) -> int:
+    """Delete temp files left by a killed writer; returns how many were removed."""
+    n = 0
+    d = Path(directory)
+    if d.is_dir():
+        for p in d.rglob(TMP_PREFIX + "*"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                n += 1
+    return n

@@ -1,0 +1,77 @@
+"""The run directory: where every stage of one experiment reads and writes.
+
+    runs/<run_name>/
+      data/            samples.jsonl, counts.json, meta.json            (data)
+      cache/           index.json, shard-*.safetensors                  (cache)
+      drafter/<variant>/   checkpoints: bf16 reference + each quantized one (quantize-drafter)
+      target/<variant>/    quantized targets                             (quantize-target)
+      checks/<kind>-<variant>.json  reload / dequantize / error reports
+      eval/            results.json, report.md, *.png, vllm_commands.sh  (evaluate)
+      stages/<stage>[-<variant>].json  captured command, overrides, resolved config, wall time
+      calibration_manifest.json, quant_run_manifest.json, provenance/   (manifest)
+      publish/         assembled repo folders and publish records        (publish)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @classmethod
+    def from_cfg(cls, cfg) -> RunDir:
+        return cls(Path(cfg.run_dir))
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+    def drafter(self, variant: str) -> Path:
+        return self.root / "drafter" / variant
+
+    def target(self, variant: str) -> Path:
+        return self.root / "target" / variant
+
+    @property
+    def checks(self) -> Path:
+        return self.root / "checks"
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+    @property
+    def stages(self) -> Path:
+        return self.root / "stages"
+
+    @property
+    def provenance(self) -> Path:
+        return self.root / "provenance"
+
+    @property
+    def publish(self) -> Path:
+        return self.root / "publish"
+
+    @property
+    def calibration_manifest(self) -> Path:
+        return self.root / "calibration_manifest.json"
+
+    @property
+    def quant_run_manifest(self) -> Path:
+        return self.root / "quant_run_manifest.json"
+
+    def drafter_variants(self) -> list[str]:
+        d = self.root / "drafter"
+        return sorted(p.name for p in d.iterdir() if (p / "config.json").is_file()) if d.is_dir() else []
+
+    def target_variants(self) -> list[str]:
+        d = self.root / "target"
+        return sorted(p.name for p in d.iterdir() if (p / "config.json").is_file()) if d.is_dir() else []

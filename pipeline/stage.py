@@ -1,0 +1,110 @@
+"""Runs one stage and records how it was invoked (captured, never reconstructed)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from pipeline.errors import SpecquantError
+from pipeline.io import atomic_write_json
+from pipeline.rundir import RunDir
+from pipeline.secrets import scrub, scrub_obj
+
+
+def package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("specquant", "torch", "transformers", "llmcompressor", "compressed-tensors", "datasets",
+                "huggingface-hub", "hydra-core", "safetensors", "tokenizers", "accelerate"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def git_state(repo: Path | None = None) -> dict[str, Any]:
+    import subprocess
+
+    repo = repo or Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--", "pipeline", "conf", "pyproject.toml"],
+                                cwd=repo, capture_output=True, text=True, check=True, timeout=10).stdout
+        return {"commit": commit, "dirty": bool(status.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def device_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
+                            "cpu_count": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            info["cuda_version"] = torch.version.cuda
+    except ImportError:
+        pass
+    return info
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def stage_record_name(stage: str, cfg) -> str:
+    if stage == "quantize-drafter":
+        return f"{stage}-{cfg.quant.name}"
+    if stage == "quantize-target":
+        return f"{stage}-{cfg.target_quant.name}"
+    return stage
+
+
+def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, Any]:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            raise SpecquantError(f"stage `{stage}` is not built yet ({module} is missing); "
+                                 "see the open issues for its status.") from None
+        raise
+    started = time.time()
+    result = mod.run(cfg) or {}
+    wall = time.time() - started
+    if _rank() == 0:
+        rd = RunDir.from_cfg(cfg)
+        record = {
+            "stage": stage,
+            "argv": [sys.executable, "-m", "pipeline", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith(
+                "__main__.py") else list(sys.argv),
+            "command": shlex.join(["python", "-m", "pipeline", stage, *overrides]),
+            "overrides": list(overrides),
+            "launcher": {"torchrun": "LOCAL_WORLD_SIZE" in os.environ,
+                         "world_size": int(os.environ.get("WORLD_SIZE", "1"))},
+            "resolved_config": OmegaConf.to_container(cfg, resolve=True),
+            "started_utc": _dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(),
+            "wall_time_s": round(wall, 3),
+            "seed": int(cfg.seed),
+            "versions": package_versions(),
+            "git": git_state(),
+            "device": device_info(),
+            "result": result,
+        }
+        atomic_write_json(rd.stages / f"{stage_record_name(stage, cfg)}.json", scrub_obj(record))
+        where = result.get("output") if isinstance(result, dict) else None
+        print(scrub(f"[specquant] {stage} done in {wall:.1f}s" + (f" -> {where}" if where else "")))
+    return result
