@@ -1,0 +1,230 @@
+"""Random-weight models of real shapes (Qwen3-8B target, DFlash-b16 drafter), a word-level
+tokenizer of the target's vocabulary size, and a synthetic token blend in the data stage's format.
+
+Weights are drawn on the device from one seeded generator (seconds, even at 8B), so two
+machines of the same kind build bit-identical checkpoints from the same seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+QWEN3_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|MASK|>": 151669}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Everything that differs between the real-scale run and the CPU smoke test."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_target_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    drafter_layers: int
+    block_size: int
+    zlab_layer_ids: tuple[int, ...]  # z-lab target_layer_ids (HF output_hidden_states index - 1)
+    specials: tuple[tuple[str, int], ...]
+
+    @property
+    def mask_token_id(self) -> int:
+        return dict(self.specials)["<|MASK|>"]
+
+
+QWEN3_8B = Shapes(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_target_layers=36,
+                  num_heads=32, num_kv_heads=8, head_dim=128, drafter_layers=5, block_size=16,
+                  zlab_layer_ids=(1, 9, 17, 25, 33), specials=tuple(QWEN3_SPECIALS.items()))
+TINY = Shapes(vocab_size=512, hidden_size=64, intermediate_size=192, num_target_layers=8,
+              num_heads=4, num_kv_heads=2, head_dim=16, drafter_layers=2, block_size=16,
+              zlab_layer_ids=(1, 2, 3, 4, 5),
+              specials=(("<|endoftext|>", 500), ("<|im_start|>", 501), ("<|im_end|>", 502), ("<|MASK|>", 503)))
+
+
+def target_config(s: Shapes):
+    from transformers import Qwen3Config
+
+    sp = dict(s.specials)
+    return Qwen3Config(
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_target_layers, num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
+        bos_token_id=sp["<|endoftext|>"], eos_token_id=sp["<|im_end|>"], pad_token_id=sp["<|endoftext|>"],
+        dtype="bfloat16",
+    )
+
+
+def seeded_init_(model, seed: int, std: float = 0.02) -> None:
+    """Norm weights 1, every other parameter N(0, std), from one generator on the weights' device."""
+    import torch
+
+    params = list(model.named_parameters())
+    gen = torch.Generator(device=params[0][1].device).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in params:
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+def build_tokenizer(s: Shapes, out_dir: Path) -> None:
+    """A word-level tokenizer with exactly `vocab_size` ids and the Qwen3 special tokens at their ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = dict(s.specials)
+    by_id = {i: t for t, i in special.items()}
+    vocab = {by_id.get(i, f"w{i}"): i for i in range(s.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=by_id[min(by_id)]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", "<|MASK|>"])
+    fast.save_pretrained(str(out_dir))
+
+
+def build_target(s: Shapes, out_dir: Path, device: str, seed: int) -> dict:
+    """Qwen3ForCausalLM of shape `s`, random bf16 weights, saved with its tokenizer."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    t0 = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(target_config(s))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    seeded_init_(model, seed)
+    _sync(device)
+    t_init = time.perf_counter() - t0
+    model.save_pretrained(str(out_dir), max_shard_size="5GB")
+    build_tokenizer(s, out_dir)
+    t_save = time.perf_counter() - t0 - t_init
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    _empty(device)
+    return {"params": n, "init_s": round(t_init, 2), "save_s": round(t_save, 2), "bytes": dir_bytes(out_dir)}
+
+
+def build_drafter(s: Shapes, out_dir: Path, target_dir: Path, device: str, seed: int) -> dict:
+    """DFlash drafter of shape `s` (helper B's model code), random weights, speculators format."""
+    import torch
+
+    from pipeline.models.dflash import DFlashConfig, DFlashDrafter
+    from pipeline.models.formats import save_speculators
+
+    t0 = time.perf_counter()
+    cfg = drafter_config(DFlashConfig, s)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            drafter = DFlashDrafter(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    drafter.to(torch.bfloat16)
+    seeded_init_(drafter, seed + 1)
+    _sync(device)
+    t_init = time.perf_counter() - t0
+    save_speculators(drafter, str(out_dir), verifier=str(target_dir))
+    n = sum(p.numel() for p in drafter.parameters())
+    del drafter
+    _empty(device)
+    return {"params": n, "init_s": round(t_init, 2), "save_s": round(time.perf_counter() - t0 - t_init, 2),
+            "bytes": dir_bytes(out_dir)}
+
+
+def drafter_config(config_cls, s: Shapes):
+    """DFlashConfig of shape `s`; only the fields the real z-lab drafter sets."""
+    import inspect
+
+    fields = dict(
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.drafter_layers, num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        block_size=s.block_size, target_layer_ids=list(s.zlab_layer_ids),
+        num_target_layers=s.num_target_layers, mask_token_id=s.mask_token_id,
+        target_hidden_size=s.hidden_size, dtype="bfloat16",
+    )
+    accepted = inspect.signature(config_cls.__init__).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+        fields = {k: v for k, v in fields.items() if k in accepted}
+    return config_cls(**fields)
+
+
+def write_blend(s: Shapes, data_dir: Path, tokenizer_dir: Path, num_samples: int, seq_len: int,
+                seed: int) -> dict:
+    """A synthetic 3-source blend (chat/math/code token distributions), every sample `seq_len` long.
+
+    Each sample is a prompt (loss 0) followed by an assistant answer (loss 1), the way chat-templated
+    calibration data looks; fixed lengths make tokens/s comparable with the stock extraction.
+    """
+    import numpy as np
+
+    from pipeline.io import atomic_open, atomic_write_json
+
+    rng = np.random.default_rng(seed)
+    sources = ("chat", "math", "code")
+    words = s.vocab_size - 512 if s.vocab_size > 4096 else min(s.specials, key=lambda x: x[1])[1]
+    h = hashlib.sha256()
+    n_tok = n_loss = 0
+    with atomic_open(data_dir / "samples.jsonl", "wb") as fh:
+        for i in range(num_samples):
+            src = sources[i % 3]
+            lo = {"chat": 0, "math": words // 3, "code": 2 * words // 3}[src]
+            ids = rng.integers(lo, lo + words // 3, size=seq_len).tolist()
+            prompt = int(rng.integers(seq_len // 8, seq_len // 2))
+            mask = [0] * prompt + [1] * (seq_len - prompt)
+            row = {"id": f"{src}/{i // 3}", "source": src, "input_ids": ids, "loss_mask": mask}
+            line = (json.dumps(row, sort_keys=True, separators=(",", ":")) + "\n").encode()
+            h.update(line)
+            fh.write(line)
+            n_tok += seq_len
+            n_loss += seq_len - prompt
+    tok_files = {p.name: _sha256(p) for p in sorted(tokenizer_dir.iterdir()) if p.is_file()
+                 and ("token" in p.name or p.name.endswith(".jinja"))}
+    meta = {"seed": seed, "max_seq_len": seq_len, "num_samples": num_samples, "num_tokens": n_tok,
+            "num_loss_tokens": n_loss, "samples_sha256": h.hexdigest(),
+            "tokenizer": {"path": str(tokenizer_dir), "files": tok_files},
+            "sources": [{"name": x, "kind": "synthetic"} for x in sources], "synthetic": True}
+    atomic_write_json(data_dir / "meta.json", meta)
+    counts = {x: {"requested": None, "available": None, "kept": sum(1 for i in range(num_samples) if sources[i % 3] == x),
+                  "dropped": {}} for x in sources}
+    atomic_write_json(data_dir / "counts.json", counts)
+    return {"num_samples": num_samples, "num_tokens": n_tok, "num_loss_tokens": n_loss}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _empty(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()

@@ -1,0 +1,323 @@
+"""Stage 1 - data: build the calibration blend.
+
+Load each configured source (local JSON/JSONL in ShareGPT or OpenAI form, or a Hub
+dataset at a pinned revision), keep well-formed conversations, render them with the
+TARGET's chat template, mark assistant tokens in the loss mask, truncate, and draw a
+seeded, weighted blend. Writes `data/samples.jsonl`, `data/counts.json`, `data/meta.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import SpecquantError, bad_value
+from pipeline.io import atomic_open, atomic_write_json, dumps_json, read_json, sha256_file
+from pipeline.rundir import RunDir
+
+ROLE_ALIASES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "system": "system",
+}
+FORMATS = ("auto", "sharegpt", "openai")
+MAX_EXAMPLES = 5  # per drop reason, recorded with file and line in counts.json
+
+
+class Dropped(Exception):
+    """A row that cannot be used; `reason` is the counter key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
+# ---------------------------------------------------------------- reading rows
+
+
+def _read_local_rows(path: Path, field: str) -> list[tuple[int, Any]]:
+    """[(line number, raw bytes or parsed object)] - JSONL lines stay raw so a bad line is one drop."""
+    if not path.is_file():
+        raise bad_value(field, str(path), "the file does not exist", "point it at a .json or .jsonl file")
+    if path.suffix == ".jsonl":
+        lines = path.read_bytes().split(b"\n")
+        return [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise bad_value(field, str(path), f"it is not valid UTF-8 JSON ({exc})",
+                            "fix the file or convert it to JSONL, one conversation per line") from None
+        if not isinstance(rows, list):
+            raise bad_value(field, str(path), "a .json source must hold a list of conversations",
+                            "wrap the rows in a JSON list or use .jsonl")
+        return [(i + 1, row) for i, row in enumerate(rows)]
+    raise bad_value(field, str(path), "only .json and .jsonl files are supported",
+                    "convert the file to JSONL with one conversation per line")
+
+
+def _read_hub_rows(src, field: str) -> list[tuple[int, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(src.hub_id, revision=src.revision, split=src.split)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types; all mean "cannot load"
+        raise bad_value(field, src.hub_id, f"datasets.load_dataset failed ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''})",
+                        "check the dataset id, revision and split, or pre-download it for offline use") from None
+    return [(i + 1, row) for i, row in enumerate(ds)]
+
+
+def _decode(raw: Any) -> Any:
+    if not isinstance(raw, bytes | bytearray):
+        return raw
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Dropped("not_utf8") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise Dropped("malformed_json") from None
+
+
+def to_messages(row: Any, fmt: str, max_turn_chars: int) -> list[dict[str, str]]:
+    """Normalise one row to [{role, content}], or raise Dropped with the reason."""
+    if not isinstance(row, dict):
+        raise Dropped("not_an_object")
+    if fmt == "auto":
+        fmt = "sharegpt" if "conversations" in row else "openai" if "messages" in row else "unknown"
+    if fmt == "sharegpt":
+        turns, role_key, text_key = row.get("conversations"), "from", "value"
+    elif fmt == "openai":
+        turns, role_key, text_key = row.get("messages"), "role", "content"
+    else:
+        raise Dropped("unknown_format")
+    if not isinstance(turns, list) or not turns:
+        raise Dropped("wrong_format")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict) or role_key not in turn:
+            raise Dropped("missing_role")
+        role = ROLE_ALIASES.get(str(turn[role_key]).lower())
+        if role is None:
+            raise Dropped("unknown_role")
+        content = turn.get(text_key)
+        if not isinstance(content, str):
+            raise Dropped("missing_content")
+        if not content.strip():
+            raise Dropped("empty_turn")
+        if len(content) > max_turn_chars:
+            raise Dropped("oversized_turn")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise Dropped("no_assistant_turn")
+    if messages[0]["role"] == "assistant":
+        raise Dropped("starts_with_assistant")
+    return messages
+
+
+# ---------------------------------------------------------------- tokenizing
+
+
+def load_tokenizer(target_cfg):
+    from transformers import AutoTokenizer
+
+    name = target_cfg.tokenizer or target_cfg.path
+    try:
+        tok = AutoTokenizer.from_pretrained(name, revision=target_cfg.revision,
+                                            trust_remote_code=bool(target_cfg.trust_remote_code))
+    except (OSError, ValueError) as exc:
+        raise bad_value("target.tokenizer", name, f"the tokenizer cannot be loaded ({str(exc).splitlines()[0]})",
+                        "point target.tokenizer (or target.path) at a directory or repo with tokenizer files") from None
+    if not getattr(tok, "chat_template", None):
+        raise bad_value("target.tokenizer", name, "the tokenizer has no chat template",
+                        "use the target's own tokenizer, which must define chat_template")
+    if not getattr(tok, "is_fast", False):
+        raise bad_value("target.tokenizer", name, "a fast tokenizer (with offset mapping) is required",
+                        "provide tokenizer.json for this tokenizer")
+    return tok
+
+
+def tokenize_conversation(tok, messages: list[dict[str, str]], max_seq_len: int) -> tuple[list[int], list[int]]:
+    """Render with the chat template; loss mask = 1 on the tokens of assistant turns (incl. end-of-turn)."""
+    def render(msgs, gen):
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    full = render(messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start, end = len(render(messages[:i], True)), len(render(messages[: i + 1], False))
+        # the spans are only meaningful if every prefix renders as a prefix of the whole
+        if not full.startswith(render(messages[: i + 1], False)):
+            raise Dropped("chat_template_not_prefix_stable")
+        spans.append((start, end))
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [int(any(s <= a and b <= e and b > a for s, e in spans)) for a, b in offsets]
+    return ids[:max_seq_len], mask[:max_seq_len]
+
+
+# ---------------------------------------------------------------- blend
+
+
+def _allocate(total: int, weights: list[float]) -> list[int]:
+    """Largest-remainder split of `total` by weights (deterministic)."""
+    s = sum(weights)
+    raw = [total * w / s for w in weights]
+    base = [int(r) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: (-(raw[i] - base[i]), i))
+    for i in order[: total - sum(base)]:
+        base[i] += 1
+    return base
+
+
+def _validate_cfg(cfg) -> None:
+    d = cfg.data
+    if not d.sources:
+        raise bad_value("data.sources", [], "no calibration sources are configured", "add at least one source")
+    if d.num_samples < 1:
+        raise bad_value("data.num_samples", d.num_samples, "must be at least 1", "set a positive sample count")
+    if d.max_seq_len < 8:
+        raise bad_value("data.max_seq_len", d.max_seq_len, "is too short for a chat-templated sample",
+                        "use at least 8 tokens (2048 for real targets)")
+    names = set()
+    for i, s in enumerate(d.sources):
+        field = f"data.sources[{i}]"
+        if (s.path is None) == (s.hub_id is None):
+            raise bad_value(field, s.name, "exactly one of `path` and `hub_id` must be set",
+                            "give a local file path or a Hub dataset id")
+        if s.format not in FORMATS:
+            raise bad_value(f"{field}.format", s.format, "unknown conversation format",
+                            f"use one of {', '.join(FORMATS)}")
+        if not s.weight > 0:
+            raise bad_value(f"{field}.weight", s.weight, "weights must be positive", "use a weight > 0 or remove the source")
+        if s.name in names:
+            raise bad_value(f"{field}.name", s.name, "source names must be unique", "rename one of the sources")
+        names.add(s.name)
+        if s.path is not None and not Path(s.path).is_file():
+            raise bad_value(f"{field}.path", s.path, "the file does not exist", "point it at a .json or .jsonl file")
+
+
+def _take_from_source(src, idx: int, want: int, tok, cfg, rng: random.Random) -> tuple[list[dict], dict]:
+    from tqdm import tqdm
+
+    field = f"data.sources[{idx}]"
+    rows = _read_local_rows(Path(src.path), f"{field}.path") if src.path else _read_hub_rows(src, f"{field}.hub_id")
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    kept, dropped, examples = [], Counter(), {}
+    where = src.path or f"{src.hub_id}@{src.revision}"
+    for j in tqdm(order, desc=f"data:{src.name}", unit="row", leave=False, disable=None):
+        if len(kept) >= want:
+            break
+        line, raw = rows[j]
+        try:
+            messages = to_messages(_decode(raw), src.format, cfg.data.max_turn_chars)
+            if cfg.data.system_prompt and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": cfg.data.system_prompt}, *messages]
+            ids, mask = tokenize_conversation(tok, messages, cfg.data.max_seq_len)
+            if sum(mask) < cfg.data.min_assistant_tokens:
+                raise Dropped("no_assistant_tokens_after_truncation")
+        except Dropped as d:
+            dropped[d.reason] += 1
+            examples.setdefault(d.reason, [])
+            if len(examples[d.reason]) < MAX_EXAMPLES:
+                examples[d.reason].append(f"{where}:{line}")
+            continue
+        kept.append({"id": f"{src.name}/{line - 1}", "source": src.name, "input_ids": ids, "loss_mask": mask})
+    counts = {"requested": want, "available": len(rows), "examined": len(kept) + sum(dropped.values()),
+              "kept": len(kept), "dropped": dict(sorted(dropped.items())),
+              "dropped_examples": dict(sorted(examples.items())),
+              "location": where, "revision": src.revision, "format": src.format, "weight": src.weight}
+    if dropped:
+        summary = ", ".join(f"{r}: {n} (e.g. {examples[r][0]})" for r, n in sorted(dropped.items()))
+        print(f"[specquant] data: source {src.name!r} dropped {sum(dropped.values())} rows - {summary}")
+    if not kept:
+        raise bad_value(f"{field}", where, "no usable conversation was found (dropped: "
+                        + ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) + ")",
+                        "fix the rows or the source's `format`, or remove the source")
+    return kept, counts
+
+
+def tokenizer_sha256(tok) -> str:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        h = hashlib.sha256()
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            p = Path(d) / name
+            if p.is_file():
+                h.update(name.encode() + b"\0" + p.read_bytes())
+        return h.hexdigest()
+
+
+def build_blend(cfg) -> tuple[list[dict], dict, Any]:
+    _validate_cfg(cfg)
+    tok = load_tokenizer(cfg.target)
+    wants = _allocate(cfg.data.num_samples, [float(s.weight) for s in cfg.data.sources])
+    samples, counts = [], {}
+    for i, (src, want) in enumerate(zip(cfg.data.sources, wants)):
+        kept, c = _take_from_source(src, i, want, tok, cfg, random.Random(f"{cfg.seed}:{src.name}"))
+        samples += kept
+        counts[src.name] = c
+    random.Random(f"{cfg.seed}:blend").shuffle(samples)
+    return samples, counts, tok
+
+
+def run(cfg) -> dict:
+    rd = RunDir.from_cfg(cfg)
+    samples, counts, tok = build_blend(cfg)
+    out = rd.data
+    with atomic_open(out / "samples.jsonl") as fh:
+        for s in samples:
+            fh.write((json.dumps(s, sort_keys=True, separators=(",", ":")) + "\n").encode())
+    meta = {
+        "format_version": 1,
+        "seed": int(cfg.seed),
+        "max_seq_len": int(cfg.data.max_seq_len),
+        "num_samples": len(samples),
+        "num_tokens": sum(len(s["input_ids"]) for s in samples),
+        "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+        "samples_sha256": sha256_file(out / "samples.jsonl"),
+        "tokenizer": {"name_or_path": cfg.target.tokenizer or cfg.target.path, "revision": cfg.target.revision,
+                      "sha256": tokenizer_sha256(tok), "vocab_size": len(tok)},
+        "sources": [{"name": s.name, "path": s.path, "hub_id": s.hub_id, "revision": s.revision,
+                     "split": s.split, "format": s.format, "weight": s.weight} for s in cfg.data.sources],
+        "blend_name": cfg.data.name,
+    }
+    atomic_write_json(out / "counts.json", counts)
+    atomic_write_json(out / "meta.json", meta)
+    short = {k: v for k, v in counts.items() if v["kept"] < v["requested"]}
+    for name, c in short.items():
+        print(f"[specquant] data: source {name!r} had only {c['kept']} usable of {c['requested']} requested")
+    print(f"[specquant] data: {len(samples)} samples, {meta['num_tokens']} tokens "
+          f"({meta['num_loss_tokens']} assistant) -> {out}")
+    return {"output": str(out), "num_samples": len(samples), "num_tokens": meta["num_tokens"],
+            "samples_sha256": meta["samples_sha256"], "per_source_kept": {k: v["kept"] for k, v in counts.items()}}
+
+
+def load_samples(data_dir: str | Path) -> list[dict]:
+    """Read the data stage's output, refusing it if samples.jsonl does not match meta.json's hash."""
+    data_dir = Path(data_dir)
+    meta = read_json(data_dir / "meta.json", "data/meta.json")
+    path = data_dir / "samples.jsonl"
+    if not path.is_file():
+        raise bad_value("data/samples.jsonl", str(path), "the file does not exist", "run `make data` first")
+    actual = sha256_file(path)
+    if actual != meta.get("samples_sha256"):
+        raise SpecquantError(f"`data/samples.jsonl` = {str(path)!r}: its sha256 {actual[:12]}... does not match "
+                             f"meta.json ({str(meta.get('samples_sha256'))[:12]}...); re-run `make data`.")
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+__all__ = ["run", "load_samples", "build_blend", "to_messages", "tokenize_conversation", "load_tokenizer",
+           "dumps_json"]

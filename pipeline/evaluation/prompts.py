@@ -1,0 +1,100 @@
+"""Evaluation prompt sets: local json/jsonl files, saved dataset folders or pinned Hub datasets.
+
+Every subset goes through `datasets` (`load_dataset("json", ...)`, `load_from_disk`, or
+`load_dataset(hub_id, revision=...)`) so the local test path and the Hub path share code. Each
+prompt is rendered with the TARGET's chat template (`add_generation_prompt=True`): the drafter is
+evaluated on the token stream the served target sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import bad_value
+
+
+@dataclass(frozen=True)
+class PromptSubset:
+    name: str
+    source: dict[str, Any]  # where the rows came from (path or hub id + revision, split, field)
+    prompts: list[list[int]]  # chat-templated input ids, one list per prompt
+
+
+def _open_rows(ps, i: int):
+    """A `datasets.Dataset` for prompt set `ps` (no download unless a Hub id is configured)."""
+    import datasets
+
+    where = f"eval.prompt_sets[{i}]"
+    if bool(ps.path) == bool(ps.hub_id):
+        raise bad_value(f"{where}.path", ps.path, "exactly one of `path` and `hub_id` must be set",
+                        "give a local .json/.jsonl file or folder, or a Hub dataset id with a pinned revision")
+    if ps.hub_id:
+        if not ps.revision:
+            raise bad_value(f"{where}.revision", ps.revision, f"Hub dataset {ps.hub_id!r} has no pinned revision",
+                            "set a commit sha or tag so the evaluation is reproducible")
+        return datasets.load_dataset(ps.hub_id, revision=ps.revision, split=ps.split)
+    path = Path(ps.path)
+    if path.is_file() and path.suffix in {".json", ".jsonl"}:
+        return datasets.load_dataset("json", data_files=str(path), split="train")
+    if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if ps.split not in ds:
+                raise bad_value(f"{where}.split", ps.split, f"the saved dataset has splits {sorted(ds)}",
+                                "choose one of them")
+            ds = ds[ps.split]
+        return ds
+    raise bad_value(f"{where}.path", ps.path, "it is not a .json/.jsonl file or a folder written by save_to_disk",
+                    "point it at an existing prompt file or saved dataset folder")
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    """One row's prompt as chat messages: a string, a list of turns (first used) or OpenAI messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return [{"role": "user", "content": value[0]}]  # multi-turn sets (mt-bench): first turn only
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "role" in v for v in value):
+        msgs = [{"role": m["role"], "content": m.get("content") or ""} for m in value]
+        while msgs and msgs[-1]["role"] == "assistant":  # the drafter must propose the answer
+            msgs.pop()
+        if msgs:
+            return msgs
+    raise bad_value(where, value, "it is neither a string, a list of strings nor a list of role/content messages",
+                    "set `field` to the column holding the prompt text")
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-template `messages` with the generation prompt and tokenize without extra special tokens."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def load_prompt_sets(eval_cfg, tokenizer) -> list[PromptSubset]:
+    """Every configured subset, `eval_cfg.limit` prompts each (None = all), in file order."""
+    if not eval_cfg.prompt_sets:
+        raise bad_value("eval.prompt_sets", [], "no prompt set is configured", "add at least one subset")
+    limit = eval_cfg.limit
+    if limit is not None and int(limit) < 1:
+        raise bad_value("eval.limit", limit, "it must be a positive number of prompts per subset",
+                        "use a value >= 1, or null for every prompt")
+    names = [ps.name for ps in eval_cfg.prompt_sets]
+    if len(set(names)) != len(names):
+        raise bad_value("eval.prompt_sets", names, "two subsets share a name", "give every subset its own name")
+    subsets = []
+    for i, ps in enumerate(eval_cfg.prompt_sets):
+        rows = _open_rows(ps, i)
+        if ps.field not in rows.column_names:
+            raise bad_value(f"eval.prompt_sets[{i}].field", ps.field,
+                            f"subset {ps.name!r} has columns {rows.column_names}", "set `field` to one of them")
+        if limit is not None:
+            rows = rows.select(range(min(int(limit), len(rows))))
+        prompts = [render(tokenizer, _messages(v, f"eval.prompt_sets[{i}].field")) for v in rows[ps.field]]
+        if not prompts:
+            raise bad_value(f"eval.prompt_sets[{i}]", ps.name, "the subset has no prompts", "check its file or split")
+        source = {"path": ps.path, "hub_id": ps.hub_id, "revision": ps.revision, "split": ps.split,
+                  "field": ps.field}
+        subsets.append(PromptSubset(name=ps.name, source=source, prompts=prompts))
+    return subsets

@@ -1,0 +1,69 @@
+"""One call into llm-compressor's `oneshot`, seeded, with the calibration-free variant beside it."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.quant.recipes import SCHEMES, build_modifier, fixed_input_global_scale
+
+
+class NullProcessor:
+    """oneshot demands a processor whenever a dataset is given; ours never writes anything."""
+
+    def save_pretrained(self, *args, **kwargs) -> None:
+        return None
+
+
+def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: int):
+    """Apply the recipe to `model` in place; returns the modifier (its yaml goes to recipe.yaml).
+
+    batches: calibration batches (dicts of tensors passed as `model(**batch)`), or None for a
+    data-free run (weight-only RTN, or the calibration-free NVFP4 baseline).
+    """
+    from llmcompressor import oneshot
+    from torch.utils.data import DataLoader
+
+    modifier = build_modifier(q, ignore)
+    # llm-compressor seeds nothing itself; observers and GPTQ are deterministic once this is fixed
+    torch.manual_seed(seed)
+    if batches:
+        loader = DataLoader(batches, batch_size=None, shuffle=False)
+        oneshot(model=model, dataset=loader, recipe=[modifier], processor=NullProcessor(),
+                pipeline=q.pipeline, num_calibration_samples=len(batches))
+    else:
+        oneshot(model=model, recipe=[modifier], pipeline="datafree")
+    return modifier
+
+
+def set_fixed_activation_scales(model, amax: float) -> dict:
+    """Calibration-free NVFP4: every quantized Linear gets the same input_global_scale, no data.
+
+    This is what data-free drafter PTQ does (NVIDIA Model-Optimizer's calibration-free path): the
+    per-tensor activation scale is a constant; only the per-16 FP8 block scales adapt at run time.
+    With amax = 448*6 = 2688 the global scale is 1.0 (compressed-tensors' own fallback), i.e. block
+    scales are stored in FP8 without any tensor-wide rescaling.
+    """
+    value = fixed_input_global_scale(amax)
+    n = 0
+    for module in model.modules():
+        scale = getattr(module, "input_global_scale", None)
+        if isinstance(scale, torch.Tensor):
+            with torch.no_grad():
+                scale.fill_(value)
+            n += 1
+    return {"method": "fixed input_global_scale, no calibration data", "activation_amax": float(amax),
+            "input_global_scale": value, "modules": n}
+
+
+def input_global_scales(model) -> dict[str, float]:
+    """name -> input_global_scale of every activation-quantized Linear (for reports and tests)."""
+    out = {}
+    for name, module in model.named_modules():
+        scale = getattr(module, "input_global_scale", None)
+        if isinstance(scale, torch.Tensor):
+            out[name] = float(scale.reshape(-1)[0])
+    return out
+
+
+def quantizes_activations(q) -> bool:
+    return SCHEMES[q.scheme].quantize_activations

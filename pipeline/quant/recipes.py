@@ -1,0 +1,177 @@
+"""Quantization recipes: validate a `quant` / `target_quant` config, then build the llm-compressor modifier.
+
+Validation runs on a meta-device copy of the model (shapes from config.json, no weights), so a
+wrong scheme, observer, group size or algorithm fails in about a second with one sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.errors import bad_value
+
+FP4_MAX = 6.0  # largest E2M1 magnitude
+FP8_E4M3_MAX = 448.0  # largest FP8 block-scale magnitude
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One quantization format: what its weights and activations are and what vLLM expects."""
+
+    name: str
+    weight_type: str  # "float" (E2M1) | "int"
+    num_bits: int
+    default_group_size: int
+    strategy: str  # tensor_group (NVFP4: FP8 block scales + fp32 global scale) | group
+    quantize_activations: bool
+    fixed_group_size: bool  # NVFP4 kernels only read 16-element blocks
+
+
+SCHEMES: dict[str, Scheme] = {
+    "nvfp4": Scheme("nvfp4", "float", 4, 16, "tensor_group", True, True),
+    "nvfp4a16": Scheme("nvfp4a16", "float", 4, 16, "tensor_group", False, True),
+    "w4a16": Scheme("w4a16", "int", 4, 128, "group", False, False),
+}
+ALGORITHMS = ("rtn", "gptq")
+CALIBRATIONS = ("cache", "none")
+PIPELINES = ("basic", "sequential", "independent", "datafree")
+
+# vLLM's DFlash context-KV precompute slices qkv_proj.weight and runs a plain linear (vLLM #51581):
+# a drafter with quantized q/k/v crashes or silently corrupts, so they stay dense unless asked.
+QKV_IGNORE = r"re:.*self_attn\.(q|k|v)_proj$"
+# never quantized: the embedding (vLLM shares the target's) and the output head
+ALWAYS_IGNORE = (r"re:(.*\.)?lm_head$", r"re:(.*\.)?embed_tokens$")
+
+
+def _registered_observers() -> list[str]:
+    from llmcompressor.observers import Observer
+
+    return sorted(Observer.registered_names())
+
+
+def _observer_key(name: str) -> str:
+    # the registry standardizes names: lower case, "_" -> "-"
+    return name.strip().lower().replace("_", "-")
+
+
+def resolve_ignore(q) -> list[str]:
+    """The ignore list written into the recipe: the user's entries plus what must stay dense."""
+    ignore = list(q.ignore) + ([] if q.quantize_qkv else [QKV_IGNORE]) + list(ALWAYS_IGNORE)
+    return list(dict.fromkeys(ignore))  # de-duplicated, order kept
+
+
+def group_size(q) -> int:
+    return int(q.group_size) if q.group_size is not None else SCHEMES[q.scheme].default_group_size
+
+
+def validate_settings(q, field: str) -> None:
+    """Checks that need no model: scheme, observer, algorithm, calibration, pipeline, group size value."""
+    if q.scheme not in SCHEMES:
+        raise bad_value(f"{field}.scheme", q.scheme, "it is not a known quantization scheme",
+                        f"use one of {', '.join(SCHEMES)}")
+    scheme = SCHEMES[q.scheme]
+    known = _registered_observers()
+    if _observer_key(str(q.observer)) not in known:
+        raise bad_value(f"{field}.observer", q.observer, "llm-compressor registers no observer of that name",
+                        f"use one of {', '.join(k.replace('-', '_') for k in known)}")
+    if q.algorithm not in ALGORITHMS:
+        raise bad_value(f"{field}.algorithm", q.algorithm, "it is not a known algorithm",
+                        f"use one of {', '.join(ALGORITHMS)}")
+    if q.calibration not in CALIBRATIONS:
+        raise bad_value(f"{field}.calibration", q.calibration, "it is not a known calibration source",
+                        f"use one of {', '.join(CALIBRATIONS)}")
+    if q.pipeline not in PIPELINES:
+        raise bad_value(f"{field}.pipeline", q.pipeline, "it is not an llm-compressor calibration pipeline",
+                        f"use one of {', '.join(PIPELINES)}")
+    if q.algorithm == "gptq" and q.calibration == "none":
+        raise bad_value(f"{field}.algorithm", q.algorithm, "GPTQ needs calibration data but calibration is 'none'",
+                        f"set {field}.calibration=cache or {field}.algorithm=rtn")
+    gs = group_size(q)
+    if gs <= 0:
+        raise bad_value(f"{field}.group_size", q.group_size, "a group size must be positive",
+                        f"leave it unset for the scheme default {scheme.default_group_size}")
+    if scheme.fixed_group_size and gs != scheme.default_group_size:
+        raise bad_value(f"{field}.group_size", q.group_size,
+                        f"{q.scheme} stores one FP8 scale per {scheme.default_group_size} weights and kernels read "
+                        "no other block size", f"set it to {scheme.default_group_size} or leave it unset")
+    if q.num_samples <= 0 and q.calibration == "cache":
+        raise bad_value(f"{field}.num_samples", q.num_samples, "calibration needs at least one sample",
+                        "use a positive number")
+
+
+def quantized_linears(model: torch.nn.Module, ignore: list[str]) -> list[tuple[str, int]]:
+    """(name, in_features) of every nn.Linear the recipe will quantize, in module order."""
+    from compressed_tensors.utils import match_named_modules
+
+    return [(name, int(mod.in_features)) for name, mod in match_named_modules(model, ["Linear"], ignore)]
+
+
+def validate_group_size(q, field: str, linears: list[tuple[str, int]]) -> None:
+    """Every quantized layer's in-features must be a multiple of the group size (one scale per group)."""
+    if not linears:
+        raise bad_value(f"{field}.ignore", list(q.ignore), "it leaves no Linear layer to quantize",
+                        "remove entries from the ignore list")
+    gs = group_size(q)
+    bad = [(name, width) for name, width in linears if width % gs != 0]
+    if bad:
+        name, width = bad[0]
+        more = f" (and {len(bad) - 1} more layers)" if len(bad) > 1 else ""
+        divisors = [d for d in (128, 64, 32, 16) if all(w % d == 0 for _, w in linears)]
+        hint = f"e.g. {divisors[0]}" if divisors else "or add those layers to the ignore list"
+        raise bad_value(f"{field}.group_size", gs,
+                        f"it does not divide the in-features {width} of {name}{more}",
+                        f"use a group size that divides every quantized layer's width, {hint}")
+
+
+def _weight_args(q, scheme: Scheme):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    fp = scheme.weight_type == "float"
+    return QuantizationArgs(
+        num_bits=scheme.num_bits, type=scheme.weight_type, symmetric=True, group_size=group_size(q),
+        strategy=scheme.strategy, dynamic=False,
+        scale_dtype=torch.float8_e4m3fn if fp else None, zp_dtype=torch.float8_e4m3fn if fp else None,
+        observer=str(q.observer).strip().lower(), observer_kwargs=dict(q.observer_kwargs or {}),
+    )
+
+
+def _activation_args(q):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    # dynamic "local": FP8 block scales are computed per token at run time; only the per-tensor
+    # input_global_scale is calibrated (static_minmax keeps the running absmax over all batches)
+    return QuantizationArgs(
+        num_bits=4, type="float", symmetric=True, group_size=group_size(q), strategy="tensor_group",
+        dynamic="local", scale_dtype=torch.float8_e4m3fn, zp_dtype=torch.float8_e4m3fn, observer="static_minmax",
+    )
+
+
+def build_modifier(q, ignore: list[str]):
+    """A QuantizationModifier (RTN) or GPTQModifier with explicit config_groups for `q.scheme`."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    scheme = SCHEMES[q.scheme]
+    group = QuantizationScheme(
+        targets=["Linear"], weights=_weight_args(q, scheme),
+        input_activations=_activation_args(q) if scheme.quantize_activations else None,
+    )
+    kwargs = {"config_groups": {"group_0": group}, "ignore": list(ignore)}
+    if q.algorithm == "gptq":
+        from llmcompressor.modifiers.gptq import GPTQModifier
+
+        return GPTQModifier(**kwargs)
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    return QuantizationModifier(**kwargs)
+
+
+def needs_data(q) -> bool:
+    """Whether the recipe runs a calibration forward (activation scales or GPTQ Hessians)."""
+    return q.calibration == "cache" and (SCHEMES[q.scheme].quantize_activations or q.algorithm == "gptq")
+
+
+def fixed_input_global_scale(amax: float) -> float:
+    """The calibration-free activation global scale for a fixed absmax (what static_minmax would give)."""
+    return FP8_E4M3_MAX * FP4_MAX / float(amax)

@@ -1,0 +1,173 @@
+"""The data stage on real tokenizers and files: blend, loss mask, determinism, bad rows."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.config import DataSource, compose
+from pipeline.errors import SpecquantError
+from tests.conftest import REPO, build_chat_tokenizer, run_cli
+
+CHAT = [{"conversations": [{"from": "human", "value": f"What is {i} + {i}?"},
+                           {"from": "gpt", "value": f"The answer is {2 * i}."}]} for i in range(30)]
+CODE = [{"messages": [{"role": "system", "content": "You write code."},
+                      {"role": "user", "content": f"Write add{i}."},
+                      {"role": "assistant", "content": f"def add{i}(a, b):\n    return a + b"},
+                      {"role": "user", "content": "Thanks"},
+                      {"role": "assistant", "content": "You are welcome."}]} for i in range(30)]
+
+
+def write_jsonl(path: Path, rows: list, extra_lines: list[bytes] = ()) -> Path:
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in rows) + b"".join(x + b"\n" for x in extra_lines)
+    path.write_bytes(data)
+    return path
+
+
+def make_cfg(tmp_path: Path, tok: Path, sources: list[dict], num_samples=40, seed=0, max_seq_len=128):
+    cfg = compose([f"runs_root={tmp_path / 'runs'}", f"seed={seed}", f"target.tokenizer={tok}",
+                   f"data.num_samples={num_samples}", f"data.max_seq_len={max_seq_len}"])
+    cfg.data.sources = [DataSource(**s) for s in sources]
+    return cfg
+
+
+@pytest.fixture()
+def sources(tmp_path):
+    return [{"name": "chat", "path": str(write_jsonl(tmp_path / "chat.jsonl", CHAT)), "format": "sharegpt"},
+            {"name": "code", "path": str(write_jsonl(tmp_path / "code.jsonl", CODE)), "format": "openai",
+             "weight": 3.0}]
+
+
+def test_blend_counts_mask_and_determinism(tmp_path, chat_tokenizer, sources):
+    from pipeline import data
+
+    cfg = make_cfg(tmp_path, chat_tokenizer, sources)
+    data.run(cfg)
+    out = Path(cfg.run_dir) / "data"
+    first = (out / "samples.jsonl").read_bytes()
+    counts = json.loads((out / "counts.json").read_text())
+    assert counts["chat"]["kept"] == 10 and counts["code"]["kept"] == 30  # weights 1:3 of 40
+    samples = data.load_samples(out)
+    assert len(samples) == 40 and {s["source"] for s in samples} == {"chat", "code"}
+
+    # the loss mask covers exactly the assistant turns (content + end-of-turn), nothing else
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer)
+    s = next(s for s in samples if s["source"] == "code")
+    masked = tok.decode([t for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
+    assert "return a + b" in masked and "You are welcome." in masked
+    assert "Write add" not in masked and "You write code" not in masked and "Thanks" not in masked
+
+    data.run(cfg)  # same config + seed -> byte-identical
+    assert (out / "samples.jsonl").read_bytes() == first
+    cfg2 = make_cfg(tmp_path / "s1", chat_tokenizer, sources, seed=1)
+    data.run(cfg2)
+    assert (Path(cfg2.run_dir) / "data" / "samples.jsonl").read_bytes() != first
+
+
+def test_truncation_keeps_lengths_aligned(tmp_path, chat_tokenizer, sources):
+    from pipeline import data
+
+    cfg = make_cfg(tmp_path, chat_tokenizer, sources, max_seq_len=48)
+    data.run(cfg)
+    for s in data.load_samples(Path(cfg.run_dir) / "data"):
+        assert len(s["input_ids"]) == len(s["loss_mask"]) <= 48 and sum(s["loss_mask"]) >= 1
+
+
+def test_malformed_rows_are_counted_with_file_and_line(tmp_path, chat_tokenizer):
+    bad = [
+        b"{not json",
+        b"\xff\xfe not utf-8",
+        json.dumps({"conversations": [{"value": "no role"}, {"from": "gpt", "value": "x"}]}).encode(),
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "  "}]}).encode(),
+        json.dumps({"conversations": [{"from": "human", "value": "only a question"}]}).encode(),
+        json.dumps({"text": "no conversation at all"}).encode(),
+        json.dumps({"conversations": [{"from": "human", "value": "x" * 5000}, {"from": "gpt", "value": "y"}]}).encode(),
+    ]
+    path = write_jsonl(tmp_path / "mixed.jsonl", CHAT[:5], bad)
+    cfg = make_cfg(tmp_path, chat_tokenizer, [{"name": "mixed", "path": str(path)}], num_samples=50)
+    cfg.data.max_turn_chars = 1000
+    from pipeline import data
+
+    data.run(cfg)
+    counts = json.loads((Path(cfg.run_dir) / "data" / "counts.json").read_text())["mixed"]
+    assert counts["kept"] == 5
+    assert counts["dropped"] == {"malformed_json": 1, "not_utf8": 1, "missing_role": 1, "empty_turn": 1,
+                                 "no_assistant_turn": 1, "unknown_format": 1, "oversized_turn": 1}
+    assert counts["dropped_examples"]["malformed_json"] == [f"{path}:6"]
+    assert counts["dropped_examples"]["not_utf8"] == [f"{path}:7"]
+
+
+def test_cli_rejects_unusable_source_in_one_line(tmp_path, chat_tokenizer):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"{broken\n\xff\xff\n")
+    res = run_cli("data", f"runs_root={tmp_path}", f"target.tokenizer={chat_tokenizer}",
+                  "data.sources=[{name: bad, path: " + str(path) + "}]")
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "data.sources[0]" in lines[0] and "malformed_json=1" in lines[0]
+    assert not (tmp_path / "tiny" / "data" / "samples.jsonl").exists()
+
+
+def test_tokenizer_without_chat_template_is_refused_before_work(tmp_path, sources):
+    tok = build_chat_tokenizer(tmp_path / "plain", chat_template=None)
+    from pipeline import data
+
+    with pytest.raises(SpecquantError, match=r"`target.tokenizer`.*no chat template"):
+        data.run(make_cfg(tmp_path, tok, sources))
+    assert not (tmp_path / "runs" / "tiny" / "data").exists()
+
+
+def test_hub_dataset_path_through_load_dataset(tmp_path, chat_tokenizer):
+    """The Hub code path (datasets.load_dataset with id + revision + split) on a local dataset folder."""
+    ds_dir = tmp_path / "hub_like"
+    ds_dir.mkdir()
+    write_jsonl(ds_dir / "train.jsonl", CHAT)
+    cfg = make_cfg(tmp_path, chat_tokenizer, [{"name": "pb", "hub_id": str(ds_dir), "revision": None,
+                                               "split": "train", "format": "sharegpt"}], num_samples=12)
+    from pipeline import data
+
+    data.run(cfg)
+    meta = json.loads((Path(cfg.run_dir) / "data" / "meta.json").read_text())
+    assert meta["num_samples"] == 12 and meta["sources"][0]["hub_id"] == str(ds_dir)
+
+
+def test_tampered_samples_are_refused(tmp_path, chat_tokenizer, sources):
+    from pipeline import data
+
+    cfg = make_cfg(tmp_path, chat_tokenizer, sources)
+    data.run(cfg)
+    p = Path(cfg.run_dir) / "data" / "samples.jsonl"
+    raw = bytearray(p.read_bytes())
+    raw[10] ^= 1
+    p.write_bytes(bytes(raw))
+    with pytest.raises(SpecquantError, match="does not match meta.json"):
+        data.load_samples(p.parent)
+
+
+@pytest.mark.parametrize("override,key", [("seed=abc", "seed"), ("data.num_samples=many", "data.num_samples"),
+                                          ("+quant.bogus=1", "quant.bogus"), ("data.max_seq_lenn=3", "data.max_seq_lenn")])
+def test_bad_override_fails_fast_with_one_line(override, key):
+    t0 = time.time()
+    res = run_cli("data", override)
+    elapsed = time.time() - t0
+    assert res.returncode == 2 and elapsed < 5, (elapsed, res.stderr)
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and key.split(".")[-1] in err[0] and "Traceback" not in res.stderr
+
+
+def test_config_tree_composes_every_experiment():
+    for exp in ("tiny", "qwen3-8b-dflash-nvfp4"):
+        cfg = compose([f"experiment={exp}"])
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    real = compose(["experiment=qwen3-8b-dflash-nvfp4"])
+    assert real.target.path == "Qwen/Qwen3-8B" and real.drafter.path == "z-lab/Qwen3-8B-DFlash-b16"
+    assert real.data.num_samples == 2027 and real.data.max_seq_len == 2048 and real.seed == 0
+    assert real.quant.scheme == "nvfp4" and real.quant.observer == "nvfp4_expanded_mse"
+    assert (REPO / "conf" / "experiment" / "tiny.yaml").is_file()
