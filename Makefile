@@ -77,3 +77,7 @@ lint: setup
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
+
+# the fault-injection suite, rendered as docs/reliability.md
+reliability: setup
+	$(PYTHON) -m pipeline.reliability

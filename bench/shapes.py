@@ -132,7 +132,7 @@ def build_drafter(s: Shapes, out_dir: Path, target_dir: Path, device: str, seed:
     seeded_init_(drafter, seed + 1)
     _sync(device)
     t_init = time.perf_counter() - t0
-    save_speculators(drafter, str(out_dir), verifier=str(target_dir))
+    save_speculators(drafter, str(out_dir), verifier=str(target_dir), verifier_architectures=["Qwen3ForCausalLM"])
     n = sum(p.numel() for p in drafter.parameters())
     del drafter
     _empty(device)
@@ -141,22 +141,17 @@ def build_drafter(s: Shapes, out_dir: Path, target_dir: Path, device: str, seed:
 
 
 def drafter_config(config_cls, s: Shapes):
-    """DFlashConfig of shape `s`; only the fields the real z-lab drafter sets."""
-    import inspect
-
-    fields = dict(
+    """DFlashConfig of shape `s`; aux layers in HF output_hidden_states convention (z-lab ids + 1)."""
+    sp = dict(s.specials)
+    return config_cls(
         vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
         num_hidden_layers=s.drafter_layers, num_attention_heads=s.num_heads,
         num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, max_position_embeddings=40960,
-        rope_theta=1_000_000.0, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        block_size=s.block_size, target_layer_ids=list(s.zlab_layer_ids),
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        block_size=s.block_size, aux_layer_ids=[i + 1 for i in s.zlab_layer_ids],
         num_target_layers=s.num_target_layers, mask_token_id=s.mask_token_id,
-        target_hidden_size=s.hidden_size, dtype="bfloat16",
+        target_hidden_size=s.hidden_size, eos_token_id=sp["<|im_end|>"], pad_token_id=sp["<|endoftext|>"],
     )
-    accepted = inspect.signature(config_cls.__init__).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
-        fields = {k: v for k, v in fields.items() if k in accepted}
-    return config_cls(**fields)
 
 
 def write_blend(s: Shapes, data_dir: Path, tokenizer_dir: Path, num_samples: int, seq_len: int,
@@ -188,15 +183,21 @@ def write_blend(s: Shapes, data_dir: Path, tokenizer_dir: Path, num_samples: int
             fh.write(line)
             n_tok += seq_len
             n_loss += seq_len - prompt
-    tok_files = {p.name: _sha256(p) for p in sorted(tokenizer_dir.iterdir()) if p.is_file()
-                 and ("token" in p.name or p.name.endswith(".jinja"))}
-    meta = {"seed": seed, "max_seq_len": seq_len, "num_samples": num_samples, "num_tokens": n_tok,
-            "num_loss_tokens": n_loss, "samples_sha256": h.hexdigest(),
-            "tokenizer": {"path": str(tokenizer_dir), "files": tok_files},
-            "sources": [{"name": x, "kind": "synthetic"} for x in sources], "synthetic": True}
+    from transformers import AutoTokenizer
+
+    from pipeline.data import tokenizer_sha256
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    meta = {"format_version": 1, "seed": seed, "max_seq_len": seq_len, "num_samples": num_samples,
+            "num_tokens": n_tok, "num_loss_tokens": n_loss, "samples_sha256": h.hexdigest(),
+            "tokenizer": {"name_or_path": str(tokenizer_dir), "revision": None,
+                          "sha256": tokenizer_sha256(tok), "vocab_size": len(tok)},
+            "sources": [{"name": x, "path": None, "hub_id": None, "revision": None, "split": "train",
+                         "format": "synthetic", "weight": 1.0} for x in sources],
+            "blend_name": "synthetic-blend"}
     atomic_write_json(data_dir / "meta.json", meta)
-    counts = {x: {"requested": None, "available": None, "kept": sum(1 for i in range(num_samples) if sources[i % 3] == x),
-                  "dropped": {}} for x in sources}
+    kept = {x: sum(1 for i in range(num_samples) if sources[i % 3] == x) for x in sources}
+    counts = {x: {"requested": kept[x], "available": kept[x], "kept": kept[x], "dropped": {}} for x in sources}
     atomic_write_json(data_dir / "counts.json", counts)
     return {"num_samples": num_samples, "num_tokens": n_tok, "num_loss_tokens": n_loss}
 

@@ -87,6 +87,9 @@ class QuantConfig:
     quantize_qkv: bool = False
     pipeline: str = "basic"
     heldout_samples: int = 8
+    # calibration=none with activation quantization: the fixed activation absmax behind the constant
+    # NVFP4 input_global_scale (448*6 = 2688 gives 1.0, compressed-tensors' uncalibrated fallback)
+    fixed_activation_amax: float = 2688.0
 
 
 @dataclass

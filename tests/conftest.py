@@ -54,3 +54,27 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: floa
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- reliability report
+# Tests marked `@pytest.mark.faults("<kind>")` are the fault-injection suite. With
+# SPECQUANT_RELIABILITY_OUT set (by `python -m pipeline.reliability`), each one's outcome is
+# appended to that JSONL file and rendered into docs/reliability.md.
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    import json
+
+    outcome = yield
+    rep = outcome.get_result()
+    out = os.environ.get("SPECQUANT_RELIABILITY_OUT")
+    marker = item.get_closest_marker("faults")
+    if not out or marker is None or (rep.when != "call" and rep.passed):
+        return
+    doc = (item.function.__doc__ or item.name).strip().splitlines()[0]
+    params = getattr(getattr(item, "callspec", None), "id", None)
+    with open(out, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"nodeid": item.nodeid, "kind": marker.args[0] if marker.args else "fault",
+                             "case": params, "what": doc, "outcome": rep.outcome,
+                             "seconds": round(rep.duration, 2)}) + "\n")

@@ -79,7 +79,9 @@ def test_truncation_keeps_lengths_aligned(tmp_path, chat_tokenizer, sources):
         assert len(s["input_ids"]) == len(s["loss_mask"]) <= 48 and sum(s["loss_mask"]) >= 1
 
 
+@pytest.mark.faults("bad_input")
 def test_malformed_rows_are_counted_with_file_and_line(tmp_path, chat_tokenizer):
+    """Malformed JSON, non-UTF-8, missing role, empty/oversized turn, no assistant, unknown format: counted with file:line."""
     bad = [
         b"{not json",
         b"\xff\xfe not utf-8",
@@ -103,7 +105,9 @@ def test_malformed_rows_are_counted_with_file_and_line(tmp_path, chat_tokenizer)
     assert counts["dropped_examples"]["not_utf8"] == [f"{path}:7"]
 
 
+@pytest.mark.faults("bad_input")
 def test_cli_rejects_unusable_source_in_one_line(tmp_path, chat_tokenizer):
+    """A source with no usable row: one `error:` line naming data.sources[0], no traceback, nothing written."""
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b"{broken\n\xff\xff\n")
     res = run_cli("data", f"runs_root={tmp_path}", f"target.tokenizer={chat_tokenizer}",
@@ -115,7 +119,9 @@ def test_cli_rejects_unusable_source_in_one_line(tmp_path, chat_tokenizer):
     assert not (tmp_path / "tiny" / "data" / "samples.jsonl").exists()
 
 
+@pytest.mark.faults("bad_input")
 def test_tokenizer_without_chat_template_is_refused_before_work(tmp_path, sources):
+    """A tokenizer without a chat template is refused before any row is read."""
     tok = build_chat_tokenizer(tmp_path / "plain", chat_template=None)
     from pipeline import data
 
@@ -138,7 +144,9 @@ def test_hub_dataset_path_through_load_dataset(tmp_path, chat_tokenizer):
     assert meta["num_samples"] == 12 and meta["sources"][0]["hub_id"] == str(ds_dir)
 
 
+@pytest.mark.faults("tamper")
 def test_tampered_samples_are_refused(tmp_path, chat_tokenizer, sources):
+    """A flipped byte in data/samples.jsonl is refused by the reader (hash vs meta.json)."""
     from pipeline import data
 
     cfg = make_cfg(tmp_path, chat_tokenizer, sources)
@@ -153,7 +161,9 @@ def test_tampered_samples_are_refused(tmp_path, chat_tokenizer, sources):
 
 @pytest.mark.parametrize("override,key", [("seed=abc", "seed"), ("data.num_samples=many", "data.num_samples"),
                                           ("+quant.bogus=1", "quant.bogus"), ("data.max_seq_lenn=3", "data.max_seq_lenn")])
+@pytest.mark.faults("bad_input")
 def test_bad_override_fails_fast_with_one_line(override, key):
+    """A wrong type or unknown key in an override fails in < 5 s with one line naming the key."""
     t0 = time.time()
     res = run_cli("data", override)
     elapsed = time.time() - t0

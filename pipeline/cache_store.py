@@ -1,0 +1,378 @@
+"""The on-disk format of the hidden-state cache: shard plan, streaming shard writer, index, reader.
+
+Layout of `cache/` (see docs/cache_format.md):
+    shard-NNNNN.safetensors   per-sample tensors `s<i>.input_ids|loss_mask|hidden_states[_scale]`
+    shard-NNNNN.json          sidecar written after its shard: sha256, bytes, sample digests (resume state)
+    index.json                written last, by rank 0: inputs hash, content hash, shards, samples
+
+Shard boundaries depend only on the samples' lengths and the config, never on the number of
+processes, so the same inputs give the same shards, the same index and the same content hash
+whether one process or N wrote them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import SpecquantError, bad_value
+from pipeline.io import HashingWriter, atomic_open, atomic_write_json, dumps_json, read_json, sha256_file
+
+FORMAT = "specquant-cache"
+FORMAT_VERSION = 1
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                  "fp8": torch.float8_e4m3fn}
+_ST_DTYPE = {torch.int64: "I64", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",
+             torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3"}
+_SHARD_RE = re.compile(r"^shard-(\d{5})\.(safetensors|json)$")
+
+
+def shard_file(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def sidecar_file(k: int) -> str:
+    return f"shard-{k:05d}.json"
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one token's cached hidden states look like."""
+    aux_layer_ids: tuple[int, ...]
+    hidden_size: int
+    storage_dtype: str  # a key of STORAGE_DTYPES
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return STORAGE_DTYPES[self.storage_dtype]
+
+    @property
+    def fp8(self) -> bool:
+        return self.storage_dtype == "fp8"
+
+    def hidden_bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.n_aux * (self.hidden_size * elem + (4 if self.fp8 else 0))
+
+    def sample_bytes(self, num_tokens: int) -> int:
+        return num_tokens * (8 + 1 + self.hidden_bytes_per_token())
+
+
+def check_storage_dtype(value: str) -> str:
+    if value not in STORAGE_DTYPES:
+        raise bad_value("cache.storage_dtype", value, "it is not a supported storage dtype",
+                        f"use one of {', '.join(STORAGE_DTYPES)}")
+    return value
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    first: int  # global index of its first sample
+    count: int
+    num_tokens: int
+    bytes: int  # tensor bytes (without the safetensors header)
+
+
+def plan_shards(lengths: list[int], layout: Layout, samples_per_shard: int, max_shard_bytes: int) -> list[ShardPlan]:
+    """Cut the samples, in order, into shards of at most `samples_per_shard` samples / `max_shard_bytes`."""
+    plans: list[ShardPlan] = []
+    first, tokens, nbytes = 0, 0, 0
+    for i, n in enumerate(lengths):
+        b = layout.sample_bytes(n)
+        count = i - first
+        if count and (count >= samples_per_shard or nbytes + b > max_shard_bytes):
+            plans.append(ShardPlan(len(plans), first, count, tokens, nbytes))
+            first, tokens, nbytes = i, 0, 0
+        tokens += n
+        nbytes += b
+    if len(lengths) > first:
+        plans.append(ShardPlan(len(plans), first, len(lengths) - first, tokens, nbytes))
+    return plans
+
+
+def pack_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group positions into padded batches of <= batch_tokens (longest first, so padding stays small).
+
+    A sample longer than the budget gets a batch of its own. Depends only on `lengths`."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def encode_hidden(x: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[N, n_aux, H] float -> storage tensor (+ per-token, per-layer float32 scales for fp8)."""
+    if not layout.fp8:
+        return x.to(layout.torch_dtype), None
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    return (xf / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
+def decode_hidden(hs: torch.Tensor, scale: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
+    if scale is None:
+        return hs.to(dtype)
+    return (hs.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (CPU, contiguous)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def _sample_digest(sample_id: str, layout: Layout, ids: torch.Tensor, mask: torch.Tensor,
+                   hs: torch.Tensor, scale: torch.Tensor | None) -> str:
+    """sha256 of one cached sample: its id, shapes, storage dtype and every stored byte."""
+    h = hashlib.sha256(f"{sample_id}\0{ids.numel()}\0{layout.n_aux}\0{layout.hidden_size}\0"
+                       f"{layout.storage_dtype}\0".encode())
+    for t in (ids, mask, *(() if scale is None else (scale,)), hs):
+        h.update(_raw(t))
+    return h.hexdigest()
+
+
+def content_hash(sample_digests: list[str]) -> str:
+    """Over samples in order: independent of how they were sharded or how many processes wrote them."""
+    return sha256_text(FORMAT + f"/{FORMAT_VERSION}\n" + "\n".join(sample_digests) + "\n")
+
+
+class ShardWriter:
+    """Streams one shard to a temp file: header and token ids first, hidden states as they arrive,
+    loss masks last; sha256 computed while writing; renamed into place (then the sidecar) on close.
+
+    Offsets are known up front because every sample's length is, so nothing is buffered beyond the
+    batch being written. `order` is the processing order of the shard's global sample indices."""
+
+    def __init__(self, cache_dir: Path, plan: ShardPlan, order: list[int], samples: list[dict],
+                 layout: Layout, resume_key: str, digest_pool: ThreadPoolExecutor):
+        self.cache_dir, self.plan, self.order, self.layout = cache_dir, plan, order, layout
+        self.samples, self.resume_key, self.pool = samples, resume_key, digest_pool
+        self.ids = {g: torch.tensor(samples[g]["input_ids"], dtype=torch.int64) for g in order}
+        self.masks = {g: torch.tensor(samples[g]["loss_mask"], dtype=torch.uint8) for g in order}
+        self.digests: dict[int, str] = {}
+        self._futures = []
+        self._next = 0
+        header, off = {}, 0
+
+        def put(name, dtype, shape, nbytes):
+            nonlocal off
+            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            off += nbytes
+
+        # int64 first, then (float32 scales, storage dtype) per sample, uint8 last: every offset stays aligned
+        for g in order:
+            put(f"s{g}.input_ids", torch.int64, [len(self.ids[g])], 8 * len(self.ids[g]))
+        el = torch.empty((), dtype=layout.torch_dtype).element_size()
+        for g in order:
+            t = len(self.ids[g])
+            if layout.fp8:
+                put(f"s{g}.hidden_states_scale", torch.float32, [t, layout.n_aux], 4 * t * layout.n_aux)
+            put(f"s{g}.hidden_states", layout.torch_dtype, [t, layout.n_aux, layout.hidden_size],
+                el * t * layout.n_aux * layout.hidden_size)
+        for g in order:
+            put(f"s{g}.loss_mask", torch.uint8, [len(self.masks[g])], len(self.masks[g]))
+        header["__metadata__"] = {"format": FORMAT, "format_version": str(FORMAT_VERSION),
+                                  "resume_key": resume_key, "storage_dtype": layout.storage_dtype,
+                                  "aux_layer_ids": json.dumps(list(layout.aux_layer_ids))}
+        blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._stack = contextlib.ExitStack()
+        self._fh = HashingWriter(self._stack.enter_context(atomic_open(cache_dir / shard_file(plan.index))))
+        self._fh.write(struct.pack("<Q", len(blob)) + blob)
+        for g in order:
+            self._fh.write(_raw(self.ids[g]))
+
+    def add(self, g: int, hs: torch.Tensor, scale: torch.Tensor | None):
+        """Write sample `g` ([T, n_aux, H] storage dtype, CPU); returns the future of its digest."""
+        if self._next >= len(self.order) or self.order[self._next] != g:
+            raise RuntimeError(f"shard {self.plan.index}: sample {g} arrived out of the planned order")
+        self._next += 1
+        if scale is not None:
+            self._fh.write(_raw(scale))
+        self._fh.write(_raw(hs))
+        sid = str(self.samples[g]["id"])
+        fut = self.pool.submit(_sample_digest, sid, self.layout, self.ids[g], self.masks[g], hs, scale)
+        self._futures.append((g, fut))
+        return fut
+
+    def close(self) -> dict[str, Any]:
+        if self._next != len(self.order):
+            raise RuntimeError(f"shard {self.plan.index}: closed after {self._next}/{len(self.order)} samples")
+        for g in self.order:
+            self._fh.write(_raw(self.masks[g]))
+        self.digests = {g: fut.result() for g, fut in self._futures}
+        self._stack.close()  # fsync + rename
+        g_range = range(self.plan.first, self.plan.first + self.plan.count)
+        record = {"format_version": FORMAT_VERSION, "resume_key": self.resume_key,
+                  "shard": {"file": shard_file(self.plan.index), "sha256": self._fh.hexdigest(),
+                            "bytes": self._fh.bytes, **asdict(self.plan)},
+                  "samples": [{"id": str(self.samples[g]["id"]), "num_tokens": len(self.ids[g]),
+                               "sha256": self.digests[g]} for g in g_range]}
+        atomic_write_json(self.cache_dir / sidecar_file(self.plan.index), record)
+        return record
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)  # unlinks the temp file
+
+
+def read_sidecar(cache_dir: Path, k: int, resume_key: str) -> dict | None:
+    """The sidecar of shard k if it belongs to this run's inputs and plan and its shard file is whole."""
+    p = cache_dir / sidecar_file(k)
+    try:
+        rec = json.loads(p.read_text(encoding="utf-8"))
+        f = cache_dir / rec["shard"]["file"]
+        if rec.get("resume_key") == resume_key and f.stat().st_size == rec["shard"]["bytes"]:
+            return rec
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def clear_stale(cache_dir: Path, resume_key: str, num_shards: int) -> int:
+    """Delete shard files/sidecars that are not reusable for `resume_key`; the index goes first, so a
+    reader never sees an index whose shards are gone. Only files named like shards are touched."""
+    with contextlib.suppress(FileNotFoundError):
+        (cache_dir / "index.json").unlink()
+    keep = {k for k in range(num_shards) if read_sidecar(cache_dir, k, resume_key) is not None}
+    removed = 0
+    for p in sorted(cache_dir.iterdir()) if cache_dir.is_dir() else []:
+        m = _SHARD_RE.match(p.name)
+        if m and (int(m.group(1)) not in keep) and p.is_file():
+            p.unlink()
+            removed += 1
+    return removed
+
+
+def build_index(cache_dir: Path, plans: list[ShardPlan], layout: Layout, inputs: dict, inputs_hash: str,
+                resume_key: str, extra: dict | None = None) -> dict:
+    """Assemble index.json from the sidecars of every planned shard (all must be present)."""
+    shards, samples = [], []
+    for plan in plans:
+        rec = read_sidecar(cache_dir, plan.index, resume_key)
+        if rec is None:
+            raise SpecquantError(f"cache shard {shard_file(plan.index)} in {cache_dir} is missing or incomplete "
+                                 "after all processes finished; re-run the cache stage to write it.")
+        shards.append(rec["shard"])
+        samples += [{**s, "shard": plan.index} for s in rec["samples"]]
+    index = {"format": FORMAT, "format_version": FORMAT_VERSION, "inputs": inputs, "inputs_hash": inputs_hash,
+             "content_hash": content_hash([s["sha256"] for s in samples]),
+             "aux_layer_ids": list(layout.aux_layer_ids), "hidden_size": layout.hidden_size,
+             "storage_dtype": layout.storage_dtype,
+             "storage": ({"hidden_states": "float8_e4m3fn", "hidden_states_scale": "float32 [T, n_aux] = "
+                          "absmax over H / 448; value = hidden_states * scale"} if layout.fp8
+                         else {"hidden_states": layout.storage_dtype}),
+             "num_samples": len(samples), "num_tokens": sum(s["num_tokens"] for s in samples),
+             "num_shards": len(shards), "total_bytes": sum(s["bytes"] for s in shards),
+             "shards": shards, "samples": samples, **(extra or {})}
+    atomic_write_json(cache_dir / "index.json", index)
+    return index
+
+
+def finished_index(cache_dir: Path, inputs_hash: str) -> dict | None:
+    """index.json if it describes a complete cache of these inputs (sizes checked, not hashes)."""
+    p = cache_dir / "index.json"
+    if not p.is_file():
+        return None
+    try:
+        index = json.loads(p.read_text(encoding="utf-8"))
+        if index.get("inputs_hash") != inputs_hash or index.get("format_version") != FORMAT_VERSION:
+            return None
+        if all((cache_dir / s["file"]).stat().st_size == s["bytes"] for s in index["shards"]):
+            return index
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+class CacheReader:
+    """Read a finished cache. Shard hashes are verified lazily: the first access to a shard hashes
+    the whole file and compares it with index.json (`verify="open"` checks every shard up front,
+    `verify=False` skips the check). Hidden states come back as `dtype` (float32 by default)."""
+
+    def __init__(self, cache_dir: str | Path, verify: str | bool = "lazy", dtype: torch.dtype = torch.float32):
+        self.dir = Path(cache_dir)
+        self.index = read_json(self.dir / "index.json", "cache/index.json")
+        if self.index.get("format") != FORMAT or self.index.get("format_version") != FORMAT_VERSION:
+            raise bad_value("cache/index.json", str(self.dir / "index.json"),
+                            f"it is not a {FORMAT} v{FORMAT_VERSION} index", "re-run the cache stage")
+        self.dtype, self._verify = dtype, verify
+        self._verified: set[int] = set()
+        self._first = [s["first"] for s in self.index["shards"]]
+        self._open: tuple[int, Any] | None = None
+        if verify == "open":
+            self.verify()
+
+    def __len__(self) -> int:
+        return int(self.index["num_samples"])
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list(self.index["aux_layer_ids"])
+
+    def verify_shard(self, k: int) -> None:
+        rec = self.index["shards"][k]
+        path = self.dir / rec["file"]
+        if not path.is_file():
+            raise SpecquantError(f"cache shard {rec['file']} is missing from {self.dir}; re-run the cache stage.")
+        actual = sha256_file(path)
+        if actual != rec["sha256"]:
+            raise SpecquantError(f"cache shard {rec['file']} in {self.dir} does not match its sha256 in index.json "
+                                 f"(recorded {rec['sha256'][:12]}..., found {actual[:12]}...), so it is corrupt "
+                                 "or was changed; delete it and re-run the cache stage.")
+        self._verified.add(k)
+
+    def verify(self) -> None:
+        for k in range(len(self.index["shards"])):
+            self.verify_shard(k)
+
+    def _shard(self, k: int):
+        from safetensors import safe_open
+
+        if self._open is None or self._open[0] != k:
+            if self._verify and k not in self._verified:
+                self.verify_shard(k)
+            self._open = (k, safe_open(str(self.dir / self.index["shards"][k]["file"]), framework="pt"))
+        return self._open[1]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        s = self.index["samples"][i]
+        f = self._shard(s["shard"])
+        scale = f.get_tensor(f"s{i}.hidden_states_scale") if self.index["storage_dtype"] == "fp8" else None
+        return {"id": s["id"], "input_ids": f.get_tensor(f"s{i}.input_ids").long(),
+                "loss_mask": f.get_tensor(f"s{i}.loss_mask").long(),
+                "hidden_states": decode_hidden(f.get_tensor(f"s{i}.hidden_states"), scale, self.dtype)}
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+
+__all__ = ["CacheReader", "Layout", "ShardPlan", "ShardWriter", "plan_shards", "pack_batches", "encode_hidden",
+           "decode_hidden", "content_hash", "build_index", "clear_stale", "read_sidecar", "finished_index",
+           "check_storage_dtype", "dumps_json", "FORMAT", "FORMAT_VERSION", "STORAGE_DTYPES", "shard_file"]

@@ -1,0 +1,87 @@
+"""PNG plots for the evaluation report (and later the model card).
+
+Rendered with matplotlib's Agg backend and no timestamp metadata, so the same results give the
+same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from pipeline.io import atomic_write_bytes
+
+_META = {"Software": None}  # no version/date in the PNG: same results -> same bytes
+
+
+def _save(fig, path: Path) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, metadata=_META, bbox_inches="tight")
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def tau_bars(results: dict, path: Path) -> Path:
+    """Grouped bars: acceptance length tau per subset (groups) and drafter variant (bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(results["variant_order"])
+    subsets = [s["name"] for s in results["subsets"]]
+    width = 0.8 / max(len(variants), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(subsets) + 0.5 * len(variants)), 4.2))
+    for i, v in enumerate(variants):
+        taus = [results["variants"][v]["subsets"][s]["tau"] for s in subsets]
+        xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(subsets))]
+        bars = ax.bar(xs, taus, width=width * 0.95, label=v)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax.set_xticks(range(len(subsets)), subsets)
+    ax.set_xlabel("prompt subset")
+    ax.set_ylabel("acceptance length τ (accepted + 1 per step)")
+    ax.set_ylim(0, results["block_size"] + 0.3)
+    ax.axhline(1.0, color="grey", lw=0.6, ls=":")
+    ax.set_title(f"Acceptance length per subset: {results['drafter']['name']} drafter variants\n"
+                 f"target {results['target']['name']} ({results['target']['variant']}), greedy, "
+                 f"block size {results['block_size']}")
+    ax.legend(title="drafter variant", fontsize=8, title_fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def acceptance_curves(results: dict, path: Path) -> Path:
+    """Per-position acceptance: P(draft position k accepted) for k = 1..block_size-1, one panel per subset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(results["variant_order"])
+    subsets = [s["name"] for s in results["subsets"]]
+    positions = list(range(1, results["block_size"]))
+    fig, axes = plt.subplots(1, len(subsets), figsize=(3.6 * len(subsets) + 1.5, 3.6), sharey=True, squeeze=False)
+    for ax, s in zip(axes[0], subsets):
+        for v in variants:
+            rates = results["variants"][v]["subsets"][s]["position_acceptance"]
+            ax.plot(positions, rates, marker="o", ms=3, label=v)
+        ax.set_title(s)
+        ax.set_xlabel("draft position k")
+        ax.set_xticks(positions)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("P(position k accepted)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, title="drafter variant", fontsize=8, title_fontsize=8, loc="center left",
+               bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"Per-position acceptance rate: {results['drafter']['name']} drafter variants "
+                 f"(target {results['target']['variant']}, greedy)")
+    fig.tight_layout()
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)

@@ -1,0 +1,326 @@
+"""DFlash checkpoint formats: z-lab, speculators and native (ours), and the layer-id convention.
+
+Layer ids (the one-off between formats, made explicit here):
+- our `DFlashConfig.aux_layer_ids` and speculators `aux_hidden_state_layer_ids` are HF
+  `output_hidden_states` indices: m = output of target decoder layer m-1;
+- z-lab `dflash_config.target_layer_ids` are decoder-layer indices: l = output of layer l
+  (z-lab reads `hidden_states[l + 1]`), so m = l + 1.
+vLLM (after vllm#40727) maps speculators ids back with `target_layer_ids = [m - 1]`, which
+agrees with this convention. We always write speculators ids as HF indices.
+
+Weights: both formats store the same body keys (`fc`, `hidden_norm`, `layers.*`, `norm`);
+neither stores the target's `embed_tokens` / `lm_head`, which `load_drafter` attaches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as st_save
+
+from pipeline.errors import bad_value
+from pipeline.io import atomic_write_bytes, atomic_write_json, read_json
+from pipeline.models.dflash import MODEL_TYPE, DFlashConfig, DFlashDrafter, rope_inv_freq
+
+FORMATS = ("zlab", "speculators", "native")
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we write (fixture B)
+TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight")
+# Qwen3 layer fields shared by every format (rope is handled separately)
+LAYER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
+                "rms_norm_eps", "attention_bias", "attention_dropout", "use_sliding_window", "sliding_window",
+                "max_window_layers", "layer_types", "tie_word_embeddings", "pad_token_id", "bos_token_id",
+                "eos_token_id")
+
+
+def zlab_to_hf_ids(target_layer_ids: list[int]) -> list[int]:
+    """z-lab `target_layer_ids` (decoder layer l) -> HF hidden_states index l+1."""
+    return [int(i) + 1 for i in target_layer_ids]
+
+
+def hf_to_zlab_ids(aux_layer_ids: list[int]) -> list[int]:
+    return [int(i) - 1 for i in aux_layer_ids]
+
+
+def _rope_from(d: dict) -> dict:
+    if d.get("rope_parameters"):
+        return dict(d["rope_parameters"])
+    scaling = dict(d.get("rope_scaling") or {})
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return {"rope_type": rope_type, "rope_theta": float(d.get("rope_theta", 1e6)), **scaling}
+
+
+def _layer_fields(d: dict) -> dict:
+    out = {k: d[k] for k in LAYER_FIELDS if k in d}
+    out["rope_parameters"] = _rope_from(d)
+    return out
+
+
+def detect_format(d: dict, path: str = "") -> str:
+    if d.get("speculators_model_type"):
+        if d["speculators_model_type"] != "dflash":
+            raise bad_value("drafter.path", path, f"it is a speculators `{d['speculators_model_type']}` checkpoint, "
+                            "not a DFlash drafter", "point drafter.path at a DFlash checkpoint")
+        return "speculators"
+    if d.get("model_type") == MODEL_TYPE:
+        return "native"
+    if "dflash_config" in d or "DFlashDraftModel" in (d.get("architectures") or []):
+        return "zlab"
+    raise bad_value("drafter.path", path, "its config.json is neither a z-lab DFlash (`dflash_config`) nor a "
+                    "speculators DFlash (`speculators_model_type: dflash`) config",
+                    "point drafter.path at a DFlash drafter checkpoint")
+
+
+def config_from_zlab(d: dict) -> DFlashConfig:
+    dc = d.get("dflash_config") or {}
+    block_size = d.get("block_size", dc.get("block_size"))
+    return DFlashConfig(**_layer_fields(d), block_size=int(block_size), mask_token_id=dc.get("mask_token_id"),
+                        aux_layer_ids=zlab_to_hf_ids(dc.get("target_layer_ids") or []),
+                        num_target_layers=d.get("num_target_layers"), dtype=d.get("dtype", d.get("torch_dtype")))
+
+
+def config_from_speculators(d: dict, path: str = "") -> DFlashConfig:
+    tlc = d.get("transformer_layer_config") or {}
+    if not tlc:
+        raise bad_value("drafter.path", path, "its speculators config has no `transformer_layer_config`",
+                        "re-export the drafter with speculators or `python -m pipeline convert`")
+    draft_vocab = d.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != tlc.get("vocab_size"):
+        raise bad_value("draft_vocab_size", draft_vocab, f"a reduced draft vocabulary (target vocab "
+                        f"{tlc.get('vocab_size')}) is not supported", "use a full-vocabulary DFlash drafter")
+    verifier = (d.get("speculators_config") or {}).get("verifier") or {}
+    return DFlashConfig(**_layer_fields(tlc), block_size=int(d["block_size"]), mask_token_id=d.get("mask_token_id"),
+                        aux_layer_ids=list(d.get("aux_hidden_state_layer_ids") or []),
+                        target_hidden_size=d.get("target_hidden_size"),
+                        num_target_layers=tlc.get("num_target_layers"),
+                        verifier_name_or_path=verifier.get("name_or_path"),
+                        verifier_architectures=verifier.get("architectures"),
+                        dtype=d.get("dtype", tlc.get("dtype")))
+
+
+def _dtype_name(cfg: DFlashConfig) -> str:
+    dt = cfg.dtype
+    return str(dt).removeprefix("torch.") if dt is not None else "float32"
+
+
+def _layer_dict(cfg: DFlashConfig) -> dict:
+    d = {k: getattr(cfg, k) for k in LAYER_FIELDS}
+    if d["max_window_layers"] is None:
+        d["max_window_layers"] = cfg.num_hidden_layers
+    d.update(model_type="qwen3", use_cache=True, dtype=_dtype_name(cfg))
+    return d
+
+
+def zlab_config_dict(cfg: DFlashConfig) -> dict:
+    """config.json in z-lab layout (transformers 4.57 rope keys, which z-lab's code reads)."""
+    d = _layer_dict(cfg)
+    rope = dict(cfg.rope_parameters)
+    theta = rope.pop("rope_theta", 1e6)
+    d.update(rope_theta=theta, rope_scaling=None if rope.get("rope_type", "default") == "default" else rope)
+    d.update(architectures=["DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+             block_size=cfg.block_size, num_target_layers=cfg.num_target_layers,
+             dflash_config={"mask_token_id": cfg.mask_token_id,
+                            "target_layer_ids": hf_to_zlab_ids(cfg.aux_layer_ids or [])})
+    return d
+
+
+def speculators_config_dict(cfg: DFlashConfig, quantization_config: dict | None = None) -> dict:
+    """config.json in speculators 0.9.0 layout with every field vLLM's speculators parser reads.
+
+    vLLM builds the draft's HF config from `transformer_layer_config` plus the dflash updater
+    (`aux_hidden_state_layer_ids`, `mask_token_id`, `draft_vocab_size`, `target_hidden_size`,
+    `sliding_window_non_causal`) and reads `speculators_config.proposal_methods[0].speculative_tokens`
+    and `speculators_config.verifier.name_or_path`. Top-level keys outside that list are dropped, so a
+    `quantization_config` is written both at top level and inside `transformer_layer_config`.
+    """
+    if not cfg.verifier_name_or_path:
+        raise bad_value("verifier", cfg.verifier_name_or_path, "a speculators checkpoint must name its verifier "
+                        "(target)", "pass the target's path or Hub id as the verifier")
+    tlc = _layer_dict(cfg)
+    tlc["rope_parameters"] = dict(cfg.rope_parameters)
+    tlc["num_target_layers"] = cfg.num_target_layers  # not read by vLLM; keeps z-lab round trips lossless
+    d = {
+        "architectures": ["DFlashDraftModel"],  # what speculators 0.9.0 writes; vLLM sets it itself anyway
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids or []),
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "draft_vocab_size": cfg.vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": False,
+        "tie_word_embeddings": False,
+        "dtype": _dtype_name(cfg),
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": cfg.verifier_name_or_path,
+                         "architectures": list(cfg.verifier_architectures or ["Qwen3ForCausalLM"])},
+        },
+        "transformer_layer_config": tlc,
+    }
+    if quantization_config is not None:
+        d["quantization_config"] = quantization_config
+        tlc["quantization_config"] = quantization_config
+    return d
+
+
+def _config_json(path: str | Path) -> dict:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise bad_value("drafter.path", str(path), "it has no config.json",
+                        "point it at a drafter checkpoint directory (or download it first)")
+    return read_json(p / "config.json", "drafter.path")
+
+
+def load_drafter_config(path: str | Path, fmt: str = "auto") -> DFlashConfig:
+    """Read a z-lab, speculators or native drafter config.json as a `DFlashConfig`."""
+    if fmt not in ("auto", *FORMATS):
+        raise bad_value("drafter.format", fmt, "unknown drafter format", f"use one of auto, {', '.join(FORMATS)}")
+    d = _config_json(path)
+    found = detect_format(d, str(path))
+    if fmt != "auto" and fmt != found:
+        raise bad_value("drafter.format", fmt, f"{path} holds a {found} checkpoint",
+                        f"set drafter.format={found} (or auto)")
+    if found == "zlab":
+        cfg = config_from_zlab(d)
+    elif found == "speculators":
+        cfg = config_from_speculators(d, str(path))
+    else:
+        cfg = DFlashConfig.from_dict(d)
+    cfg.name_or_path = str(path)
+    return cfg
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise bad_value("drafter.path", str(path), "it holds no *.safetensors weights",
+                        "point it at a complete drafter checkpoint")
+    return files
+
+
+def read_tensors(path: Path, keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(path):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                if keys is None or k in keys:
+                    out[k] = fh.get_tensor(k)
+    return out
+
+
+def target_head_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens, lm_head) weights from a loaded HF causal LM or a local checkpoint directory."""
+    if isinstance(target, torch.nn.Module):
+        return target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    p = Path(target)
+    cfg = read_json(p / "config.json", "target.path") if (p / "config.json").is_file() else {}
+    names = {"model.embed_tokens.weight", "lm_head.weight"}
+    if not p.is_dir():
+        raise bad_value("target.path", str(target), "it is not a local directory",
+                        "download the target first or pass a loaded model")
+    t = read_tensors(p, names)
+    if "model.embed_tokens.weight" not in t:
+        raise bad_value("target.path", str(target), "its weights have no `model.embed_tokens.weight`",
+                        "point it at a Qwen3-style causal LM checkpoint")
+    embed = t["model.embed_tokens.weight"]
+    head = t.get("lm_head.weight")
+    if head is None:
+        if not cfg.get("tie_word_embeddings", False):
+            raise bad_value("target.path", str(target), "its weights have no `lm_head.weight`",
+                            "point it at a complete causal LM checkpoint")
+        head = embed
+    return embed, head
+
+
+def resolve_verifier(cfg: DFlashConfig, drafter_path: str | Path) -> Path | None:
+    """The verifier as a local dir: relative to the drafter directory first, then to the CWD."""
+    name = cfg.verifier_name_or_path
+    if not name:
+        return None
+    for cand in (Path(drafter_path) / name, Path(name)):
+        if (cand / "config.json").is_file():
+            return cand
+    return None
+
+
+def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
+                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """Load a drafter in any format and attach the target's embed_tokens/lm_head.
+
+    target: a loaded HF causal LM, a local target directory, or None to use the verifier named
+    in a speculators config (resolved relative to the drafter directory, then the CWD).
+    """
+    cfg = load_drafter_config(path, fmt)
+    if target is None:
+        target = resolve_verifier(cfg, path)
+        if target is None:
+            raise bad_value("target", None, f"the drafter at {path} needs its target's embed_tokens and lm_head "
+                            "and no verifier directory could be found", "pass target=<target dir or model>")
+    state = read_tensors(Path(path))
+    state = {k: v for k, v in state.items() if k not in TARGET_KEYS}
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    expected = {k for k in model.state_dict() if k not in TARGET_KEYS}
+    missing, extra = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or extra:
+        raise bad_value("drafter.path", str(path), f"its weights do not match the config (missing {missing[:3]}, "
+                        f"unexpected {extra[:3]})", "re-export the checkpoint or fix its config.json")
+    for k, v in state.items():
+        if v.shape != model.state_dict()[k].shape:
+            raise bad_value("drafter.path", str(path), f"tensor {k} has shape {tuple(v.shape)} but the config "
+                            f"implies {tuple(model.state_dict()[k].shape)}", "fix config.json or the weights")
+    embed, head = target_head_weights(target)
+    state["embed_tokens.weight"], state["lm_head.weight"] = embed, head
+    model.load_state_dict(state, assign=True, strict=True)
+    model.inv_freq = rope_inv_freq(cfg)[0]  # the meta-device buffer, recomputed for real
+    for p in (model.embed_tokens.weight, model.lm_head.weight):
+        p.requires_grad_(False)
+    dtype = dtype or (cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.float32)
+    model = model.to(device=device, dtype=dtype)
+    model.inv_freq = model.inv_freq.float()
+    return model.eval()
+
+
+def drafter_state(model: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """The drafter's own tensors (no embed_tokens / lm_head), contiguous, on CPU."""
+    return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+            if k not in TARGET_KEYS and k != "inv_freq"}
+
+
+def _write(model: DFlashDrafter, out_dir: str | Path, config: dict) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "model.safetensors", st_save(drafter_state(model), metadata={"format": "pt"}))
+    atomic_write_json(out / "config.json", config)
+    return out
+
+
+def save_zlab(model: DFlashDrafter, out_dir: str | Path) -> Path:
+    return _write(model, out_dir, zlab_config_dict(model.config))
+
+
+def save_speculators(model: DFlashDrafter, out_dir: str | Path, verifier: str | None = None,
+                     verifier_architectures: list[str] | None = None) -> Path:
+    """speculators layout; `verifier` (name_or_path) overrides the one in the config."""
+    cfg = model.config
+    if verifier is not None:
+        cfg.verifier_name_or_path = str(verifier)
+    if verifier_architectures is not None:
+        cfg.verifier_architectures = list(verifier_architectures)
+    return _write(model, out_dir, speculators_config_dict(cfg))
+
+
+def save_native(model: DFlashDrafter, out_dir: str | Path) -> Path:
+    """Our own layout (model_type specquant_dflash): what AutoConfig / llm-compressor re-read."""
+    d = model.config.to_dict()
+    d["architectures"] = ["DFlashDrafter"]
+    return _write(model, out_dir, json.loads(json.dumps(d, default=str)))

@@ -1,0 +1,205 @@
+"""Greedy speculative decoding with a DFlash drafter, and acceptance length (tau) measurement.
+
+The loop follows z-lab's `dflash_generate` at temperature 0: prefill the target; then repeat
+- draft a block `[last token, <mask> x (block_size-1)]` from the target's aux hidden states of
+  the newly accepted tokens (the drafter keeps a KV cache of earlier context rows);
+- the target verifies the block in one forward pass; the longest prefix of drafted tokens that
+  equals the target's argmax is accepted, plus the target's own token after it (the bonus);
+- tau for the step = accepted + 1.
+The output is therefore exactly the target's plain greedy output. Any module with the
+drafter's `draft_block` / `new_cache` / `config` interface can be passed (e.g. a fake-quantized
+drafter), so evaluation can compare tau across drafter variants.
+
+CLI: `python -m pipeline.models.spec_decode --target DIR --drafter DIR --prompts DIR_OR_JSONL`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from pipeline.errors import bad_value
+
+
+@dataclass
+class SpecResult:
+    output_ids: list[int]  # prompt + generated tokens
+    acceptance_lengths: list[int]  # tau per drafter call (accepted + 1)
+    draft_calls: list[dict] = field(default_factory=list)  # cache_len_before, ctx_len, position_ids, draft_tokens
+    drafted: list[int] = field(default_factory=list)  # per draft position k=1..B-1: how often drafted
+    accepted: list[int] = field(default_factory=list)  # per draft position: how often accepted
+
+    @property
+    def mean_tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+def aux_hidden(hidden_states: tuple[torch.Tensor, ...], aux_layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate HF hidden_states[m] for m in aux_layer_ids along features -> [B, S, n_aux*H]."""
+    return torch.cat([hidden_states[m] for m in aux_layer_ids], dim=-1)
+
+
+def _target_step(target, ids: torch.Tensor, cache: DynamicCache, want_hidden: bool):
+    out = target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=want_hidden)
+    return out.logits, out.hidden_states
+
+
+def _finish(tokens: list[int], prompt_len: int, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    tokens = tokens[: prompt_len + max_new_tokens]
+    for i in range(prompt_len, len(tokens)):
+        if tokens[i] in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.no_grad()
+def greedy_generate(target, input_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> list[int]:
+    """Plain greedy decoding of the target with its KV cache (the reference for losslessness)."""
+    dev = target.device
+    cache = DynamicCache()
+    tokens = list(input_ids)
+    ids = torch.tensor([tokens], device=dev)
+    stop = set(stop_token_ids)
+    for _ in range(max_new_tokens):
+        logits, _ = _target_step(target, ids, cache, False)
+        nxt = int(logits[0, -1].argmax())
+        tokens.append(nxt)
+        if nxt in stop:
+            break
+        ids = torch.tensor([[nxt]], device=dev)
+    return tokens
+
+
+@torch.no_grad()
+def spec_generate(target, drafter, input_ids: list[int], max_new_tokens: int, stop_token_ids=(),
+                  block_size: int | None = None, trace: bool = False) -> SpecResult:
+    """Greedy speculative decoding; returns the tokens and per-step acceptance statistics."""
+    cfg = drafter.config
+    bs = int(block_size or cfg.block_size)
+    if not 2 <= bs <= cfg.block_size:
+        raise bad_value("block_size", bs, f"the drafter drafts blocks of at most {cfg.block_size} tokens",
+                        f"use 2 <= block_size <= {cfg.block_size}")
+    dev, mask_id, aux_ids = target.device, int(cfg.mask_token_id), list(cfg.aux_layer_ids)
+    stop = set(stop_token_ids)
+    prompt_len = len(input_ids)
+    max_len = prompt_len + max_new_tokens
+    tcache, dcache = DynamicCache(), drafter.new_cache()
+
+    logits, hs = _target_step(target, torch.tensor([list(input_ids)], device=dev), tcache, True)
+    tokens = list(input_ids) + [int(logits[0, -1].argmax())]
+    ctx = aux_hidden(hs, aux_ids)
+    res = SpecResult(output_ids=[], acceptance_lengths=[], drafted=[0] * (bs - 1), accepted=[0] * (bs - 1))
+    start = prompt_len
+    while start < max_len and tokens[start] not in stop:
+        cache_len = len(dcache)
+        block = torch.full((1, bs), mask_id, dtype=torch.long, device=dev)
+        block[0, 0] = tokens[start]
+        pos = torch.arange(cache_len, start + bs, device=dev)[None]
+        dlogits = drafter.draft_block(ctx.to(drafter.fc.weight.dtype), block, pos, dcache)
+        draft = dlogits[0, 1:].argmax(-1)
+        if trace:
+            res.draft_calls.append({"cache_len_before": cache_len, "ctx_len": int(ctx.shape[1]),
+                                    "position_ids": pos[0].tolist(), "draft_tokens": draft.tolist()})
+        block[0, 1:] = draft
+        tlogits, hs = _target_step(target, block, tcache, True)
+        posterior = tlogits[0].argmax(-1)
+        acc = int(torch.cumprod((draft == posterior[:-1]).long(), 0).sum())
+        tokens[start + 1:] = block[0, 1:acc + 1].tolist() + [int(posterior[acc])]
+        for k in range(bs - 1):
+            res.drafted[k] += 1
+            res.accepted[k] += int(acc > k)
+        res.acceptance_lengths.append(acc + 1)
+        start += acc + 1
+        tcache.crop(start)
+        ctx = aux_hidden(hs, aux_ids)[:, : acc + 1]
+        if any(t in stop for t in tokens[start - acc:start + 1]):
+            break
+    res.output_ids = _finish(tokens, prompt_len, max_new_tokens, stop)
+    return res
+
+
+def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> dict[str, list[list[int]]]:
+    """{set name: [chat-templated prompt ids]} from a *.jsonl file or a directory of them (field "prompt")."""
+    p = Path(path)
+    files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    if not files or not all(f.is_file() for f in files):
+        raise bad_value("prompts", str(path), "no *.jsonl prompt files found", "point it at assets/tiny/eval or a .jsonl")
+    sets: dict[str, list[list[int]]] = {}
+    for f in files:
+        rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+        ids = []
+        for row in rows[:limit]:
+            enc = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                                add_generation_prompt=True, tokenize=True)
+            enc = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
+            ids.append(list(enc))
+        sets[f.stem] = ids
+    return sets
+
+
+def measure_tau(target, drafter, prompt_sets: dict[str, list[list[int]]], max_new_tokens: int,
+                stop_token_ids=(), block_size: int | None = None, check_lossless: bool = False) -> dict:
+    """Mean tau per prompt set and overall; optionally checks output == plain greedy per prompt."""
+    report: dict = {"sets": {}, "max_new_tokens": max_new_tokens,
+                    "block_size": int(block_size or drafter.config.block_size)}
+    all_taus, mismatches = [], 0
+    total = sum(len(v) for v in prompt_sets.values())
+    bar = tqdm(total=total, desc="spec decode", disable=total < 2)
+    for name, prompts in prompt_sets.items():
+        taus, per_prompt = [], []
+        for ids in prompts:
+            r = spec_generate(target, drafter, ids, max_new_tokens, stop_token_ids, block_size)
+            if check_lossless and r.output_ids != greedy_generate(target, ids, max_new_tokens, stop_token_ids):
+                mismatches += 1
+            taus += r.acceptance_lengths
+            per_prompt.append(round(r.mean_tau, 4))
+            bar.update(1)
+        report["sets"][name] = {"mean_tau": round(sum(taus) / max(len(taus), 1), 4), "steps": len(taus),
+                                "per_prompt_tau": per_prompt}
+        all_taus += taus
+    bar.close()
+    report["mean_tau"] = round(sum(all_taus) / max(len(all_taus), 1), 4)
+    if check_lossless:
+        report["lossless_mismatches"] = mismatches
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.models.spec_decode",
+                                 description="Measure the drafter's mean acceptance length tau (greedy).")
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--prompts", required=True, help="a .jsonl with a `prompt` field, or a directory of them")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--limit", type=int, default=None, help="prompts per file")
+    ap.add_argument("--check-lossless", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.models.compat import check_compatible
+    from pipeline.models.formats import load_drafter, load_drafter_config
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    check_compatible(load_drafter_config(args.drafter), target.config, tok)
+    drafter = load_drafter(args.drafter, target=target)
+    stop = [t for t in [tok.eos_token_id] if t is not None]
+    report = measure_tau(target, drafter, load_prompts(args.prompts, tok, args.limit), args.max_new_tokens,
+                         stop, args.block_size, args.check_lossless)
+    print(json.dumps(report, indent=2, sort_keys=True))
+    return 0
+
+
+__all__ = ["SpecResult", "aux_hidden", "greedy_generate", "spec_generate", "measure_tau", "load_prompts", "asdict"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""The run's `provenance/` folder and the file lists that `verify` checks.
+
+Everything here is derived from what was captured while the stages ran
+(`stages/*.json`, written by `pipeline.stage`) and from the files on disk;
+nothing is reconstructed from the current configuration.
+
+    provenance/
+      commands.json, commands.sh       captured argv + overrides of every stage, in pipeline order
+      resolved_config/<record>.yaml    OmegaConf.to_yaml(resolve=True) of each stage's config
+      source/                          the pipeline/ and conf/ files of this checkout, SOURCE.json
+                                       (their sha256, git commit, dirty flag), git.diff when dirty
+      vllm_serve.sh, eval_commands.sh  how to serve / evaluate each drafter variant
+      attestation.intoto.json          in-toto Statement v1 + SLSA provenance v1 over every output file
+      files.sha256.json                the folder's own file list (see below)
+
+The file list rule (a run directory and a published repo folder carry the same thing):
+`provenance/files.sha256.json` = {"kind": "run" | "published", "files": {relative posix path:
+{"sha256", "bytes"[, "origin"]}}, "files_sha256": sha256 of the canonical JSON of "files"}.
+It lists every regular file under the folder except itself and temp files. In a run directory
+it also leaves out what is written after the manifest stage: `stages/manifest.json`,
+`stages/publish*.json` and `publish/` (each `publish/<variant>/` carries its own list).
+In a published folder, "origin" is the run-relative path a file was copied from, so `verify`
+can check it against the run's attestation. Write it last with `write_file_list`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pipeline.io import TMP_PREFIX, atomic_write_bytes, atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
+from pipeline.secrets import scrub, scrub_obj
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FILE_LIST = "provenance/files.sha256.json"
+ATTESTATION = "provenance/attestation.intoto.json"
+# written after the manifest stage, so never part of the run's list or attestation
+LATE_OUTPUTS = ("stages/manifest.json", "stages/publish", "publish/")
+STAGE_ORDER = ("data", "cache", "quantize-drafter", "quantize-target", "evaluate", "manifest", "publish")
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+SLSA_PREDICATE = "https://slsa.dev/provenance/v1"
+BUILD_TYPE = "https://github.com/specquant/specquant/blob/main/docs/ARCHITECTURE.md#pipeline-run-v1"
+BUILDER_ID = "https://github.com/specquant/specquant/pipeline"
+
+
+# ---------------------------------------------------------------- file lists and hashing
+def is_late(rel: str) -> bool:
+    return any(rel == p or rel.startswith(p) for p in LATE_OUTPUTS)
+
+
+def list_files(root: Path, skip=lambda rel: False) -> list[str]:
+    """Every regular file under root (relative posix paths, sorted), symlinks and temp files left out."""
+    out = []
+    for p in sorted(Path(root).rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink() or not p.is_file() or p.name.startswith(TMP_PREFIX) or skip(rel):
+            continue
+        out.append(rel)
+    return out
+
+
+def hash_files(root: Path, rels: list[str], desc: str = "hashing") -> dict[str, dict[str, Any]]:
+    total = sum((root / r).stat().st_size for r in rels)
+    out = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < (64 << 20)) as bar:
+        for rel in rels:
+            p = root / rel
+            out[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            bar.update(out[rel]["bytes"])
+    return out
+
+
+def file_list_doc(files: dict[str, dict[str, Any]], kind: str) -> dict[str, Any]:
+    return {"schema": "specquant.files/v1", "kind": kind, "files": files,
+            "files_sha256": sha256_bytes(dumps_json(files).encode())}
+
+
+def write_file_list(folder: str | Path, kind: str = "published", origins: dict[str, str] | None = None) -> dict:
+    """Write `provenance/files.sha256.json` for `folder` (call it after the folder is complete)."""
+    folder = Path(folder)
+    skip = (lambda rel: rel == FILE_LIST or is_late(rel)) if kind == "run" else (lambda rel: rel == FILE_LIST)
+    files = hash_files(folder, list_files(folder, skip))
+    for rel, origin in (origins or {}).items():
+        if rel in files:
+            files[rel]["origin"] = origin
+    doc = file_list_doc(files, kind)
+    atomic_write_json(folder / FILE_LIST, doc)
+    return doc
+
+
+# ---------------------------------------------------------------- stage records
+def load_records(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """{record name: record} for stages/*.json, skipping the manifest's and publish's own records."""
+    out = {}
+    d = run_dir / "stages"
+    for p in sorted(d.glob("*.json")) if d.is_dir() else []:
+        if p.stem == "manifest" or p.stem.startswith("publish"):
+            continue
+        out[p.stem] = json.loads(p.read_text(encoding="utf-8"))
+    return dict(sorted(out.items(), key=lambda kv: _order(kv[0], kv[1])))
+
+
+def _order(name: str, rec: dict) -> tuple[int, str]:
+    stage = rec.get("stage", name)
+    return (STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER), name)
+
+
+def commands_doc(records: dict[str, dict]) -> list[dict[str, Any]]:
+    return [{"record": f"stages/{name}.json", "stage": rec.get("stage", name), "argv": rec.get("argv"),
+             "command": rec.get("command"), "overrides": rec.get("overrides", []),
+             "launcher": rec.get("launcher")} for name, rec in records.items()]
+
+
+def commands_sh(commands: list[dict[str, Any]]) -> str:
+    lines = ["#!/usr/bin/env bash", "# The command lines of every stage of this run, as captured when they ran",
+             "# (pipeline/stage.py), in pipeline order. Run from the specquant checkout.", "set -euo pipefail", ""]
+    for c in commands:
+        lines.append(f"# {c['stage']} ({c['record']})")
+        launcher = c.get("launcher") or {}
+        if launcher.get("torchrun"):
+            lines.append(f"# launched with torchrun, world size {launcher.get('world_size')}; same overrides:")
+        if c.get("command"):
+            lines.append(f"# portable form: {c['command']}")
+        lines.append(shlex.join(c["argv"]) if c.get("argv") else f"# (no argv captured) {c.get('command')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def resolved_config_yaml(record: dict) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(record.get("resolved_config") or {}), resolve=True)
+
+
+# ---------------------------------------------------------------- source snapshot
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, check=True,
+                              timeout=30).stdout.decode("utf-8", "replace")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+SOURCE_PATHS = ("pipeline", "conf", "pyproject.toml")
+
+
+def source_files() -> list[str]:
+    """The pipeline/ and conf/ files of this checkout (tracked + untracked, not ignored)."""
+    listed = _git("ls-files", "-co", "--exclude-standard", "--", *SOURCE_PATHS)
+    if listed is not None:
+        rels = sorted({r for r in listed.splitlines() if r and (REPO_ROOT / r).is_file()})
+    else:  # not a git checkout: fall back to walking the folders
+        rels = [f"{top}/{r}" for top in SOURCE_PATHS[:2] for r in list_files(REPO_ROOT / top)] + ["pyproject.toml"]
+    return [r for r in rels if "__pycache__" not in r and not r.endswith(".pyc")]
+
+
+def source_tree_sha256() -> str:
+    """One hash over the source files' names and contents (stage records may carry it to prove what ran)."""
+    return sha256_bytes(dumps_json({r: sha256_file(REPO_ROOT / r) for r in source_files()}).encode())
+
+
+def write_source_snapshot(dest: Path) -> dict[str, Any]:
+    files = {}
+    for rel in source_files():
+        data = (REPO_ROOT / rel).read_bytes()
+        entry = {"sha256": sha256_bytes(data)}
+        try:
+            clean = scrub(data.decode("utf-8")).encode("utf-8")
+        except UnicodeDecodeError:
+            clean = data
+        if clean != data:  # a secret in a source file is never copied out
+            entry["redacted"] = True
+        atomic_write_bytes(dest / rel, clean)
+        files[rel] = entry
+    commit = (_git("rev-parse", "HEAD") or "").strip() or None
+    diff = _git("diff", "HEAD", "--", *SOURCE_PATHS) if commit else None
+    untracked = (_git("ls-files", "-o", "--exclude-standard", "--", *SOURCE_PATHS) or "").split()
+    dirty = bool((diff or "").strip() or untracked) if commit else None
+    if diff and diff.strip():
+        atomic_write_text(dest / "git.diff", scrub(diff))
+    info = {"git": {"commit": commit, "dirty": dirty, "untracked": sorted(untracked),
+                    "diff": "git.diff" if diff and diff.strip() else None},
+            "files": files, "tree_sha256": sha256_bytes(dumps_json({r: e["sha256"] for r, e in files.items()}).encode())}
+    atomic_write_json(dest / "SOURCE.json", info)
+    return info
+
+
+# ---------------------------------------------------------------- serving and evaluation commands
+def drafter_block_size(ckpt: Path) -> int | None:
+    try:
+        cfg = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return cfg.get("block_size") or (cfg.get("dflash_config") or {}).get("block_size")
+
+
+def vllm_serve_sh(target: dict, drafters: dict[str, int | None]) -> str:
+    """One `vllm serve` per drafter variant; drafter paths are relative to the run dir this script sits in."""
+    tgt = target.get("path") or "<target>"
+    rev = f" --revision {shlex.quote(target['revision'])}" if target.get("revision") else ""
+    lines = ["#!/usr/bin/env bash", "# Serve the target with each drafter variant of this run as its DFlash drafter.",
+             "# Pick one variant: bash vllm_serve.sh <variant>. Needs an attention backend that supports",
+             "# non-causal attention (e.g. flash_attn).", "set -euo pipefail",
+             'RUN_DIR="${RUN_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"', 'VARIANT="${1:?usage: vllm_serve.sh <variant>}"',
+             'case "$VARIANT" in']
+    for variant, block in drafters.items():
+        n = (block - 1) if block else "<block_size-1>"
+        spec = ('{"method":"dflash","model":"\'"$RUN_DIR"\'/drafter/' + variant
+                + f'","num_speculative_tokens":{n}}}')
+        lines.append(f"  {shlex.quote(variant)}) exec vllm serve {shlex.quote(tgt)}{rev} --speculative-config '{spec}' ;;")
+    lines += ['  *) echo "unknown variant $VARIANT; choose one of: ' + " ".join(drafters) + '" >&2; exit 2 ;;', "esac", ""]
+    return "\n".join(lines)
+
+
+def _hydra_value(v: Any) -> str:
+    if v is None:
+        return "null"
+    s = str(v)
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def eval_commands_sh(eval_record: dict | None, eval_cfg: dict, vllm_commands: str | None) -> str:
+    """Per-subset `python -m pipeline evaluate` commands (the captured overrides + one prompt set each)."""
+    overrides = list((eval_record or {}).get("overrides", []))
+    kept = [o for o in overrides if not o.lstrip("+~").startswith("eval.prompt_sets")]
+    lines = ["#!/usr/bin/env bash", "# Per-subset evaluation commands of this run (run from the specquant checkout).",
+             "# Each is the captured evaluate command restricted to one prompt set.", "set -euo pipefail", ""]
+    if eval_record is None:
+        lines.append("# (the evaluate stage has not run in this run; overrides are the manifest stage's)")
+    for ps in eval_cfg.get("prompt_sets") or []:
+        fields = ",".join(f"{k}:{_hydra_value(v)}" for k, v in ps.items() if v is not None)
+        lines.append(f"# subset {ps.get('name')}")
+        lines.append(shlex.join(["python", "-m", "pipeline", "evaluate", *kept, f"eval.prompt_sets=[{{{fields}}}]"]))
+        lines.append("")
+    if vllm_commands:
+        lines += ["# ---- vLLM serving and benchmark commands (eval/vllm_commands.sh) ----", vllm_commands.rstrip("\n"), ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- in-toto / SLSA statement
+def attestation(subjects: dict[str, dict], records: dict[str, dict], dependencies: list[dict],
+                source: dict, run_name: str) -> dict[str, Any]:
+    starts = sorted(r["started_utc"] for r in records.values() if r.get("started_utc"))
+    last = records[list(records)[-1]] if records else {}
+    predicate = {
+        "buildDefinition": {
+            "buildType": BUILD_TYPE,
+            "externalParameters": {
+                "run_name": run_name,
+                "stages": {name: {"command": r.get("command"), "overrides": r.get("overrides", []),
+                                  "seed": r.get("seed")} for name, r in records.items()},
+            },
+            "internalParameters": {"versions": last.get("versions"), "git": last.get("git"),
+                                   "source_tree_sha256": source.get("tree_sha256")},
+            "resolvedDependencies": dependencies,
+        },
+        # timing lives only in runDetails.metadata (startedOn/finishedOn) so repro-check can drop it by name
+        "runDetails": {"builder": {"id": BUILDER_ID, "version": {"specquant": (last.get("versions") or {}).get("specquant")}},
+                       "metadata": {"invocationId": run_name, "startedOn": starts[0] if starts else None,
+                                    "finishedOn": _finished(records)}},
+    }
+    return scrub_obj({"_type": STATEMENT_TYPE,
+                      "subject": [{"name": rel, "digest": {"sha256": e["sha256"]}} for rel, e in sorted(subjects.items())],
+                      "predicateType": SLSA_PREDICATE, "predicate": predicate})
+
+
+def _finished(records: dict[str, dict]) -> str | None:
+    import datetime as dt
+
+    ends = []
+    for r in records.values():
+        if r.get("started_utc") and r.get("wall_time_s") is not None:
+            ends.append(dt.datetime.fromisoformat(r["started_utc"]) + dt.timedelta(seconds=float(r["wall_time_s"])))
+    return max(ends).isoformat() if ends else None

@@ -1,0 +1,1 @@
+"""Quantization library code: recipes, calibration, export and checks (stages call into it)."""

@@ -1,0 +1,139 @@
+"""Train the tiny world's target: a 4-layer Qwen3ForCausalLM fitted to the templated corpus on CPU.
+
+A fixed number of steps (not a time budget) so the same seed gives the same weights; saved in
+bfloat16 safetensors to keep the asset small (it loads fine with dtype=torch.float32).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pipeline.io import atomic_write_bytes, atomic_write_json
+from pipeline.tiny.corpus import SUBSETS, load_conversations, read_jsonl
+from pipeline.tiny.tokenizer import render
+
+ARCH = {  # the target's shape; vocab_size comes from the tokenizer
+    "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": False, "rope_theta": 1e6,
+    "max_position_embeddings": 1024,
+}
+TRAIN = {"steps": 700, "batch_size": 16, "lr": 3e-3, "warmup_steps": 40, "weight_decay": 0.01, "threads": 2}
+MAX_NEW_TOKENS = 120
+
+
+def build_model(vocab_size: int, tok) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    ids = {"bos_token_id": None, "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
+           "pad_token_id": tok.convert_tokens_to_ids("<|endoftext|>")}
+    cfg = Qwen3Config(vocab_size=vocab_size, **ARCH, **ids, attn_implementation="sdpa")
+    return Qwen3ForCausalLM(cfg)
+
+
+def _encode_corpus(root: Path, tok) -> list[list[int]]:
+    return [tok(render(msgs), add_special_tokens=False)["input_ids"] for _, msgs in load_conversations(root)]
+
+
+def _batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # right padding needs no attention mask under a causal mask: pads only follow real tokens
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, : len(s)] = torch.tensor(s)
+    return ids, labels
+
+
+def _lr_at(step: int) -> float:
+    if step < TRAIN["warmup_steps"]:
+        return TRAIN["lr"] * (step + 1) / TRAIN["warmup_steps"]
+    frac = (step - TRAIN["warmup_steps"]) / max(1, TRAIN["steps"] - TRAIN["warmup_steps"])
+    return TRAIN["lr"] * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def fit(model: torch.nn.Module, seqs: list[list[int]], pad_id: int, seed: int, steps: int) -> list[float]:
+    """Train on all corpus tokens (prompts and replies); returns the per-step loss."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=TRAIN["lr"], weight_decay=TRAIN["weight_decay"],
+                            betas=(0.9, 0.95))
+    order: list[int] = []
+    losses = []
+    model.train()
+    for step in tqdm(range(steps), desc="train tiny target", unit="step"):
+        if len(order) < TRAIN["batch_size"]:
+            fresh = list(range(len(seqs)))
+            rng.shuffle(fresh)
+            order += fresh
+        picked, order = order[: TRAIN["batch_size"]], order[TRAIN["batch_size"]:]
+        ids, labels = _batch([seqs[i] for i in picked], pad_id)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def greedy(model, tok, prompt: str, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
+    """The target's greedy reply to one user prompt after the chat template's generation prompt."""
+    text = render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
+
+
+def _save_atomically(model, target_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        for p in sorted(Path(tmp).iterdir()):
+            atomic_write_bytes(target_dir / p.name, p.read_bytes())
+    model.to(torch.float32)
+
+
+def main(root: str | Path, seed: int = 0, steps: int | None = None) -> dict:
+    """Train and save the target into root/target (the tokenizer must already be there)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.seeding import seed_everything
+
+    root = Path(root)
+    steps = TRAIN["steps"] if steps is None else steps
+    torch.set_num_threads(TRAIN["threads"])
+    seed_everything(seed)
+    tok = AutoTokenizer.from_pretrained(root / "target")
+    seqs = _encode_corpus(root, tok)
+    model = build_model(len(tok), tok)
+    t0 = time.time()
+    losses = fit(model, seqs, tok.convert_tokens_to_ids("<|endoftext|>"), seed, steps)
+    wall = time.time() - t0
+    _save_atomically(model, root / "target")
+    samples = {s: {"prompt": (p := read_jsonl(root / "eval" / f"{s}.jsonl")[0]["prompt"]),
+                   "greedy": greedy(model, tok, p)} for s in SUBSETS}
+    report = {"seed": seed, "arch": ARCH, "train": {**TRAIN, "steps": steps}, "num_params": model.num_parameters(),
+              "num_sequences": len(seqs), "num_tokens": sum(map(len, seqs)),
+              "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4), "first_loss": round(losses[0], 4),
+              "samples": samples}
+    # wall time is printed, not saved, so a rebuild with the same seed writes the same bytes
+    atomic_write_json(root / "target" / "training.json", report)
+    print(f"tiny target: {steps} steps in {wall:.0f}s, loss {report['first_loss']} -> {report['final_loss']}")
+    return report
