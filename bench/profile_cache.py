@@ -112,7 +112,6 @@ def profile(target_dir: str, aux_layer_ids: list[int], device: str, batch: int, 
     t_fwd = _timed(run_hooks, device, reps)
     res["bound_serial_tok_s"] = round(n_tok / (t_fwd + t_copy + t_write))
     res["bound_overlapped_tok_s"] = round(n_tok / max(t_fwd, t_copy, t_write))
-    del model
     return res
 
 

@@ -40,8 +40,8 @@ class Shapes:
 QWEN3_8B = Shapes(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_target_layers=36,
                   num_heads=32, num_kv_heads=8, head_dim=128, drafter_layers=5, block_size=16,
                   zlab_layer_ids=(1, 9, 17, 25, 33), specials=tuple(QWEN3_SPECIALS.items()))
-TINY = Shapes(vocab_size=512, hidden_size=64, intermediate_size=192, num_target_layers=8,
-              num_heads=4, num_kv_heads=2, head_dim=16, drafter_layers=2, block_size=16,
+TINY = Shapes(vocab_size=512, hidden_size=128, intermediate_size=256, num_target_layers=8,
+              num_heads=4, num_kv_heads=2, head_dim=32, drafter_layers=2, block_size=16,
               zlab_layer_ids=(1, 2, 3, 4, 5),
               specials=(("<|endoftext|>", 500), ("<|im_start|>", 501), ("<|im_end|>", 502), ("<|MASK|>", 503)))
 

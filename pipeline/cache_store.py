@@ -89,7 +89,7 @@ class ShardPlan:
     first: int  # global index of its first sample
     count: int
     num_tokens: int
-    bytes: int  # tensor bytes (without the safetensors header)
+    tensor_bytes: int  # without the safetensors header
 
 
 def plan_shards(lengths: list[int], layout: Layout, samples_per_shard: int, max_shard_bytes: int) -> list[ShardPlan]:
@@ -158,18 +158,39 @@ def content_hash(sample_digests: list[str]) -> str:
     return sha256_text(FORMAT + f"/{FORMAT_VERSION}\n" + "\n".join(sample_digests) + "\n")
 
 
+class _AsyncFile:
+    """File-like: each write is queued to a one-thread pool (FIFO, so in order) and returns at once,
+    so the caller (HashingWriter) hashes a buffer while the previous one goes to disk.
+    Buffers must stay alive until `drain()`."""
+
+    def __init__(self, fh, pool: ThreadPoolExecutor):
+        self._fh, self._pool, self._pending = fh, pool, []
+
+    def write(self, data) -> int:
+        self._pending.append(self._pool.submit(self._fh.write, data))
+        return len(data)
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+
 class ShardWriter:
     """Streams one shard to a temp file: header and token ids first, hidden states as they arrive,
     loss masks last; sha256 computed while writing; renamed into place (then the sidecar) on close.
+    Three threads share each buffer: the caller hashes the file stream, `io_pool` writes it and
+    `digest_pool` hashes each sample for the content hash (hashlib and writes release the GIL).
 
     Offsets are known up front because every sample's length is, so nothing is buffered beyond the
     batch being written. `order` is the processing order of the shard's global sample indices."""
 
     def __init__(self, cache_dir: Path, plan: ShardPlan, order: list[int], samples: list[dict],
-                 layout: Layout, resume_key: str, digest_pool: ThreadPoolExecutor):
+                 layout: Layout, resume_key: str, digest_pool: ThreadPoolExecutor, io_pool: ThreadPoolExecutor):
         self.cache_dir, self.plan, self.order, self.layout = cache_dir, plan, order, layout
         self.samples, self.resume_key, self.pool = samples, resume_key, digest_pool
         self.ids = {g: torch.tensor(samples[g]["input_ids"], dtype=torch.int64) for g in order}
+        self._header_bytes = b""
         self.masks = {g: torch.tensor(samples[g]["loss_mask"], dtype=torch.uint8) for g in order}
         self.digests: dict[int, str] = {}
         self._futures = []
@@ -199,13 +220,15 @@ class ShardWriter:
         blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
         blob += b" " * (-len(blob) % 8)
         self._stack = contextlib.ExitStack()
-        self._fh = HashingWriter(self._stack.enter_context(atomic_open(cache_dir / shard_file(plan.index))))
-        self._fh.write(struct.pack("<Q", len(blob)) + blob)
+        self._file = _AsyncFile(self._stack.enter_context(atomic_open(cache_dir / shard_file(plan.index))), io_pool)
+        self._fh = HashingWriter(self._file)
+        self._header_bytes = struct.pack("<Q", len(blob)) + blob  # kept alive until written
+        self._fh.write(self._header_bytes)
         for g in order:
             self._fh.write(_raw(self.ids[g]))
 
-    def add(self, g: int, hs: torch.Tensor, scale: torch.Tensor | None):
-        """Write sample `g` ([T, n_aux, H] storage dtype, CPU); returns the future of its digest."""
+    def add(self, g: int, hs: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Queue sample `g` ([T, n_aux, H] storage dtype, CPU); its buffers must live until `drain()`."""
         if self._next >= len(self.order) or self.order[self._next] != g:
             raise RuntimeError(f"shard {self.plan.index}: sample {g} arrived out of the planned order")
         self._next += 1
@@ -215,19 +238,25 @@ class ShardWriter:
         sid = str(self.samples[g]["id"])
         fut = self.pool.submit(_sample_digest, sid, self.layout, self.ids[g], self.masks[g], hs, scale)
         self._futures.append((g, fut))
-        return fut
+
+    def drain(self) -> None:
+        """Wait until every queued buffer is written and hashed (then the caller may reuse them)."""
+        self._file.drain()
+        for g, fut in self._futures:
+            self.digests[g] = fut.result()
+        self._futures = []
 
     def close(self) -> dict[str, Any]:
         if self._next != len(self.order):
             raise RuntimeError(f"shard {self.plan.index}: closed after {self._next}/{len(self.order)} samples")
         for g in self.order:
             self._fh.write(_raw(self.masks[g]))
-        self.digests = {g: fut.result() for g, fut in self._futures}
+        self.drain()
         self._stack.close()  # fsync + rename
         g_range = range(self.plan.first, self.plan.first + self.plan.count)
         record = {"format_version": FORMAT_VERSION, "resume_key": self.resume_key,
-                  "shard": {"file": shard_file(self.plan.index), "sha256": self._fh.hexdigest(),
-                            "bytes": self._fh.bytes, **asdict(self.plan)},
+                  "shard": {**asdict(self.plan), "file": shard_file(self.plan.index), "sha256": self._fh.hexdigest(),
+                            "bytes": self._fh.bytes},
                   "samples": [{"id": str(self.samples[g]["id"]), "num_tokens": len(self.ids[g]),
                                "sha256": self.digests[g]} for g in g_range]}
         atomic_write_json(self.cache_dir / sidecar_file(self.plan.index), record)
@@ -235,7 +264,172 @@ class ShardWriter:
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
+            self._file.drain()
+        with contextlib.suppress(Exception):
             self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)  # unlinks the temp file
+
+
+class BackgroundWriter:
+    """Writes shards on a background thread so the target never waits for the disk or the hashes.
+
+    On CUDA, each batch is copied device->host on a side stream into one of `slots` pinned buffers
+    (non_blocking, overlapping the next forward); the thread waits for the copy's event, writes and
+    hashes, then frees the buffer. The bounded queue and buffer pool cap host memory at `slots`
+    batches whatever the dataset size. Errors on the thread surface on the next call."""
+
+    def __init__(self, cache_dir: Path, samples: list[dict], layout: Layout, resume_key: str,
+                 device: torch.device, slots: int = 3, dry_run: bool = False, max_batch_tokens: int = 0):
+        import queue
+        import threading
+
+        self.cache_dir, self.samples, self.layout, self.resume_key = cache_dir, samples, layout, resume_key
+        self.cuda, self.dry_run = device.type == "cuda", dry_run
+        # pinned buffers sized once for the largest batch, so varying batches do not re-pin memory
+        self.slot_bytes = max_batch_tokens * layout.hidden_bytes_per_token() + 64
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.q: queue.Queue = queue.Queue(maxsize=slots)
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(slots):
+            self.free.put(None)  # pinned buffers are allocated on first use, sized to the batch
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="cache-digest")
+        self.io_pool = ThreadPoolExecutor(1, thread_name_prefix="cache-io")
+        self.error: BaseException | None = None
+        self.records: list[dict] = []
+        self._shard: ShardWriter | None = None
+        self._pause = _test_pause()
+        self._written = 0
+        self.thread = threading.Thread(target=self._loop, name="cache-writer", daemon=True)
+        self.thread.start()
+
+    # ---- producer side (main thread)
+    def _put(self, item) -> None:
+        import queue
+
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def _take_slot(self) -> torch.Tensor | None:
+        import queue
+
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                return self.free.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def open_shard(self, plan: ShardPlan, order: list[int]) -> None:
+        self._put(("open", plan, order))
+
+    def put_batch(self, gs: list[int], lens: list[int], hs: torch.Tensor, scale: torch.Tensor | None) -> None:
+        if not self.cuda:
+            self._put(("batch", gs, lens, hs, scale, None, None))
+            return
+        slot = self._take_slot()
+        n_hs = hs.numel() * hs.element_size()
+        s_off = (n_hs + 63) // 64 * 64
+        need = s_off + (0 if scale is None else scale.numel() * 4)
+        if slot is None or slot.numel() < need:
+            slot = torch.empty(max(need, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
+        host_hs = slot[:n_hs].view(hs.dtype).view(hs.shape)
+        host_scale = None if scale is None else slot[s_off:s_off + scale.numel() * 4].view(torch.float32).view(scale.shape)
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            host_hs.copy_(hs, non_blocking=True)
+            if scale is not None:
+                host_scale.copy_(scale, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        # the allocator must not hand these blocks to the next forward before the copy has read them
+        hs.record_stream(self.copy_stream)
+        if scale is not None:
+            scale.record_stream(self.copy_stream)
+        self._put(("batch", gs, lens, host_hs, host_scale, done, slot))
+
+    def close_shard(self) -> None:
+        self._put(("close",))
+
+    def finish(self) -> list[dict]:
+        self._put(("stop",))
+        self.thread.join()
+        self.pool.shutdown()
+        self.io_pool.shutdown()
+        if self.error is not None:
+            raise self.error
+        return self.records
+
+    def abort(self) -> None:
+        self.error = self.error or RuntimeError("aborted")
+        with contextlib.suppress(Exception):
+            self.q.put_nowait(("stop",))
+        self.thread.join(timeout=60)
+        self.pool.shutdown()
+        self.io_pool.shutdown()
+
+    # ---- consumer side (writer thread)
+    def _loop(self) -> None:
+        try:
+            while True:
+                item = self.q.get()
+                if item[0] == "stop" or self.error is not None:
+                    break
+                if self.dry_run:  # benchmarks: wait for the copy, write nothing
+                    if item[0] == "batch" and item[5] is not None:
+                        item[5].synchronize()
+                        self.free.put(item[6])
+                elif item[0] == "open":
+                    self._shard = ShardWriter(self.cache_dir, item[1], item[2], self.samples, self.layout,
+                                              self.resume_key, self.pool, self.io_pool)
+                elif item[0] == "batch":
+                    self._write_batch(*item[1:])
+                else:
+                    self.records.append(self._shard.close())
+                    self._shard = None
+        except BaseException as exc:  # noqa: BLE001 - handed to the producer
+            self.error = exc
+        if self._shard is not None:
+            self._shard.abort()
+
+    def _write_batch(self, gs, lens, hs, scale, done, slot) -> None:
+        if done is not None:
+            done.synchronize()
+        off = 0
+        for g, n in zip(gs, lens, strict=True):
+            self._shard.add(g, hs[off:off + n], None if scale is None else scale[off:off + n])
+            off += n
+            self._written += 1
+            if self._pause is not None and self._written == self._pause[0]:
+                self._shard.drain()
+                self._pause_forever()
+        self._shard.drain()  # the io and digest threads read the buffer too
+        if done is not None:
+            self.free.put(slot)
+
+    def _pause_forever(self) -> None:
+        """Test hook: signal, then hang mid-shard so a test can SIGKILL the process at this point."""
+        import time
+
+        Path(self._pause[1]).write_text(str(self._written))
+        while True:
+            time.sleep(60)
+
+
+def _test_pause() -> tuple[int, str] | None:
+    """SPECQUANT_CACHE_TEST_PAUSE="<samples written>:<marker file>" (tests only)."""
+    import os
+
+    spec = os.environ.get("SPECQUANT_CACHE_TEST_PAUSE")
+    if not spec:
+        return None
+    n, marker = spec.split(":", 1)
+    return int(n), marker
 
 
 def read_sidecar(cache_dir: Path, k: int, resume_key: str) -> dict | None:
@@ -373,6 +567,6 @@ class CacheReader:
             yield self[i]
 
 
-__all__ = ["CacheReader", "Layout", "ShardPlan", "ShardWriter", "plan_shards", "pack_batches", "encode_hidden",
+__all__ = ["BackgroundWriter", "CacheReader", "Layout", "ShardPlan", "ShardWriter", "plan_shards", "pack_batches", "encode_hidden",
            "decode_hidden", "content_hash", "build_index", "clear_stale", "read_sidecar", "finished_index",
            "check_storage_dtype", "dumps_json", "FORMAT", "FORMAT_VERSION", "STORAGE_DTYPES", "shard_file"]

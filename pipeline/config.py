@@ -69,6 +69,8 @@ class CacheConfig:
     max_shard_bytes: int = 2 * 1024**3
     batch_tokens: int = 8192
     distributed_backend: str = "auto"  # auto | gloo | nccl
+    # HF output_hidden_states indices to cache; None = the drafter config's aux layers
+    aux_layer_ids: list[int] | None = None
 
 
 @dataclass
@@ -122,6 +124,10 @@ class PublishConfig:
     private: bool = False
     variants: list[str] = field(default_factory=list)
     tag: str | None = None
+    token: str | None = None  # prefer token_env; a token given here is scrubbed like one from env
+    base_model: str | None = None  # Hub id of the source drafter (default: drafter.path when it is a repo id)
+    target_model: str | None = None  # Hub id of the target shown in the card (default: target.path)
+    library_name: str = "speculators"
 
 
 @dataclass

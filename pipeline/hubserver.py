@@ -6,7 +6,7 @@ tag it, list it and download it back. Storage is content-addressed and every wri
 atomic (temp + rename), so a server killed with SIGKILL mid-upload restarts on the same
 directory with no half-written object visible; stale temp files are removed at start.
 
-    python -m pipeline.hubserver --root DIR --port N [--token-env VAR] [--slow-put S] [--trace FILE]
+    python -m pipeline.hubserver --root DIR --port N [--token-env VAR] [--slow-put S] [--trace FILE] [--die-on TEXT]
 
 In-process: `srv = HubServer(root).start(); srv.url; srv.stop()`.
 """
@@ -21,6 +21,7 @@ import hmac
 import json
 import os
 import re
+import signal
 import tempfile
 import threading
 import time
@@ -294,6 +295,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.trace:
             with open(self.server.trace, "a") as fh:
                 fh.write(f"{method} {url.path}\n")
+        if self.server.die_on and self.server.die_on in f"{method} {url.path}":
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die exactly here, like a crashed host
         try:
             try:
                 self._route(method, parts, query)
@@ -480,11 +483,11 @@ class HubServer:
     """Start in a thread for tests: `with HubServer(root) as srv: ... srv.url`."""
 
     def __init__(self, root: str | os.PathLike, port: int = 0, token: str | None = None, slow_put: float = 0.0,
-                 trace: str | None = None, verbose: bool = False):
+                 trace: str | None = None, verbose: bool = False, die_on: str | None = None):
         self.httpd = _Server(("127.0.0.1", port), _Handler)
         self.httpd.store = Store(root)
         self.httpd.token, self.httpd.slow_put, self.httpd.trace = token, slow_put, trace
-        self.httpd.verbose = verbose
+        self.httpd.verbose, self.httpd.die_on = verbose, die_on
         self.port = self.httpd.server_address[1]
         self.url = self.httpd.url = f"http://127.0.0.1:{self.port}"
         self._thread: threading.Thread | None = None
@@ -512,10 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-env", default=None, help="accept only the token in this env var (default: any token)")
     ap.add_argument("--slow-put", type=float, default=0.0, help="seconds to sleep per 64 KiB of an LFS upload")
     ap.add_argument("--trace", default=None, help="append 'METHOD path' of each request to this file")
+    ap.add_argument("--die-on", default=None, help="SIGKILL this process on the first request whose "
+                    "'METHOD path' contains this text (fault injection)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     token = os.environ.get(args.token_env) if args.token_env else None
-    srv = HubServer(args.root, args.port, token, args.slow_put, args.trace, args.verbose)
+    srv = HubServer(args.root, args.port, token, args.slow_put, args.trace, args.verbose, args.die_on)
     print(f"hubserver listening on {srv.url} (storage {Path(args.root).resolve()})", flush=True)
     try:
         srv.httpd.serve_forever()

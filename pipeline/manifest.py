@@ -104,7 +104,15 @@ class Inputs:
 def _stage_summary(name: str, rec: dict) -> dict:
     return {"record": f"stages/{name}.json", "stage": rec.get("stage", name), "command": rec.get("command"),
             "overrides": rec.get("overrides", []), "seed": rec.get("seed"), "versions": rec.get("versions"),
-            "git": rec.get("git"), "device": rec.get("device")}
+            "git": rec.get("git"), "device": rec.get("device"), "source_sha256": rec.get("source_sha256")}
+
+
+def _source_section(source: dict, records: dict) -> dict:
+    """Which code produced the outputs: the snapshot in provenance/source/ and whether each stage ran it."""
+    match = {n: (r["source_sha256"] == source["tree_sha256"]) if r.get("source_sha256") else None
+             for n, r in records.items()}
+    return {"snapshot": "provenance/source/SOURCE.json", "tree_sha256": source["tree_sha256"],
+            "git": {k: source["git"][k] for k in ("commit", "dirty")}, "stages_ran_this_source": match}
 
 
 def _timing(records: dict[str, dict]) -> dict:
@@ -132,7 +140,8 @@ def _tokenizer(meta: dict, data_cfg: dict) -> dict:
     if isinstance(tok, dict) and (tok.get("sha256") or tok.get("files")):
         files = tok.get("files")
         digest = tok.get("sha256") or sha256_bytes(dumps_json(files).encode())
-        return {"path": tok.get("path"), "sha256": digest, "files": files}
+        return {"path": tok.get("path") or tok.get("name_or_path"), "revision": tok.get("revision"),
+                "sha256": digest, "files": files}
     target = data_cfg.get("target") or {}
     path = (tok if isinstance(tok, str) else None) or target.get("tokenizer") or target.get("path")
     local = _local(path)
@@ -230,15 +239,20 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
         text = (rd.root / rel / "recipe.yaml").read_text(encoding="utf-8")
         recipe = {"file": f"{rel}/recipe.yaml", "sha256": tree[f"{rel}/recipe.yaml"]["sha256"], "text": text,
                   "parsed": yaml.safe_load(text)}
-    scheme = (qcfg or {}).get("scheme") or (f"compressed-tensors:{qconf.get('format')}" if qconf else "unquantized")
+    res, q = (rec or {}).get("result") or {}, qcfg or {}
+    # the stage's result holds the effective values (e.g. q/k/v added to ignore); the config is the fallback
+    scheme = res.get("scheme") or q.get("scheme") or (f"compressed-tensors:{qconf.get('format')}" if qconf
+                                                       else "unquantized")
+    seeds = {"seed": (rec or {}).get("seed"), **{k: v for k, v in res.items() if "seed" in k and isinstance(v, int)},
+             **(res.get("seeds") if isinstance(res.get("seeds"), dict) else {})}
     check_rel = f"checks/{kind}-{variant}.json"
     cache = calib.get("cache") or {}
     return {
         "kind": kind, "variant": variant, "path": rel, "scheme": scheme, "quant_config": qcfg,
-        "observer": (qcfg or {}).get("observer"), "observer_kwargs": (qcfg or {}).get("observer_kwargs"),
-        "ignore": (qcfg or {}).get("ignore"), "recipe": recipe, "quantization_config": qconf,
-        "seeds": {"seed": (rec or {}).get("seed"), **{k: v for k, v in ((rec or {}).get("result") or {}).items()
-                                                       if "seed" in k and isinstance(v, int)}},
+        "observer": res.get("observer", q.get("observer")),
+        "observer_kwargs": res.get("observer_kwargs", q.get("observer_kwargs")),
+        "group_size": res.get("group_size", q.get("group_size")), "ignore": res.get("ignore", q.get("ignore")),
+        "recipe": recipe, "quantization_config": qconf, "seeds": seeds,
         "inputs": {"drafter": inputs.checkpoint(cfg.get("drafter")) if kind == "drafter" else None,
                    "target": inputs.checkpoint(cfg.get("target")),
                    "calibration_cache": ({"content_sha256": cache.get("content_sha256"),
@@ -252,7 +266,8 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
     }
 
 
-def quant_run_manifest(rd: RunDir, records: dict, tree: dict, inputs: Inputs, calib: dict, cfg) -> dict:
+def quant_run_manifest(rd: RunDir, records: dict, tree: dict, inputs: Inputs, calib: dict, cfg,
+                       source: dict) -> dict:
     from pipeline.stage import device_info, git_state, package_versions
 
     ckpts = [_checkpoint_entry(rd, k, v, records, tree, inputs, calib)
@@ -262,6 +277,7 @@ def quant_run_manifest(rd: RunDir, records: dict, tree: dict, inputs: Inputs, ca
     return {"schema": "specquant.quant_run_manifest/v1", "run_name": str(cfg.run_name), "seed": int(cfg.seed),
             "checkpoints": ckpts,
             "environment": {"versions": package_versions(), "git": git_state(), "device": device_info()},
+            "source": _source_section(source, records),
             "stages": {n: _stage_summary(n, r) for n, r in records.items()},
             "timing": _timing(records),
             "not_run": [s for s in prov.STAGE_ORDER[:5] if s not in ran]}
@@ -277,11 +293,12 @@ def run(cfg) -> dict:
     if not records:
         raise bad_value("run_dir", str(rd.root), "it has no stage records under stages/",
                         "run at least one stage (`make data`) before `make manifest`")
-    skip = (lambda rel: prov.is_late(rel) or any(rel == o or rel.startswith(o) for o in OWN_OUTPUTS))
+    def skip(rel):
+        return (prov.is_late(rel) or any(rel == o or rel.startswith(o) for o in OWN_OUTPUTS))
     tree = prov.hash_files(rd.root, prov.list_files(rd.root, skip), desc="hashing run outputs")
-    inputs = Inputs()
+    inputs, source = Inputs(), prov.source_info()
     calib = scrub_obj(calibration_manifest(rd, records, tree, str(cfg.run_name)))
-    quant = scrub_obj(quant_run_manifest(rd, records, tree, inputs, calib, cfg))
+    quant = scrub_obj(quant_run_manifest(rd, records, tree, inputs, calib, cfg, source))
     validate(calib, "calibration_manifest")
     validate(quant, "quant_run_manifest")
 
@@ -302,7 +319,7 @@ def run(cfg) -> dict:
         vllm_cmds.read_text(encoding="utf-8") if vllm_cmds.is_file() else None)
     for rel, text in written.items():
         atomic_write_text(rd.root / rel, scrub(text))
-    source = prov.write_source_snapshot(rd.provenance / "source")
+    source = prov.write_source_snapshot(rd.provenance / "source", source)
     keep = set(written) | {f"{p}source/{r}" for r in source["files"]} | {f"{p}source/SOURCE.json"}
     if source["git"]["diff"]:
         keep.add(f"{p}source/git.diff")

@@ -15,7 +15,8 @@ nothing is reconstructed from the current configuration.
 
 The file list rule (a run directory and a published repo folder carry the same thing):
 `provenance/files.sha256.json` = {"kind": "run" | "published", "files": {relative posix path:
-{"sha256", "bytes"[, "origin"]}}, "files_sha256": sha256 of the canonical JSON of "files"}.
+{"sha256", "bytes"[, "origin"]}}, "schema": "specquant.files/v1", "files_sha256": sha256 of the
+canonical JSON of the other fields}.
 It lists every regular file under the folder except itself and temp files. In a run directory
 it also leaves out what is written after the manifest stage: `stages/manifest.json`,
 `stages/publish*.json` and `publish/` (each `publish/<variant>/` carries its own list).
@@ -33,7 +34,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pipeline.io import TMP_PREFIX, atomic_write_bytes, atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
+from pipeline.io import (
+    TMP_PREFIX,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    dumps_json,
+    sha256_bytes,
+    sha256_file,
+)
 from pipeline.secrets import scrub, scrub_obj
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -75,9 +84,14 @@ def hash_files(root: Path, rels: list[str], desc: str = "hashing") -> dict[str, 
     return out
 
 
+def files_sha256_of(doc: dict[str, Any]) -> str:
+    """sha256 of the list's canonical JSON without its own `files_sha256` field (a self-check)."""
+    return sha256_bytes(dumps_json({k: v for k, v in doc.items() if k != "files_sha256"}).encode())
+
+
 def file_list_doc(files: dict[str, dict[str, Any]], kind: str) -> dict[str, Any]:
-    return {"schema": "specquant.files/v1", "kind": kind, "files": files,
-            "files_sha256": sha256_bytes(dumps_json(files).encode())}
+    doc = {"schema": "specquant.files/v1", "kind": kind, "files": files}
+    return {**doc, "files_sha256": files_sha256_of(doc)}
 
 
 def write_file_list(folder: str | Path, kind: str = "published", origins: dict[str, str] | None = None) -> dict:
@@ -164,11 +178,26 @@ def source_tree_sha256() -> str:
     return sha256_bytes(dumps_json({r: sha256_file(REPO_ROOT / r) for r in source_files()}).encode())
 
 
-def write_source_snapshot(dest: Path) -> dict[str, Any]:
-    files = {}
+def source_info() -> dict[str, Any]:
+    """The source files' bytes and sha256, the git commit, dirty flag and diff (read-only git commands)."""
+    files, blobs = {}, {}
     for rel in source_files():
         data = (REPO_ROOT / rel).read_bytes()
-        entry = {"sha256": sha256_bytes(data)}
+        files[rel], blobs[rel] = {"sha256": sha256_bytes(data)}, data
+    commit = (_git("rev-parse", "HEAD") or "").strip() or None
+    diff = (_git("diff", "HEAD", "--", *SOURCE_PATHS) or "") if commit else ""
+    untracked = sorted((_git("ls-files", "-o", "--exclude-standard", "--", *SOURCE_PATHS) or "").split())
+    dirty = bool(diff.strip() or untracked) if commit else None
+    tree = sha256_bytes(dumps_json({r: e["sha256"] for r, e in files.items()}).encode())
+    return {"git": {"commit": commit, "dirty": dirty, "untracked": untracked, "diff": "git.diff" if diff.strip() else None},
+            "files": files, "tree_sha256": tree, "_blobs": blobs, "_diff": diff}
+
+
+def write_source_snapshot(dest: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Copy the source files into dest with SOURCE.json (their sha256, git state) and git.diff when dirty."""
+    files = {}
+    for rel, data in info["_blobs"].items():
+        entry = dict(info["files"][rel])
         try:
             clean = scrub(data.decode("utf-8")).encode("utf-8")
         except UnicodeDecodeError:
@@ -177,17 +206,11 @@ def write_source_snapshot(dest: Path) -> dict[str, Any]:
             entry["redacted"] = True
         atomic_write_bytes(dest / rel, clean)
         files[rel] = entry
-    commit = (_git("rev-parse", "HEAD") or "").strip() or None
-    diff = _git("diff", "HEAD", "--", *SOURCE_PATHS) if commit else None
-    untracked = (_git("ls-files", "-o", "--exclude-standard", "--", *SOURCE_PATHS) or "").split()
-    dirty = bool((diff or "").strip() or untracked) if commit else None
-    if diff and diff.strip():
-        atomic_write_text(dest / "git.diff", scrub(diff))
-    info = {"git": {"commit": commit, "dirty": dirty, "untracked": sorted(untracked),
-                    "diff": "git.diff" if diff and diff.strip() else None},
-            "files": files, "tree_sha256": sha256_bytes(dumps_json({r: e["sha256"] for r, e in files.items()}).encode())}
-    atomic_write_json(dest / "SOURCE.json", info)
-    return info
+    if info["git"]["diff"]:
+        atomic_write_text(dest / "git.diff", scrub(info["_diff"]))
+    public = {"git": info["git"], "files": files, "tree_sha256": info["tree_sha256"]}
+    atomic_write_json(dest / "SOURCE.json", public)
+    return public
 
 
 # ---------------------------------------------------------------- serving and evaluation commands
@@ -221,7 +244,7 @@ def _hydra_value(v: Any) -> str:
     if v is None:
         return "null"
     s = str(v)
-    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def eval_commands_sh(eval_record: dict | None, eval_cfg: dict, vllm_commands: str | None) -> str:
@@ -233,7 +256,8 @@ def eval_commands_sh(eval_record: dict | None, eval_cfg: dict, vllm_commands: st
     if eval_record is None:
         lines.append("# (the evaluate stage has not run in this run; overrides are the manifest stage's)")
     for ps in eval_cfg.get("prompt_sets") or []:
-        fields = ",".join(f"{k}:{_hydra_value(v)}" for k, v in ps.items() if v is not None)
+        ordered = {"name": ps.get("name"), **ps}  # name first, for the reader
+        fields = ",".join(f"{k}:{_hydra_value(v)}" for k, v in ordered.items() if v is not None)
         lines.append(f"# subset {ps.get('name')}")
         lines.append(shlex.join(["python", "-m", "pipeline", "evaluate", *kept, f"eval.prompt_sets=[{{{fields}}}]"]))
         lines.append("")

@@ -13,7 +13,7 @@ import torch
 
 from pipeline.errors import bad_value
 from pipeline.io import sha256_file
-from pipeline.quant import calibrate, export, recipes
+from pipeline.quant import calibrate, checks, export, recipes
 from pipeline.rundir import RunDir
 from pipeline.seeding import seed_everything
 
@@ -67,14 +67,9 @@ def run(cfg) -> dict:
         samples_sha = sha256_file(rd.data / "samples.jsonl")
         batches = calibration_batches(samples, int(q.num_samples), int(q.max_seq_len), int(cfg.seed))
 
-    from transformers import AutoModelForCausalLM
-
     seed_everything(int(cfg.seed))
-    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, revision=cfg.target.revision,
-                                                 dtype=DTYPES.get(cfg.target.dtype, torch.float32),
-                                                 trust_remote_code=bool(cfg.target.trust_remote_code))
-    model.eval()
-    modifier = calibrate.run_oneshot(model, q, ignore, batches, int(cfg.seed))
+    model = _load_dense(cfg)
+    calibrate.run_oneshot(model, q, ignore, batches, int(cfg.seed))
     baseline = None
     if calibrate.quantizes_activations(q) and q.calibration == "none":
         baseline = calibrate.set_fixed_activation_scales(model, float(q.fixed_activation_amax))
@@ -85,16 +80,37 @@ def run(cfg) -> dict:
         written = export.save_compressed(model, tmp)
         export.copy_tokenizer(cfg.target.tokenizer or cfg.target.path, tmp)
         export.rewrite_config(tmp, written)
+    del model
+    report = check_target(cfg, out, q)
+    checks.write_report(rd.checks, "target", q.name, report)
     return {
         "output": str(out), "scheme": q.scheme, "observer": q.observer, "algorithm": q.algorithm,
-        "group_size": recipes.group_size(q), "ignore": ignore, "recipe": str(modifier.model_dump_json()),
+        "group_size": recipes.group_size(q), "ignore": ignore, "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
         "seed": int(cfg.seed), "calibration": q.calibration,
         "num_calibration_samples": len(batches or []),
         "num_calibration_tokens": int(sum(b["input_ids"].numel() for b in batches or [])),
         "calibration_free": baseline, "input_global_scales": scales,
         "inputs": {"target": _input_hashes(Path(cfg.target.path)), "samples_sha256": samples_sha},
         "outputs": export.output_hashes(out),
+        "check": {"weight_error": checks.summarize(report["weight_error"])},
     }
+
+
+def _load_dense(cfg):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(cfg.target.path, revision=cfg.target.revision,
+                                                dtype=DTYPES.get(cfg.target.dtype, torch.float32),
+                                                trust_remote_code=bool(cfg.target.trust_remote_code)).eval()
+
+
+def check_target(cfg, out: Path, q) -> dict:
+    """Reload the written checkpoint, dequantize it, and compare every quantized layer to the original."""
+    model = checks.load_dequantized(_load_dense(cfg), out)
+    reference = _load_dense(cfg)
+    errors = checks.weight_errors(model, reference)
+    return {"kind": "target", "variant": q.name, "checkpoint": str(out), "scheme": q.scheme,
+            "reloaded": True, "weight_error": errors, "weight_error_summary": checks.summarize(errors)}
 
 
 def _input_hashes(path: Path) -> dict[str, str]:

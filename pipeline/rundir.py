@@ -68,6 +68,20 @@ class RunDir:
     def quant_run_manifest(self) -> Path:
         return self.root / "quant_run_manifest.json"
 
+    def check_confined(self) -> None:
+        """Refuse a run directory holding a symlink that resolves outside it (before any stage writes)."""
+        import os
+
+        from pipeline.io import confine
+
+        if not self.root.exists():
+            return
+        for dirpath, dirnames, filenames in os.walk(self.root, followlinks=False):
+            for name in dirnames + filenames:
+                p = Path(dirpath) / name
+                if p.is_symlink():
+                    confine(p, self.root, field=f"run_dir/{p.relative_to(self.root).as_posix()}")
+
     def drafter_variants(self) -> list[str]:
         d = self.root / "drafter"
         return sorted(p.name for p in d.iterdir() if (p / "config.json").is_file()) if d.is_dir() else []

@@ -82,6 +82,7 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
             raise SpecquantError(f"stage `{stage}` is not built yet ({module} is missing); "
                                  "see the open issues for its status.") from None
         raise
+    RunDir.from_cfg(cfg).check_confined()
     started = time.time()
     result = mod.run(cfg) or {}
     wall = time.time() - started

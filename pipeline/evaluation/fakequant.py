@@ -165,3 +165,55 @@ def set_activation_quantization(model: torch.nn.Module, enabled: bool) -> None:
     for m in model.modules():
         if getattr(m, "quantization_scheme", None) is not None:
             m.quantization_enabled = enabled
+
+
+def _cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters to `dtype`, except the fp32 quantization scales vLLM keeps in fp32."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype or name.endswith(("_scale", "_zero_point")):
+                continue
+            module._parameters[name] = torch.nn.Parameter(p.data.to(dtype), requires_grad=False)
+
+
+def load_target(path: str, dtype: torch.dtype, device: str, revision: str | None = None,
+                trust_remote_code: bool = False, attn_implementation: str | None = None):
+    """The target as served: dense, or a compressed-tensors checkpoint dequantized (with W4A4 inputs QDQ'd)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    kwargs = {"dtype": dtype, "revision": revision, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    quantized = Path(path).is_dir() and read_quantization_config(path) is not None
+    if quantized:
+        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if quantized:
+        from compressed_tensors.offload import remove_dispatch
+
+        remove_dispatch(model, onload_tensors=True)
+        _cast_weights(model, dtype)  # the NVFP4 decompressor yields bf16 weights
+    return model.to(device).eval()
+
+
+def load_drafter_variant(path: str | Path, target, dtype: torch.dtype, device: str) -> tuple[Any, dict]:
+    """A drafter checkpoint (dense or compressed-tensors) as a `DFlashDrafter`, plus its quantization summary.
+
+    Dense checkpoints go through `pipeline.models.formats.load_drafter`. Quantized ones are built
+    from the same config, given the target's embedding and lm_head, then loaded with
+    `load_checkpoint_into`, so `spec_decode` runs them like any other drafter.
+    """
+    from pipeline.models.dflash import DFlashDrafter
+    from pipeline.models.formats import load_drafter, load_drafter_config
+
+    if read_quantization_config(path) is None:
+        dense = {"quantization": describe(None), "quantized_modules": [], "activation_quantized_modules": []}
+        return load_drafter(path, target=target, dtype=dtype, device=device), dense
+    cfg = load_drafter_config(path)
+    drafter = DFlashDrafter(cfg).to(dtype)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    drafter.attach_target_weights(embed, head)
+    summary = load_checkpoint_into(drafter, path)
+    drafter = drafter.to(device)
+    drafter.inv_freq = drafter.inv_freq.float()
+    return drafter.eval(), summary

@@ -20,6 +20,7 @@ class PromptSubset:
     name: str
     source: dict[str, Any]  # where the rows came from (path or hub id + revision, split, field)
     prompts: list[list[int]]  # chat-templated input ids, one list per prompt
+    texts: list[str]  # the last user message of each prompt (what a serving benchmark sends)
 
 
 def _open_rows(ps, i: int):
@@ -91,10 +92,13 @@ def load_prompt_sets(eval_cfg, tokenizer) -> list[PromptSubset]:
                             f"subset {ps.name!r} has columns {rows.column_names}", "set `field` to one of them")
         if limit is not None:
             rows = rows.select(range(min(int(limit), len(rows))))
-        prompts = [render(tokenizer, _messages(v, f"eval.prompt_sets[{i}].field")) for v in rows[ps.field]]
+        chats = [_messages(v, f"eval.prompt_sets[{i}].field") for v in rows[ps.field]]
+        prompts = [render(tokenizer, m) for m in chats]
+        texts = [next(x["content"] for x in reversed(m) if x["role"] == "user") if any(
+            x["role"] == "user" for x in m) else m[-1]["content"] for m in chats]
         if not prompts:
             raise bad_value(f"eval.prompt_sets[{i}]", ps.name, "the subset has no prompts", "check its file or split")
         source = {"path": ps.path, "hub_id": ps.hub_id, "revision": ps.revision, "split": ps.split,
                   "field": ps.field}
-        subsets.append(PromptSubset(name=ps.name, source=source, prompts=prompts))
+        subsets.append(PromptSubset(name=ps.name, source=source, prompts=prompts, texts=texts))
     return subsets

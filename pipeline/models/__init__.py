@@ -1,8 +1,17 @@
 """The DFlash drafter (model, formats, compatibility checks, speculative decoding).
 
-Importing this package registers `DFlashConfig` with `AutoConfig`.
+Kept import-light (no torch here) so `pipeline.models.layout` / `compat` answer in well under a
+second; `DFlashConfig` is registered with `AutoConfig` when `pipeline.models.dflash` is imported.
 """
 
-from pipeline.models.dflash import DFlashConfig, DFlashDrafter
+from __future__ import annotations
 
 __all__ = ["DFlashConfig", "DFlashDrafter"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from pipeline.models import dflash
+
+        return getattr(dflash, name)
+    raise AttributeError(name)

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
-MODEL_TYPE = "specquant_dflash"
+from pipeline.models.layout import MODEL_TYPE
 
 
 class DFlashConfig(PretrainedConfig):

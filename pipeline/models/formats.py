@@ -24,82 +24,14 @@ from safetensors.torch import save as st_save
 
 from pipeline.errors import bad_value
 from pipeline.io import atomic_write_bytes, atomic_write_json, read_json
-from pipeline.models.dflash import MODEL_TYPE, DFlashConfig, DFlashDrafter, rope_inv_freq
+from pipeline.models import layout
+from pipeline.models.dflash import DFlashConfig, DFlashDrafter, rope_inv_freq
 
-FORMATS = ("zlab", "speculators", "native")
+FORMATS = layout.FORMATS
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we write (fixture B)
 TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight")
-# Qwen3 layer fields shared by every format (rope is handled separately)
-LAYER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
-                "rms_norm_eps", "attention_bias", "attention_dropout", "use_sliding_window", "sliding_window",
-                "max_window_layers", "layer_types", "tie_word_embeddings", "pad_token_id", "bos_token_id",
-                "eos_token_id")
-
-
-def zlab_to_hf_ids(target_layer_ids: list[int]) -> list[int]:
-    """z-lab `target_layer_ids` (decoder layer l) -> HF hidden_states index l+1."""
-    return [int(i) + 1 for i in target_layer_ids]
-
-
-def hf_to_zlab_ids(aux_layer_ids: list[int]) -> list[int]:
-    return [int(i) - 1 for i in aux_layer_ids]
-
-
-def _rope_from(d: dict) -> dict:
-    if d.get("rope_parameters"):
-        return dict(d["rope_parameters"])
-    scaling = dict(d.get("rope_scaling") or {})
-    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
-    return {"rope_type": rope_type, "rope_theta": float(d.get("rope_theta", 1e6)), **scaling}
-
-
-def _layer_fields(d: dict) -> dict:
-    out = {k: d[k] for k in LAYER_FIELDS if k in d}
-    out["rope_parameters"] = _rope_from(d)
-    return out
-
-
-def detect_format(d: dict, path: str = "") -> str:
-    if d.get("speculators_model_type"):
-        if d["speculators_model_type"] != "dflash":
-            raise bad_value("drafter.path", path, f"it is a speculators `{d['speculators_model_type']}` checkpoint, "
-                            "not a DFlash drafter", "point drafter.path at a DFlash checkpoint")
-        return "speculators"
-    if d.get("model_type") == MODEL_TYPE:
-        return "native"
-    if "dflash_config" in d or "DFlashDraftModel" in (d.get("architectures") or []):
-        return "zlab"
-    raise bad_value("drafter.path", path, "its config.json is neither a z-lab DFlash (`dflash_config`) nor a "
-                    "speculators DFlash (`speculators_model_type: dflash`) config",
-                    "point drafter.path at a DFlash drafter checkpoint")
-
-
-def config_from_zlab(d: dict) -> DFlashConfig:
-    dc = d.get("dflash_config") or {}
-    block_size = d.get("block_size", dc.get("block_size"))
-    return DFlashConfig(**_layer_fields(d), block_size=int(block_size), mask_token_id=dc.get("mask_token_id"),
-                        aux_layer_ids=zlab_to_hf_ids(dc.get("target_layer_ids") or []),
-                        num_target_layers=d.get("num_target_layers"), dtype=d.get("dtype", d.get("torch_dtype")))
-
-
-def config_from_speculators(d: dict, path: str = "") -> DFlashConfig:
-    tlc = d.get("transformer_layer_config") or {}
-    if not tlc:
-        raise bad_value("drafter.path", path, "its speculators config has no `transformer_layer_config`",
-                        "re-export the drafter with speculators or `python -m pipeline convert`")
-    draft_vocab = d.get("draft_vocab_size")
-    if draft_vocab is not None and draft_vocab != tlc.get("vocab_size"):
-        raise bad_value("draft_vocab_size", draft_vocab, f"a reduced draft vocabulary (target vocab "
-                        f"{tlc.get('vocab_size')}) is not supported", "use a full-vocabulary DFlash drafter")
-    verifier = (d.get("speculators_config") or {}).get("verifier") or {}
-    return DFlashConfig(**_layer_fields(tlc), block_size=int(d["block_size"]), mask_token_id=d.get("mask_token_id"),
-                        aux_layer_ids=list(d.get("aux_hidden_state_layer_ids") or []),
-                        target_hidden_size=d.get("target_hidden_size"),
-                        num_target_layers=tlc.get("num_target_layers"),
-                        verifier_name_or_path=verifier.get("name_or_path"),
-                        verifier_architectures=verifier.get("architectures"),
-                        dtype=d.get("dtype", tlc.get("dtype")))
+LAYER_FIELDS = layout.LAYER_FIELDS
+zlab_to_hf_ids, hf_to_zlab_ids, detect_format = layout.zlab_to_hf_ids, layout.hf_to_zlab_ids, layout.detect_format
 
 
 def _dtype_name(cfg: DFlashConfig) -> str:
@@ -172,29 +104,10 @@ def speculators_config_dict(cfg: DFlashConfig, quantization_config: dict | None 
     return d
 
 
-def _config_json(path: str | Path) -> dict:
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise bad_value("drafter.path", str(path), "it has no config.json",
-                        "point it at a drafter checkpoint directory (or download it first)")
-    return read_json(p / "config.json", "drafter.path")
-
-
 def load_drafter_config(path: str | Path, fmt: str = "auto") -> DFlashConfig:
     """Read a z-lab, speculators or native drafter config.json as a `DFlashConfig`."""
-    if fmt not in ("auto", *FORMATS):
-        raise bad_value("drafter.format", fmt, "unknown drafter format", f"use one of auto, {', '.join(FORMATS)}")
-    d = _config_json(path)
-    found = detect_format(d, str(path))
-    if fmt != "auto" and fmt != found:
-        raise bad_value("drafter.format", fmt, f"{path} holds a {found} checkpoint",
-                        f"set drafter.format={found} (or auto)")
-    if found == "zlab":
-        cfg = config_from_zlab(d)
-    elif found == "speculators":
-        cfg = config_from_speculators(d, str(path))
-    else:
-        cfg = DFlashConfig.from_dict(d)
+    found, kw = layout.drafter_kwargs(path, fmt)
+    cfg = DFlashConfig.from_dict(kw) if found == "native" else DFlashConfig(**kw)
     cfg.name_or_path = str(path)
     return cfg
 
@@ -252,6 +165,21 @@ def resolve_verifier(cfg: DFlashConfig, drafter_path: str | Path) -> Path | None
     return None
 
 
+def check_tensors(cfg: DFlashConfig, state: dict[str, torch.Tensor], path: str) -> None:
+    """Refuse weights whose names or shapes do not match the config (before anything is built)."""
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in DFlashDrafter(cfg).state_dict().items() if k not in TARGET_KEYS}
+    got = {k for k in state if k not in TARGET_KEYS}
+    missing, extra = sorted(expected.keys() - got), sorted(got - expected.keys())
+    if missing or extra:
+        raise bad_value("drafter.path", path, f"its weights do not match its config (missing {missing[:3]}, "
+                        f"unexpected {extra[:3]})", "re-export the checkpoint or fix its config.json")
+    for k in sorted(got):
+        if state[k].shape != expected[k]:
+            raise bad_value("drafter.path", path, f"tensor {k} has shape {tuple(state[k].shape)} but the config "
+                            f"implies {tuple(expected[k])}", "fix config.json or the weights")
+
+
 def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
                  dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> DFlashDrafter:
     """Load a drafter in any format and attach the target's embed_tokens/lm_head.
@@ -267,18 +195,15 @@ def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
                             "and no verifier directory could be found", "pass target=<target dir or model>")
     state = read_tensors(Path(path))
     state = {k: v for k, v in state.items() if k not in TARGET_KEYS}
+    check_tensors(cfg, state, str(path))
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
-    expected = {k for k in model.state_dict() if k not in TARGET_KEYS}
-    missing, extra = sorted(expected - state.keys()), sorted(state.keys() - expected)
-    if missing or extra:
-        raise bad_value("drafter.path", str(path), f"its weights do not match the config (missing {missing[:3]}, "
-                        f"unexpected {extra[:3]})", "re-export the checkpoint or fix its config.json")
-    for k, v in state.items():
-        if v.shape != model.state_dict()[k].shape:
-            raise bad_value("drafter.path", str(path), f"tensor {k} has shape {tuple(v.shape)} but the config "
-                            f"implies {tuple(model.state_dict()[k].shape)}", "fix config.json or the weights")
     embed, head = target_head_weights(target)
+    want = (cfg.vocab_size, cfg.hidden_size)
+    if tuple(embed.shape) != want or tuple(head.shape) != want:
+        raise bad_value("target", str(getattr(target, "name_or_path", target)), f"its embed_tokens/lm_head are "
+                        f"{tuple(embed.shape)}/{tuple(head.shape)} but the drafter needs {want}",
+                        "use the target the drafter was trained for (see pipeline.models.compat)")
     state["embed_tokens.weight"], state["lm_head.weight"] = embed, head
     model.load_state_dict(state, assign=True, strict=True)
     model.inv_freq = rope_inv_freq(cfg)[0]  # the meta-device buffer, recomputed for real
@@ -296,12 +221,18 @@ def drafter_state(model: DFlashDrafter) -> dict[str, torch.Tensor]:
             if k not in TARGET_KEYS and k != "inv_freq"}
 
 
-def _write(model: DFlashDrafter, out_dir: str | Path, config: dict) -> Path:
+def write_checkpoint(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
+    """Atomically write model.safetensors (drafter tensors only) and config.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "model.safetensors", st_save(drafter_state(model), metadata={"format": "pt"}))
+    state = {k: v.contiguous() for k, v in sorted(state.items()) if k not in TARGET_KEYS}
+    atomic_write_bytes(out / "model.safetensors", st_save(state, metadata={"format": "pt"}))
     atomic_write_json(out / "config.json", config)
     return out
+
+
+def _write(model: DFlashDrafter, out_dir: str | Path, config: dict) -> Path:
+    return write_checkpoint(drafter_state(model), config, out_dir)
 
 
 def save_zlab(model: DFlashDrafter, out_dir: str | Path) -> Path:
@@ -319,8 +250,23 @@ def save_speculators(model: DFlashDrafter, out_dir: str | Path, verifier: str | 
     return _write(model, out_dir, speculators_config_dict(cfg))
 
 
-def save_native(model: DFlashDrafter, out_dir: str | Path) -> Path:
+def native_config_dict(cfg: DFlashConfig) -> dict:
     """Our own layout (model_type specquant_dflash): what AutoConfig / llm-compressor re-read."""
-    d = model.config.to_dict()
+    d = cfg.to_dict()
     d["architectures"] = ["DFlashDrafter"]
-    return _write(model, out_dir, json.loads(json.dumps(d, default=str)))
+    d.pop("_name_or_path", None)
+    return json.loads(json.dumps(d, default=str))
+
+
+def save_native(model: DFlashDrafter, out_dir: str | Path) -> Path:
+    return _write(model, out_dir, native_config_dict(model.config))
+
+
+def config_dict_for(cfg: DFlashConfig, fmt: str) -> dict:
+    if fmt == "zlab":
+        return zlab_config_dict(cfg)
+    if fmt == "speculators":
+        return speculators_config_dict(cfg)
+    if fmt == "native":
+        return native_config_dict(cfg)
+    raise bad_value("format", fmt, "unknown drafter format", f"use one of {', '.join(FORMATS)}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -117,7 +117,7 @@ def spec_generate(target, drafter, input_ids: list[int], max_new_tokens: int, st
             res.accepted[k] += int(acc > k)
         res.acceptance_lengths.append(acc + 1)
         start += acc + 1
-        tcache.crop(start)
+        tcache.crop(start - tcache.get_seq_length())  # negative = tokens to drop (transformers >= 5.17)
         ctx = aux_hidden(hs, aux_ids)[:, : acc + 1]
         if any(t in stop for t in tokens[start - acc:start + 1]):
             break
@@ -198,8 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
 
-
-__all__ = ["SpecResult", "aux_hidden", "greedy_generate", "spec_generate", "measure_tau", "load_prompts", "asdict"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,294 @@
+"""The whole pipeline at Qwen3-8B / DFlash-b16 shapes (random weights), against the stock tools.
+
+    python -m bench.run_8b --out OUT [--phases build,data,cache,profile,quant,stock,manifest]
+    python -m bench.run_8b --out OUT --tiny --device cpu          # smoke test on a CPU
+    python -m bench.run_8b --out OUT --phases build,data,dist --nproc 2   # one vs N GPUs
+
+Every stage runs as `python -m bench.probe ... <stage> <overrides>` (= `python -m pipeline <stage>`
+plus wall time and peak GPU / host memory), in a work directory on the machine's local disk.
+Results accumulate in OUT/results.json after every phase (a run cut short still reports what it
+measured) and OUT/results.md holds the table for docs/benchmarks.md. Phases whose inputs are
+missing build them first, so any phase can be asked for alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import report
+from bench.shapes import QWEN3_8B, TINY, build_drafter, build_target, dir_bytes, write_blend
+
+ALL_PHASES = ("build", "data", "cache", "profile", "quant", "stock", "manifest")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for results.json / results.md / probe records")
+    p.add_argument("--work", default="auto", help="work folder on local disk (auto: the largest free of "
+                   "/tmp, /var/tmp, /root, the current folder)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--phases", default=",".join(ALL_PHASES))
+    p.add_argument("--samples", type=int, default=264, help="blend samples = cached samples; the drafter "
+                   "calibrates on all but --heldout of them")
+    p.add_argument("--heldout", type=int, default=8, help="cached samples held apart for the drafter check")
+    p.add_argument("--small-samples", type=int, default=64, help="second cache size, for host memory")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--target-samples", type=int, default=64, help="target calibration samples (GPTQ/NVFP4)")
+    p.add_argument("--nproc", type=int, default=2, help="processes for the `dist` phase (torchrun)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-reps", type=int, default=5)
+    p.add_argument("--extra", default="", help="extra Hydra overrides for every stage, space-separated")
+    return p.parse_args(argv)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.shapes = TINY if args.tiny else QWEN3_8B
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = pick_work_dir(args.work)
+        self.models = self.work / "models"
+        self.runs = self.work / "runs"
+        self.results_path = self.out / "results.json"
+        self.results = json.loads(self.results_path.read_text()) if self.results_path.is_file() else {}
+        self.results.setdefault("env", report.environment(self.work))
+        self.results["env"]["argv"] = sys.argv
+        self.results.setdefault("phases", {})
+        self.save()
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def save(self) -> None:
+        tmp = self.results_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.results, indent=2, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, self.results_path)
+        (self.out / "results.md").write_text(report.markdown(self.results))
+
+    def record(self, key: str, value: dict) -> None:
+        self.results["phases"][key] = value
+        self.save()
+        print(f"[bench] {key}: {json.dumps(value, default=str)[:600]}", flush=True)
+
+    def overrides(self, run: str, extra: list[str] = ()) -> list[str]:
+        t, d = self.models / "target", self.models / "drafter"
+        base = [f"run_name={run}", f"runs_root={self.runs}", f"seed={self.args.seed}",
+                f"target.path={t}", f"target.tokenizer={t}", "target.name=qwen3-8b-shape-random",
+                f"target.device={self.args.device}", "target.dtype=bfloat16",
+                f"drafter.path={d}", "drafter.format=speculators", "drafter.name=dflash-b16-shape-random",
+                f"data.max_seq_len={self.args.seq_len}"]
+        return base + list(extra) + self.args.extra.split()
+
+    def stage(self, key: str, stage: str, run: str, extra: list[str] = (), nproc: int = 1) -> dict:
+        """Run one pipeline stage under the probe; returns the probe record + the stage's own record."""
+        probe = self.out / "probes" / f"{key}.json"
+        cmd = [sys.executable, "-m", "bench.probe", str(probe), stage, *self.overrides(run, extra)]
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "-m", "bench.probe", str(probe), stage, *self.overrides(run, extra)]
+        print(f"[bench] $ {' '.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        wall = time.perf_counter() - t0
+        rec: dict = {"command": "python -m pipeline " + " ".join([stage, *self.overrides(run, extra)]),
+                     "rc": rc, "process_wall_s": round(wall, 2), "nproc": nproc}
+        probes = sorted(probe.parent.glob(f"{key}.rank*.json")) if nproc > 1 else [probe]
+        rec["probe"] = [json.loads(p.read_text()) for p in probes if p.is_file()]
+        stage_json = self.runs / run / "stages" / f"{stage_file(stage, extra)}.json"
+        if stage_json.is_file():
+            rec["stage_record"] = {k: v for k, v in json.loads(stage_json.read_text()).items()
+                                   if k in ("wall_time_s", "result", "device", "versions")}
+        return rec
+
+    # ---- phases ------------------------------------------------------------------------------
+    def build(self) -> None:
+        if (self.models / "target" / "config.json").is_file() and (self.models / "drafter" / "config.json").is_file():
+            return
+        shutil.rmtree(self.models, ignore_errors=True)
+        t = build_target(self.shapes, self.models / "target", self.args.device, self.args.seed)
+        d = build_drafter(self.shapes, self.models / "drafter", self.models / "target", self.args.device,
+                          self.args.seed)
+        self.record("build", {"target": t, "drafter": d})
+
+    def data(self) -> None:
+        self.build()
+        for run, n in (("bench", self.args.samples), ("bench-small", self.args.small_samples)):
+            if (self.runs / run / "data" / "meta.json").is_file():
+                continue
+            t0 = time.perf_counter()
+            info = write_blend(self.shapes, self.runs / run / "data", self.models / "target", n,
+                               self.args.seq_len, self.args.seed)
+            info["write_s"] = round(time.perf_counter() - t0, 2)
+            self.record(f"data[{run}]", info)
+
+    def _cache_done(self, run: str) -> bool:
+        return (self.runs / run / "cache" / "index.json").is_file()
+
+    def cache(self) -> None:
+        self.data()
+        for run in ("bench-small", "bench"):
+            if self._cache_done(run) and f"cache[{run}]" in self.results["phases"]:
+                continue
+            rec = self.stage(f"cache-{run}", "cache", run)
+            rec.update(report.cache_summary(self.runs / run, rec))
+            self.record(f"cache[{run}]", rec)
+        # the small cache only served to show host memory is flat: free its disk for later stages
+        shutil.rmtree(self.runs / "bench-small" / "cache", ignore_errors=True)
+
+    def profile(self) -> None:
+        from bench.profile_cache import profile
+
+        self.build()
+        aux = [i + 1 for i in self.shapes.zlab_layer_ids]
+        batch = 4 if not self.args.tiny else 2
+        res = profile(str(self.models / "target"), aux, self.args.device, batch, self.args.seq_len,
+                      self.args.profile_reps, write_dir=str(self.work))
+        self.record("profile", res)
+        _empty()
+        stock_bench = Path(__file__).with_name("cache_bench.py")
+        if stock_bench.is_file() and self._cache_done("bench"):
+            self.record("cache_bench", run_cache_bench(self, aux))
+
+    def quant(self) -> None:
+        if not self._cache_done("bench"):
+            self.cache()
+        n = self.args.samples - self.args.heldout
+        held = f"quant.heldout_samples={self.args.heldout}"
+        variants = [
+            ("quantize-drafter[nvfp4]", "quantize-drafter",
+             ["quant=nvfp4", "quant.observer=nvfp4_expanded_mse", f"quant.num_samples={n}", held,
+              f"quant.max_seq_len={self.args.seq_len}"]),
+            ("quantize-drafter[w4a16]", "quantize-drafter", ["quant=w4a16", f"quant.num_samples={n}", held,
+                                                             f"quant.max_seq_len={self.args.seq_len}"]),
+            ("quantize-target[w4a16]", "quantize-target",
+             ["target_quant=w4a16", f"target_quant.num_samples={self.args.target_samples}",
+              f"target_quant.max_seq_len={self.args.seq_len}"]),
+        ]
+        for key, stage, extra in variants:
+            if key in self.results["phases"] and self.results["phases"][key].get("rc") == 0:
+                continue
+            rec = self.stage(key.replace("[", "-").rstrip("]"), stage, "bench", extra)
+            result = (rec.get("stage_record") or {}).get("result") or {}
+            rec["tokens"] = result.get("num_calibration_tokens") or None
+            wall = (rec.get("stage_record") or {}).get("wall_time_s")
+            rec["tok_s"] = round(rec["tokens"] / wall) if rec["tokens"] and wall else None
+            out_dir = self.runs / "bench" / ("drafter" if stage == "quantize-drafter" else "target") / extra[0].split("=")[1]
+            rec["output_bytes"] = dir_bytes(out_dir) if out_dir.is_dir() else None
+            self.record(key, rec)
+
+    def stock(self) -> None:
+        """Plain llm-compressor oneshot on the target, same scheme as quantize-target (the baseline)."""
+        self.build()
+        probe = self.out / "probes" / "stock-oneshot-target.json"
+        out_dir = self.work / "stock-target-w4a16"
+        cmd = [sys.executable, "-m", "bench.stock_target", "--target", str(self.models / "target"),
+               "--out-dir", str(out_dir), "--probe", str(probe), "--device", self.args.device]
+        print(f"[bench] $ {' '.join(cmd)}", flush=True)
+        rc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        rec = json.loads(probe.read_text()) if probe.is_file() else {}
+        rec.update({"rc": rc, "command": " ".join(cmd[1:])})
+        self.record("stock-oneshot-target[w4a16]", rec)
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+    def manifest(self) -> None:
+        rec = self.stage("manifest", "manifest", "bench")
+        self.record("manifest", rec)
+
+    def dist(self) -> None:
+        """Cache with 1 process then with N (torchrun): throughput and content hash, same machine."""
+        self.data()
+        if not self._cache_done("bench"):
+            rec = self.stage("cache-bench", "cache", "bench")
+            rec.update(report.cache_summary(self.runs / "bench", rec))
+            self.record("cache[bench]", rec)
+        name = f"bench-n{self.args.nproc}"
+        shutil.rmtree(self.runs / name, ignore_errors=True)
+        shutil.copytree(self.runs / "bench" / "data", self.runs / name / "data")
+        rec = self.stage(f"cache-{name}", "cache", name, nproc=self.args.nproc)
+        rec.update(report.cache_summary(self.runs / name, rec))
+        one = self.results["phases"]["cache[bench]"]
+        rec["content_hash_equal"] = (rec.get("content_sha256") is not None
+                                     and rec.get("content_sha256") == one.get("content_sha256"))
+        for key in ("tok_s", "tok_s_steady", "tok_s_end_to_end"):
+            if one.get(key) and rec.get(key):
+                rec[f"speedup_{key}"] = round(rec[key] / one[key], 3)
+        rec["speedup"] = rec.get("speedup_tok_s_steady") or rec.get("speedup_tok_s")
+        rec["scaling_efficiency"] = round(rec["speedup"] / self.args.nproc, 3) if rec["speedup"] else None
+        self.record(f"cache[{name}]", rec)
+
+
+def stage_file(stage: str, extra: list[str]) -> str:
+    for e in extra:
+        if stage == "quantize-drafter" and e.startswith("quant="):
+            return f"{stage}-{e.split('=', 1)[1]}"
+        if stage == "quantize-target" and e.startswith("target_quant="):
+            return f"{stage}-{e.split('=', 1)[1]}"
+    return stage
+
+
+def run_cache_bench(bench: Bench, aux: list[int]) -> dict:
+    """Helper C's side-by-side (stage vs output_hidden_states) if present; its JSON is recorded as is."""
+    out = bench.out / "probes" / "cache_bench.json"
+    cmd = [sys.executable, "-m", "bench.cache_bench", "--target", str(bench.models / "target"),
+           "--device", bench.args.device, "--seq-len", str(bench.args.seq_len), "--json", str(out)]
+    print(f"[bench] $ {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
+    print(proc.stdout[-4000:], proc.stderr[-4000:], flush=True)
+    rec = {"rc": proc.returncode, "command": " ".join(cmd[1:]), "stdout_tail": proc.stdout[-2000:]}
+    if out.is_file():
+        rec["result"] = json.loads(out.read_text())
+    return rec
+
+
+def pick_work_dir(arg: str) -> Path:
+    if arg != "auto":
+        p = Path(arg)
+    else:
+        cands = [Path(c) for c in ("/tmp", "/var/tmp", "/root", os.getcwd()) if Path(c).is_dir()]
+        p = max(cands, key=lambda c: shutil.disk_usage(c).free) / "specquant-bench"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _empty() -> None:
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+    print(f"[bench] work dir {bench.work} ({shutil.disk_usage(bench.work).free / 2**30:.0f} GiB free)", flush=True)
+    for phase in [p.strip() for p in args.phases.split(",") if p.strip()]:
+        if phase not in {*ALL_PHASES, "dist"}:
+            raise SystemExit(f"unknown phase {phase!r}; choose from {', '.join([*ALL_PHASES, 'dist'])}")
+        t0 = time.perf_counter()
+        try:
+            getattr(bench, phase)()
+        except Exception as exc:  # a failed phase is reported, the others still run
+            import traceback
+
+            traceback.print_exc()
+            bench.record(f"error[{phase}]", {"error": f"{type(exc).__name__}: {exc}"[:2000]})
+        print(f"[bench] phase {phase} took {time.perf_counter() - t0:.1f}s", flush=True)
+    print(report.markdown(bench.results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""Cache stage: the target's hidden states at the drafter's aux layers, streamed to sharded safetensors.
+
+Recipe: read the data stage's samples -> resolve and check the aux layer ids against the target's
+depth (before any weight is loaded) -> skip if a finished cache of the same inputs exists -> plan
+shards (independent of the number of processes) -> each rank runs the target over its shards with
+forward hooks that stop the forward after the deepest aux layer -> device->host copies on a side
+stream into pinned buffers, shards written and hashed by a background thread -> rank 0 writes
+index.json. Format: docs/cache_format.md; reader: `CacheReader`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.cache_store import (
+    BackgroundWriter,
+    CacheReader,
+    Layout,
+    build_index,
+    check_storage_dtype,
+    clear_stale,
+    encode_hidden,
+    finished_index,
+    pack_batches,
+    plan_shards,
+    read_sidecar,
+    sha256_text,
+)
+from pipeline.errors import bad_value
+from pipeline.io import confine, dumps_json, read_json, remove_stale_temps, sha256_file
+from pipeline.rundir import RunDir
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _StopForward(Exception):
+    """Raised by the hook on the deepest aux layer: nothing after it is computed."""
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs at `aux_layer_ids` (HF output_hidden_states convention:
+    0 = embeddings, m = output of decoder layer m-1, L = the final norm's output) and stop the
+    forward right after the deepest one."""
+
+    def __init__(self, model, aux_layer_ids: list[int]):
+        self.base = model.base_model
+        n = len(self.base.layers)
+        modules = {0: self.base.get_input_embeddings(), n: self.base.norm}
+        modules.update({m: self.base.layers[m - 1] for m in range(1, n)})
+        self.aux = list(aux_layer_ids)
+        self.deepest = max(self.aux)
+        self.store: dict[int, torch.Tensor] = {}
+        self._handles = [modules[m].register_forward_hook(self._hook(m)) for m in self.aux]
+
+    def _hook(self, m: int):
+        def hook(_module, _args, output):
+            self.store[m] = output[0] if isinstance(output, tuple) else output
+            if m == self.deepest:
+                raise _StopForward
+
+        return hook
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+        self.store = {}
+        with contextlib.suppress(_StopForward):
+            self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = [self.store[m] for m in self.aux]
+        self.store = {}
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def check_aux_layer_ids(aux, num_layers: int, field: str = "drafter aux_layer_ids") -> list[int]:
+    ids = list(aux) if aux is not None else []
+    if not ids or not all(isinstance(m, int) and not isinstance(m, bool) for m in ids):
+        raise bad_value(field, ids, "it must be a non-empty list of integer layer indices",
+                        "give the target layers the drafter reads (HF output_hidden_states indices)")
+    bad = [m for m in ids if not 0 <= m <= num_layers]
+    if bad:
+        raise bad_value(field, ids, f"index {bad[0]} is outside the target's hidden states 0..{num_layers} "
+                        f"(it has {num_layers} decoder layers)", "use a drafter made for this target "
+                        "or fix the layer ids (index m = output of decoder layer m-1)")
+    if len(set(ids)) != len(ids):
+        raise bad_value(field, ids, "it repeats a layer", "list each aux layer once")
+    return ids
+
+
+def resolve_aux_layer_ids(cfg) -> list[int]:
+    """cache.aux_layer_ids if set, else the drafter config's (HF index convention)."""
+    if cfg.cache.get("aux_layer_ids"):
+        return [int(m) for m in cfg.cache.aux_layer_ids]
+    try:
+        from pipeline.models.formats import load_drafter_config
+    except ImportError:  # helper module not there yet: read the two known config layouts directly
+        conf = read_json(Path(cfg.drafter.path) / "config.json", "drafter.path")
+        if "aux_hidden_state_layer_ids" in conf:
+            return list(conf["aux_hidden_state_layer_ids"])
+        if "target_layer_ids" in conf.get("dflash_config", {}):
+            return [m + 1 for m in conf["dflash_config"]["target_layer_ids"]]
+        raise bad_value("drafter.path", cfg.drafter.path, "its config.json names no aux layers",
+                        "point it at a DFlash drafter in speculators or z-lab format") from None
+    return list(load_drafter_config(cfg.drafter.path, cfg.drafter.format).aux_layer_ids)
+
+
+def target_files_sha256(cfg) -> tuple[str, Path]:
+    """sha256 over the target's files (name + content hash); follows the Hub cache's symlinks."""
+    path = Path(cfg.target.path)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(cfg.target.path, revision=cfg.target.revision, local_files_only=True))
+        except Exception as exc:  # noqa: BLE001 - any failure means the same thing to the user
+            raise bad_value("target.path", cfg.target.path, f"it is neither a directory nor a cached Hub repo ({exc})",
+                            "download it first or give a local directory") from None
+    lines = [f"{p.relative_to(path).as_posix()} {sha256_file(p)}" for p in sorted(path.rglob("*"))
+             if p.is_file() and not p.name.startswith(".")]
+    return sha256_text("\n".join(lines)), path
+
+
+def _check_cfg(cfg) -> None:
+    c = cfg.cache
+    check_storage_dtype(c.storage_dtype)
+    for key in ("samples_per_shard", "max_shard_bytes", "batch_tokens"):
+        if int(c[key]) < 1:
+            raise bad_value(f"cache.{key}", c[key], "it must be a positive integer", "set it to 1 or more")
+    if c.distributed_backend not in ("auto", "gloo", "nccl"):
+        raise bad_value("cache.distributed_backend", c.distributed_backend, "it is not a known backend",
+                        "use auto, gloo or nccl")
+    if cfg.target.dtype not in _DTYPES:
+        raise bad_value("target.dtype", cfg.target.dtype, "it is not supported", f"use one of {', '.join(_DTYPES)}")
+
+
+def _load_samples(data_dir: Path) -> list[dict]:
+    from pipeline.data import load_samples
+
+    return load_samples(data_dir)
+
+
+def _rank_world() -> tuple[int, int, int]:
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+class _Dist:
+    """The process group (or nothing, for one process)."""
+
+    def __init__(self, backend: str, device: torch.device):
+        self.rank, self.world, self.local_rank = _rank_world()
+        self.nccl = False
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if backend == "auto":
+                backend = "nccl" if device.type == "cuda" else "gloo"
+            self.nccl = backend == "nccl"
+            if not dist.is_initialized():
+                # ranks may wait hours for each other at the final barrier
+                dist.init_process_group(backend, timeout=_dt.timedelta(hours=24))
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(device_ids=[self.local_rank]) if self.nccl else dist.barrier()
+
+    def gather(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _device(cfg) -> torch.device:
+    dev = torch.device(cfg.target.device)
+    _, world, local_rank = _rank_world()
+    if dev.type == "cuda" and world > 1:
+        dev = torch.device("cuda", local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def load_target(cfg, device: torch.device):
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    # the base model is loaded without lm_head on purpose: silence the "UNEXPECTED lm_head" report
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModel.from_pretrained(
+            cfg.target.path, revision=cfg.target.revision, dtype=_DTYPES[cfg.target.dtype],
+            attn_implementation=cfg.target.attn_implementation, trust_remote_code=bool(cfg.target.trust_remote_code),
+            **({"device_map": str(device)} if device.type == "cuda" else {}))
+    finally:
+        hf_logging.set_verbosity(level)
+    return model.to(device).eval()
+
+
+def forward_batch(capture: LayerCapture, batch: list[list[int]], layout: Layout, device: torch.device):
+    """Run one padded batch; returns the packed [sum T, n_aux, H] storage tensor (+ fp8 scales).
+
+    Padding is dropped on the device with an index built on the host, so no host sync is needed."""
+    lens = [len(ids) for ids in batch]
+    tmax, pin = max(lens), device.type == "cuda"
+    ids = torch.zeros(len(batch), tmax, dtype=torch.long)
+    for b, row in enumerate(batch):
+        ids[b, : lens[b]] = torch.tensor(row, dtype=torch.long)
+    padded = min(lens) != tmax
+    mask = (torch.arange(tmax)[None, :] < torch.tensor(lens)[:, None]).long() if padded else None
+    to = (lambda t: t.pin_memory().to(device, non_blocking=True)) if pin else (lambda t: t.to(device))
+    outs = capture(to(ids), None if mask is None else to(mask))
+    h = layout.hidden_size
+    if padded:
+        keep = to(torch.cat([torch.arange(n) + b * tmax for b, n in enumerate(lens)]))
+        packed = torch.stack([o.reshape(-1, h).index_select(0, keep) for o in outs], dim=1)
+    else:
+        packed = torch.stack([o.reshape(-1, h) for o in outs], dim=1)
+    return encode_hidden(packed, layout)
+
+
+def cache_shards(capture: LayerCapture, plans, samples, layout: Layout, out: Path, resume_key: str,
+                 device: torch.device, batch_tokens: int, rank: int = 0, dry_run: bool = False) -> int:
+    """Compute and write `plans` (shards, in order); returns the tokens written. The loop only
+    launches GPU work and hands batches over: copies, writes and hashes happen off this thread.
+    `dry_run` copies to host but writes nothing (benchmarks)."""
+    from tqdm import tqdm
+
+    longest = max(len(samples[g]["input_ids"]) for p in plans for g in range(p.first, p.first + p.count))
+    writer = BackgroundWriter(out, samples, layout, resume_key, device, dry_run=dry_run,
+                              max_batch_tokens=max(batch_tokens, longest))
+    bar = tqdm(total=sum(p.num_tokens for p in plans), unit="tok", unit_scale=True, disable=rank != 0,
+               desc=f"cache rank {rank}", mininterval=1.0)
+    try:
+        with torch.inference_mode():
+            for plan in plans:
+                lengths = [len(samples[g]["input_ids"]) for g in range(plan.first, plan.first + plan.count)]
+                batches = [[plan.first + i for i in b] for b in pack_batches(lengths, batch_tokens)]
+                writer.open_shard(plan, [g for b in batches for g in b])
+                for b in batches:
+                    hs, scale = forward_batch(capture, [samples[g]["input_ids"] for g in b], layout, device)
+                    writer.put_batch(b, [len(samples[g]["input_ids"]) for g in b], hs, scale)
+                    bar.update(sum(len(samples[g]["input_ids"]) for g in b))
+                writer.close_shard()
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    return sum(p.num_tokens for p in plans)
+
+
+def _cache_rank(cfg, plans, samples, layout, out: Path, resume_key: str, device, rank: int) -> tuple[int, int]:
+    if not plans:
+        return 0, 0
+    capture = LayerCapture(load_target(cfg, device), list(layout.aux_layer_ids))
+    try:
+        return len(plans), cache_shards(capture, plans, samples, layout, out, resume_key, device,
+                                        int(cfg.cache.batch_tokens), rank)
+    finally:
+        capture.remove()
+
+
+def run(cfg) -> dict:
+    _check_cfg(cfg)
+    rd = RunDir.from_cfg(cfg)
+    out = confine(rd.cache, rd.root, "cache dir") if rd.root.exists() else rd.cache
+    samples = _load_samples(rd.data)
+    if not samples:
+        raise bad_value("data", str(rd.data), "it holds no samples", "re-run `make data` with a non-empty blend")
+    data_meta = read_json(rd.data / "meta.json", "data/meta.json")
+    from transformers import AutoConfig
+
+    tconf = AutoConfig.from_pretrained(cfg.target.path, revision=cfg.target.revision,
+                                       trust_remote_code=bool(cfg.target.trust_remote_code)).get_text_config()
+    field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
+    aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field)
+    layout = Layout(tuple(aux), int(tconf.hidden_size), cfg.cache.storage_dtype)
+    files_sha, _ = target_files_sha256(cfg)
+    # what the cached values depend on (paths are not: a moved target or run dir reuses the cache)
+    inputs = {"format_version": 1, "aux_layer_ids": aux, "storage_dtype": layout.storage_dtype,
+              "target": {"files_sha256": files_sha, "dtype": cfg.target.dtype,
+                         "attn_implementation": cfg.target.attn_implementation},
+              "data": {"samples_sha256": data_meta.get("samples_sha256"), "num_samples": len(samples)}}
+    inputs_hash = sha256_text(dumps_json(inputs))
+    done = finished_index(out, inputs_hash)
+    if done is not None:
+        print(f"[specquant] cache: {out} already holds these inputs ({inputs_hash[:12]}...); nothing to do")
+        return _summary(out, done, written=0, seconds=0.0, reused=True)
+    plans = plan_shards([len(s["input_ids"]) for s in samples], layout, int(cfg.cache.samples_per_shard),
+                        int(cfg.cache.max_shard_bytes))
+    device = _device(cfg)
+    resume_key = sha256_text(dumps_json({"inputs_hash": inputs_hash, "batch_tokens": int(cfg.cache.batch_tokens),
+                                         "device_type": device.type,
+                                         "plan": [[p.first, p.count] for p in plans]}))
+    dist = _Dist(cfg.cache.distributed_backend, device)
+    try:
+        if dist.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(out)
+            clear_stale(out, resume_key, len(plans))
+        dist.barrier()
+        mine = [p for p in plans if p.index % dist.world == dist.rank and read_sidecar(out, p.index, resume_key) is None]
+        started = time.time()
+        written = _cache_rank(cfg, mine, samples, layout, out, resume_key, device, dist.rank)
+        per_rank = dist.gather([*written, time.time() - started])
+        dist.barrier()
+        index = None
+        if dist.rank == 0:
+            extra = {"target_path": str(cfg.target.path), "target_revision": cfg.target.revision,
+                     "device_type": device.type, "batch_tokens": int(cfg.cache.batch_tokens)}
+            index = build_index(out, plans, layout, inputs, inputs_hash, resume_key, extra)
+        dist.barrier()
+        index = index or read_json(out / "index.json", "cache/index.json")
+    finally:
+        dist.close()
+    return _summary(out, index, written=sum(r[0] for r in per_rank), tokens=sum(r[1] for r in per_rank),
+                    seconds=max(r[2] for r in per_rank), reused=False)
+
+
+def _summary(out: Path, index: dict, written: int, seconds: float, reused: bool, tokens: int = 0) -> dict:
+    return {"output": str(out), "content_hash": index["content_hash"], "inputs_hash": index["inputs_hash"],
+            "num_samples": index["num_samples"], "num_tokens": index["num_tokens"], "num_shards": index["num_shards"],
+            "total_bytes": index["total_bytes"], "shards_written": written, "reused": reused,
+            "seconds": round(seconds, 3),
+            "tokens_written": tokens, "tokens_per_s": round(tokens / seconds, 1) if tokens and seconds else None}
+
+
+def content_hash_of(cache_dir: str | Path) -> str:
+    return read_json(Path(cache_dir) / "index.json", "cache/index.json")["content_hash"]
+
+
+__all__ = ["run", "CacheReader", "LayerCapture", "check_aux_layer_ids", "resolve_aux_layer_ids", "forward_batch",
+           "cache_shards", "load_target", "content_hash_of"]

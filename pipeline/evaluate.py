@@ -1,0 +1,254 @@
+"""Stage `evaluate`: acceptance length per subset for the bf16 drafter and every quantized variant.
+
+Recipe: check the request (variants, target, prompt sets) -> load the target as served (dense or
+dequantized) -> per drafter variant, run the greedy speculative loop over every prompt of every
+subset -> write eval/results.json, timings.json, report.md, the plots, vllm_commands.sh and the
+prompts the vLLM benchmark commands read. Quantized drafters run as their checkpoints specify
+(pipeline.evaluation.fakequant).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import bad_value
+from pipeline.io import atomic_write_json, atomic_write_text, dumps_json, hash_tree
+from pipeline.rundir import RunDir
+
+REFERENCE = "bf16"
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _drafter_dirs(cfg, rd: RunDir) -> dict[str, Path]:
+    """{variant: checkpoint dir}: the run's drafters, the bf16 reference falling back to drafter.path."""
+    found = {v: rd.drafter(v) for v in rd.drafter_variants()}
+    if REFERENCE not in found and Path(cfg.drafter.path).is_dir():
+        found[REFERENCE] = Path(cfg.drafter.path)
+    wanted = list(cfg.eval.variants or [])
+    unknown = [v for v in wanted if v not in found]
+    if unknown:
+        raise bad_value("eval.variants", wanted, f"{unknown} not found in {rd.root / 'drafter'} (have {sorted(found)})",
+                        "run quantize-drafter for them first or drop them from the list")
+    chosen = wanted or sorted(found)
+    if not chosen:
+        raise bad_value("run_dir", str(rd.root), "it holds no drafter checkpoint to evaluate",
+                        "run `make quantize-drafter` first")
+    order = ([REFERENCE] if REFERENCE in chosen else []) + sorted(v for v in chosen if v != REFERENCE)
+    return {v: found[v] for v in order}
+
+
+def _target_path(cfg, rd: RunDir) -> str:
+    variant = cfg.eval.target_variant
+    if variant == REFERENCE:
+        return str(cfg.target.path)
+    if variant not in rd.target_variants():
+        raise bad_value("eval.target_variant", variant, f"no quantized target {rd.target(variant)} in this run "
+                        f"(have {rd.target_variants() or 'none'})", "run quantize-target for it or use bf16")
+    return str(rd.target(variant))
+
+
+def _scheme_of(quantization: dict) -> str | None:
+    """The scheme name a checkpoint's quantization_config amounts to (for runs without stage records)."""
+    group = next(iter(quantization.get("groups", {}).values()), None)
+    w = (group or {}).get("weights") or {}
+    if w.get("type") == "float" and w.get("num_bits") == 4:
+        return "nvfp4" if group.get("input_activations") else "nvfp4a16"
+    if w.get("type") == "int" and w.get("num_bits") == 4 and not group.get("input_activations"):
+        return "w4a16"
+    return None
+
+
+def _variant_meta(rd: RunDir, variant: str, summary: dict) -> dict[str, Any]:
+    """Scheme and calibration: from the quantize-drafter stage record, else read off the checkpoint."""
+    q = summary["quantization"]
+    if not q.get("quantized"):
+        return {"scheme": None, "calibration": None}
+    record = rd.stages / f"quantize-drafter-{variant}.json"
+    if record.is_file():
+        quant = json.loads(record.read_text(encoding="utf-8")).get("resolved_config", {}).get("quant", {})
+        return {"scheme": quant.get("scheme"), "calibration": quant.get("calibration")}
+    calibration = "none" if "nocalib" in variant else ("cache" if q.get("activations_quantized") else None)
+    return {"scheme": _scheme_of(q), "calibration": calibration}
+
+
+def _stop_ids(tokenizer, target) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(target, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids |= set(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def subset_stats(results: list, block_size: int) -> dict[str, Any]:
+    """Aggregate `SpecResult`s: tau over all steps, drafted/accepted tokens, per-position acceptance."""
+    taus = [t for r in results for t in r.acceptance_lengths]
+    drafted = [sum(r.drafted[k] for r in results) for k in range(block_size - 1)]
+    accepted = [sum(r.accepted[k] for r in results) for k in range(block_size - 1)]
+    steps = len(taus)
+    return {"steps": steps, "tau": round(sum(taus) / steps, 6) if steps else 0.0,
+            "drafted_tokens": sum(drafted), "accepted_tokens": sum(accepted),
+            "acceptance_rate": round(sum(accepted) / sum(drafted), 6) if sum(drafted) else 0.0,
+            "position_acceptance": [round(a / d, 6) if d else 0.0 for a, d in zip(accepted, drafted)],
+            "tau_histogram": {str(k): taus.count(k) for k in range(1, block_size + 1)},
+            "generated_tokens": sum(len(r.output_ids) for r in results)}
+
+
+def _merge(per_subset: dict[str, list], block_size: int) -> dict:
+    return subset_stats([r for rs in per_subset.values() for r in rs], block_size)
+
+
+def _evaluate_variant(target, drafter, subsets, max_new_tokens, stop, device, greedy, desc):
+    from tqdm import tqdm
+
+    from pipeline.models.spec_decode import spec_generate
+
+    runs, seconds, mismatches = {}, {}, {}
+    bar = tqdm(total=sum(len(s.prompts) for s in subsets), desc=desc, unit="prompt")
+    for s in subsets:
+        runs[s.name], seconds[s.name], mismatches[s.name] = [], 0.0, 0
+        for i, ids in enumerate(s.prompts):
+            _sync(device)
+            t0 = time.perf_counter()
+            r = spec_generate(target, drafter, ids, max_new_tokens, stop)
+            _sync(device)
+            seconds[s.name] += time.perf_counter() - t0
+            mismatches[s.name] += int(r.output_ids != greedy[s.name][i])
+            runs[s.name].append(r)
+            bar.update(1)
+    bar.close()
+    return runs, seconds, mismatches
+
+
+def _greedy_reference(target, subsets, max_new_tokens, stop, device):
+    """Plain target greedy outputs (the lossless reference) and their wall time per subset."""
+    from tqdm import tqdm
+
+    from pipeline.models.spec_decode import greedy_generate
+
+    outs, seconds = {}, {}
+    bar = tqdm(total=sum(len(s.prompts) for s in subsets), desc="target only", unit="prompt")
+    for s in subsets:
+        outs[s.name], seconds[s.name] = [], 0.0
+        for ids in s.prompts:
+            _sync(device)
+            t0 = time.perf_counter()
+            outs[s.name].append(greedy_generate(target, ids, max_new_tokens, stop))
+            _sync(device)
+            seconds[s.name] += time.perf_counter() - t0
+            bar.update(1)
+    bar.close()
+    return outs, seconds
+
+
+def _config_record(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    from pipeline.secrets import scrub_obj
+
+    full = OmegaConf.to_container(cfg, resolve=True)
+    return scrub_obj({k: full[k] for k in ("run_name", "seed", "target", "drafter", "eval")})
+
+
+def _tree(path: str | Path) -> dict | None:
+    p = Path(path)
+    return {k: v["sha256"] for k, v in hash_tree(p).items()} if p.is_dir() else None
+
+
+def _write_outputs(out: Path, results: dict, timings: dict, subsets) -> list[str]:
+    from pipeline.evaluation import plots, report
+
+    prompt_files = {}
+    for s in subsets:
+        rel = f"prompts/{s.name}.jsonl"
+        atomic_write_text(out / rel, "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in s.texts))
+        prompt_files[s.name] = str(out / rel)
+    atomic_write_json(out / "results.json", results)
+    atomic_write_json(out / "timings.json", timings)
+    atomic_write_text(out / "report.md", report.render_report(results))
+    atomic_write_text(out / "vllm_commands.sh", report.render_vllm_commands(results, prompt_files))
+    (out / "vllm_commands.sh").chmod(0o755)
+    plots.tau_bars(results, out / "tau_per_subset.png")
+    plots.acceptance_curves(results, out / "acceptance_per_position.png")
+    return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+
+
+def run(cfg) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from pipeline.evaluation.fakequant import load_drafter_variant, load_target
+    from pipeline.evaluation.prompts import load_prompt_sets
+    from pipeline.models.compat import check_compatible
+    from pipeline.models.formats import load_drafter_config
+    from pipeline.seeding import seed_everything
+
+    rd = RunDir.from_cfg(cfg)
+    if cfg.target.dtype not in _DTYPES:
+        raise bad_value("target.dtype", cfg.target.dtype, "unknown dtype", f"use one of {', '.join(_DTYPES)}")
+    if int(cfg.eval.max_new_tokens) < 1:
+        raise bad_value("eval.max_new_tokens", cfg.eval.max_new_tokens, "it must be positive", "use a value >= 1")
+    drafters = _drafter_dirs(cfg, rd)
+    target_path = _target_path(cfg, rd)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path,
+                                              revision=cfg.target.revision if not cfg.target.tokenizer else None)
+    subsets = load_prompt_sets(cfg.eval, tokenizer)
+    block_sizes = {v: int(load_drafter_config(p).block_size) for v, p in drafters.items()}
+    if len(set(block_sizes.values())) != 1:
+        raise bad_value("eval.variants", list(drafters), f"the drafters have different block sizes {block_sizes}",
+                        "evaluate variants of one drafter together")
+    block_size = next(iter(block_sizes.values()))
+
+    seed_everything(int(cfg.seed))
+    dtype, device = getattr(torch, cfg.target.dtype), str(cfg.target.device)
+    target = load_target(target_path, dtype, device, cfg.target.revision if cfg.eval.target_variant == REFERENCE
+                         else None, bool(cfg.target.trust_remote_code), cfg.target.attn_implementation)
+    for p in drafters.values():
+        check_compatible(load_drafter_config(p), target.config, tokenizer, cfg.drafter.mask_token)
+    stop, max_new = _stop_ids(tokenizer, target), int(cfg.eval.max_new_tokens)
+    greedy, target_s = _greedy_reference(target, subsets, max_new, stop, device)
+
+    variants, timings = {}, {"device": device, "target_only_s": {k: round(v, 4) for k, v in target_s.items()},
+                             "speculative_s": {}, "speedup": {}}
+    for v, path in drafters.items():
+        drafter, summary = load_drafter_variant(path, target, dtype, device)
+        runs, spec_s, mismatches = _evaluate_variant(target, drafter, subsets, max_new, stop, device, greedy,
+                                                     f"evaluate {v}")
+        del drafter
+        variants[v] = {"path": str(path), "files": _tree(path), **summary, **_variant_meta(rd, v, summary),
+                       "subsets": {s: subset_stats(rs, block_size) for s, rs in runs.items()},
+                       "overall": _merge(runs, block_size), "lossless_mismatches": mismatches}
+        timings["speculative_s"][v] = {k: round(x, 4) for k, x in spec_s.items()}
+        timings["speedup"][v] = {k: round(target_s[k] / x, 4) if x else None for k, x in spec_s.items()}
+
+    results = {
+        "stage": "evaluate", "config": _config_record(cfg), "block_size": block_size, "max_new_tokens": max_new,
+        "stop_token_ids": stop, "reference_variant": REFERENCE if REFERENCE in variants else None,
+        "variant_order": list(variants), "variants": variants,
+        "drafter": {"name": cfg.drafter.name, "path": str(cfg.drafter.path)},
+        "target": {"name": cfg.target.name, "variant": cfg.eval.target_variant, "path": target_path,
+                   "serve_path": target_path, "files": _tree(target_path), "revision": cfg.target.revision},
+        "subsets": [{"name": s.name, "source": s.source, "num_prompts": len(s.prompts),
+                     "prompt_tokens": sum(len(p) for p in s.prompts)} for s in subsets],
+    }
+    written = _write_outputs(rd.eval, results, timings, subsets)
+    lossless = all(n == 0 for d in variants.values() for n in d["lossless_mismatches"].values())
+    return {"output": str(rd.eval), "files": written, "lossless": lossless,
+            "tau": {v: {s: d["subsets"][s]["tau"] for s in d["subsets"]} | {"all": d["overall"]["tau"]}
+                    for v, d in variants.items()},
+            "timings": timings, "results_sha256": _sha(dumps_json(results))}
+
+
+def _sha(text: str) -> str:
+    from pipeline.io import sha256_bytes
+
+    return sha256_bytes(text.encode("utf-8"))

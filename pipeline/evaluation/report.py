@@ -1,0 +1,132 @@
+"""The human side of the evaluation: report.md (tables) and vllm_commands.sh (reproduce on GPUs).
+
+Both are pure functions of results.json, so the same results give the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+REFERENCE = "bf16"
+
+
+def rel_change(value: float, ref: float) -> float | None:
+    return None if not ref else (value - ref) / ref
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def calibration_pairs(results: dict) -> list[tuple[str, str]]:
+    """(calibrated, calibration-free) variant pairs of the same scheme."""
+    info = {v: results["variants"][v] for v in results["variant_order"]}
+    pairs = []
+    for v, d in info.items():
+        if d.get("calibration") != "none" or d.get("scheme") is None:
+            continue
+        for w, e in info.items():
+            if e.get("scheme") == d["scheme"] and e.get("calibration") == "cache":
+                pairs.append((w, v))
+    return sorted(pairs)
+
+
+def _tau_table(results: dict) -> list[str]:
+    variants, ref = results["variant_order"], results.get("reference_variant")
+    rows = [s["name"] for s in results["subsets"]] + ["all"]
+    head = "| subset | " + " | ".join(f"`{v}`" for v in variants) + " |"
+    lines = [head, "|" + "---|" * (len(variants) + 1)]
+    for s in rows:
+        cells = []
+        for v in variants:
+            tau = _stats(results, v, s)["tau"]
+            ref_tau = _stats(results, ref, s)["tau"] if ref else None
+            cells.append(f"{tau:.3f}" if v == ref or ref_tau is None else f"{tau:.3f} ({_pct(rel_change(tau, ref_tau))})")
+        lines.append(f"| {'**all**' if s == 'all' else s} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _stats(results: dict, variant: str, subset: str) -> dict:
+    d = results["variants"][variant]
+    return d["overall"] if subset == "all" else d["subsets"][subset]
+
+
+def render_report(results: dict) -> str:
+    ref = results.get("reference_variant")
+    t, dr = results["target"], results["drafter"]
+    out = [f"# Acceptance length: {dr['name']} drafter variants", "",
+           f"Target `{t['name']}` as **{t['variant']}** (`{t['path']}`); greedy decoding (temperature 0), "
+           f"block size {results['block_size']} ({results['block_size'] - 1} draft tokens per step), "
+           f"at most {results['max_new_tokens']} new tokens per prompt. "
+           "τ = mean over verification steps of (accepted draft tokens + 1).", ""]
+    out += ["## τ per subset (relative change vs `bf16`)" if ref else "## τ per subset", ""]
+    out += _tau_table(results) + [""]
+    pairs = calibration_pairs(results)
+    if pairs:
+        out += ["## Calibrated vs calibration-free", "",
+                "| scheme | calibrated | calibration-free | subset | τ calibrated | τ calibration-free | change |",
+                "|---|---|---|---|---|---|---|"]
+        for cal, free in pairs:
+            for s in [x["name"] for x in results["subsets"]] + ["all"]:
+                a, b = _stats(results, cal, s)["tau"], _stats(results, free, s)["tau"]
+                out.append(f"| {results['variants'][cal]['scheme']} | `{cal}` | `{free}` | {s} | {a:.3f} | {b:.3f} "
+                           f"| {_pct(rel_change(a, b))} |")
+        out.append("")
+    out += ["## Tokens and per-position acceptance", "",
+            "| variant | subset | steps | drafted | accepted | acceptance rate | P(accept) by position 1.."
+            f"{results['block_size'] - 1} |", "|---|---|---|---|---|---|---|"]
+    for v in results["variant_order"]:
+        for s in [x["name"] for x in results["subsets"]]:
+            st = _stats(results, v, s)
+            pos = " ".join(f"{p:.2f}" for p in st["position_acceptance"])
+            out.append(f"| `{v}` | {s} | {st['steps']} | {st['drafted_tokens']} | {st['accepted_tokens']} "
+                       f"| {st['acceptance_rate']:.3f} | {pos} |")
+    out += ["", "## What each variant is", "", "| variant | scheme | calibration | activations quantized | "
+            "dense (ignored) layers |", "|---|---|---|---|---|"]
+    for v in results["variant_order"]:
+        d = results["variants"][v]
+        q = d["quantization"]
+        out.append(f"| `{v}` | {d.get('scheme') or ('none' if not q.get('quantized') else 'unknown')} "
+                   f"| {d.get('calibration') or 'n/a'} | {'yes' if q.get('activations_quantized') else 'no'} "
+                   f"| {', '.join(f'`{i}`' for i in q.get('ignore', [])) or '-'} |")
+    out += ["", "Quantized drafters run as their checkpoints specify: weights dequantized from the "
+            "compressed-tensors tensors, and for W4A4 schemes every quantized Linear's input fake-quantized "
+            "at run time (per token, groups of 16, FP8 block scales from the calibrated global scale), as vLLM does.",
+            "", "Files: `results.json` (all numbers, config, checkpoint hashes), `tau_per_subset.png`, "
+            "`acceptance_per_position.png`, `vllm_commands.sh` (reproduce with vLLM on GPUs). Wall times of "
+            "this machine are in `timings.json` (they vary run to run, so they are kept out of this report).", ""]
+    return "\n".join(out)
+
+
+def render_vllm_commands(results: dict, prompt_files: dict[str, str]) -> str:
+    """Serve command per drafter variant and one `vllm bench serve` per subset (prompts as written)."""
+    t = results["target"]
+    k = results["block_size"] - 1
+    lines = ["#!/usr/bin/env bash",
+             "# Reproduce this evaluation with vLLM on real hardware (greedy, temperature 0).",
+             "# 1. Start ONE server (pick a drafter variant), 2. run the benchmark of each subset against it,",
+             "# 3. read the acceptance length vLLM reports (accepted tokens / drafts + 1).",
+             "# Paths are relative to the repository root; replace them by Hub ids after publishing.",
+             "set -euo pipefail", "", f"TARGET={shlex.quote(t['serve_path'])}", "PORT=${PORT:-8000}", ""]
+    for v in results["variant_order"]:
+        spec = json.dumps({"method": "dflash", "model": results["variants"][v]["path"], "num_speculative_tokens": k})
+        lines += [f"# drafter variant: {v}",
+                  f"serve_{v.replace('-', '_')}() {{",
+                  f"  vllm serve \"$TARGET\" --port \"$PORT\" --attention-backend flash_attn \\",
+                  f"    --speculative-config {shlex.quote(spec)}",
+                  "}", ""]
+    lines.append("# benchmarks: one per subset (prompts written by the evaluate stage, chat template applied by the server)")
+    for s in results["subsets"]:
+        n = s["num_prompts"]
+        lines += [f"bench_{s['name'].replace('-', '_')}() {{",
+                  "  vllm bench serve --model \"$TARGET\" --port \"$PORT\" --backend openai-chat "
+                  "--endpoint /v1/chat/completions \\",
+                  f"    --dataset-name custom --dataset-path {shlex.quote(prompt_files[s['name']])} "
+                  f"--num-prompts {n} --disable-shuffle \\",
+                  f"    --custom-output-len {results['max_new_tokens']} --temperature 0 --max-concurrency 1 "
+                  f"--label {shlex.quote(s['name'])}",
+                  "}", ""]
+    lines += ["# usage: source this file, then e.g.  serve_bf16 &  and  " +
+              "; ".join(f"bench_{s['name'].replace('-', '_')}" for s in results["subsets"]), ""]
+    return "\n".join(lines)

@@ -1,0 +1,150 @@
+"""The model card (README.md with Hub front matter) of a published quantized DFlash drafter.
+
+Everything in the card is read from the run's files (manifests, stage records, checkpoint
+config, eval results); what is absent is said to be absent rather than guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import yaml
+
+SCHEME_TAGS = {"nvfp4": "nvfp4", "nvfp4a16": "nvfp4", "w4a16": "w4a16", "fp8": "fp8"}
+_TAU_KEYS = ("tau", "mean_tau", "acceptance_length", "mean_acceptance_length")
+
+
+def front_matter(info: dict[str, Any]) -> dict[str, Any]:
+    scheme = str(info.get("scheme") or "")
+    tags = ["speculative-decoding", "dflash", "speculators", "vllm", "compressed-tensors", "quantized"]
+    for key in (scheme.lower(), scheme.lower().split("-")[0]):
+        if key in SCHEME_TAGS and SCHEME_TAGS[key] not in tags:
+            tags.append(SCHEME_TAGS[key])
+        if key in SCHEME_TAGS and key not in tags:
+            tags.append(key)
+    meta: dict[str, Any] = {}
+    if info.get("base_model"):
+        meta["base_model"] = info["base_model"]
+        meta["base_model_relation"] = "quantized"
+    meta["library_name"] = info.get("library_name") or "speculators"
+    if info.get("license"):
+        meta["license"] = info["license"]
+    meta["pipeline_tag"] = "text-generation"
+    meta["tags"] = tags
+    return meta
+
+
+def acceptance_table(results: Any, variant: str) -> str | None:
+    """A markdown table subset x variant of mean acceptance length, from eval/results.json rows.
+
+    The evaluate stage's exact layout is its own; any dict carrying `variant`, `subset`
+    and a tau key (tau / mean_tau / acceptance_length) anywhere in the document counts as a row.
+    """
+    rows: dict[tuple[str, str], float] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            key = next((k for k in _TAU_KEYS if isinstance(node.get(k), int | float)), None)
+            if key and isinstance(node.get("variant"), str) and isinstance(node.get("subset"), str):
+                rows[(node["subset"], node["variant"])] = float(node[key])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(results)
+    if not rows:
+        return None
+    variants = sorted({v for _, v in rows}, key=lambda v: (v != "bf16", v != variant, v))
+    subsets = sorted({s for s, _ in rows})
+    head = "| subset | " + " | ".join(f"**{v}**" if v == variant else v for v in variants) + " |"
+    lines = [head, "|---" * (len(variants) + 1) + "|"]
+    for s in subsets:
+        cells = []
+        for v in variants:
+            tau = rows.get((s, v))
+            base = rows.get((s, "bf16"))
+            cell = "-" if tau is None else f"{tau:.3f}"
+            if tau is not None and base and v != "bf16":
+                cell += f" ({(tau / base - 1) * 100:+.1f}%)"
+            cells.append(cell)
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def vllm_command(target: str, repo_id: str, block_size: int | None) -> str:
+    n = block_size - 1 if block_size else 15
+    spec = json.dumps({"method": "dflash", "model": repo_id, "num_speculative_tokens": n}, separators=(",", ":"))
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+
+
+def _calibration_lines(c: dict[str, Any]) -> list[str]:
+    def show(v: Any) -> str:
+        return "not recorded" if v is None else f"`{v}`"
+
+    if c.get("calibration") == "none":
+        return ["- calibration: **none** (calibration-free baseline: scales from the weights only)"]
+    return [f"- calibration samples: {show(c.get('num_samples'))} (anchors per sequence: {show(c.get('anchors'))})",
+            f"- calibration sequence length: {show(c.get('max_seq_len'))}",
+            f"- seed: {show(c.get('seed'))}",
+            f"- observer: {show(c.get('observer'))}" + (f" with {json.dumps(c['observer_kwargs'], sort_keys=True)}"
+                                                         if c.get("observer_kwargs") else ""),
+            f"- algorithm: {show(c.get('algorithm'))}; group size: {show(c.get('group_size'))}",
+            f"- calibration data: {show(c.get('data'))}",
+            f"- not quantized (ignore list): {show(c.get('ignore'))}"]
+
+
+def render(info: dict[str, Any]) -> str:
+    """The whole README.md. `info` keys: see pipeline.publish.card_info."""
+    meta = yaml.safe_dump(front_matter(info), sort_keys=False, allow_unicode=True)
+    repo, target, variant = info["repo_id"], info.get("target") or "<target>", info["variant"]
+    scheme = info.get("scheme") or variant
+    plots = info.get("plots") or []
+    table = info.get("acceptance_table")
+    out = [f"---\n{meta}---", "", f"# {repo.split('/')[-1]}", "",
+           f"A **{scheme}**-quantized DFlash drafter for speculative decoding with `{target}`, produced by "
+           f"specquant from the drafter `{info.get('source_drafter')}` (run `{info.get('run_name')}`, "
+           f"variant `{variant}`).", "",
+           "## What it is and is not",
+           "- It **is** a block drafter: it proposes blocks of tokens that the target verifies, so the "
+           "output equals the target's own greedy output; only speed changes.",
+           "- It is **not** a chat or instruction model and cannot generate text on its own: it has no "
+           "embedding or LM head of its own (it uses the target's) and reads the target's hidden states "
+           f"(aux layers `{info.get('aux_layer_ids')}`, block size `{info.get('block_size')}`).",
+           "- No tokenizer files are shipped: the drafter uses the target's tokenizer and vocabulary; "
+           f"load the tokenizer from `{target}`.", "",
+           "## Target", f"Pairs with `{target}`"
+           + (f" (revision `{info['target_revision']}`)" if info.get("target_revision") else "") + ". "
+           "Using it with any other target gives meaningless proposals (near-zero acceptance).", "",
+           "## Quantization", f"- scheme: `{scheme}` (compressed-tensors checkpoint; `quantization_config` "
+           "in `config.json`, the llm-compressor recipe in `recipe.yaml`)",
+           *_calibration_lines(info.get("calibration") or {}), "",
+           "Full details: `quant_run_manifest.json`, `calibration_manifest.json` and `provenance/`.", "",
+           "## Acceptance length", ]
+    if table:
+        out += ["Mean acceptance length tau (accepted tokens + 1 per verification step; relative change "
+                "vs the bf16 drafter in brackets), greedy, measured by specquant's reference loop:", "", table, ""]
+    else:
+        out += ["Not measured in this run (no `eval/results.json`).", ""]
+    out += [f"![{p}]({p})" for p in plots] + ([""] if plots else [])
+    out += ["## Serving with vLLM", "```bash", vllm_command(target, repo, info.get("block_size")), "```",
+            "Needs an attention backend that supports non-causal attention (e.g. `flash_attn`). "
+            "vLLM copies the target's quantization to the draft unless the draft's own is used; this "
+            "checkpoint carries its own `quantization_config`.", "",
+            "## What was and was not measured",
+            "- Measured: " + ("acceptance length per subset and per-position acceptance on the run's prompt "
+                              "sets with specquant's reference greedy loop (fake-quantized as the checkpoint "
+                              "specifies); " if table else "")
+            + "reload and dequantization checks of the checkpoint (`checks/`).",
+            "- Not measured: serving throughput or latency in vLLM, native FP4 kernels on Blackwell GPUs, "
+            "sampling (non-greedy) acceptance, and quality on tasks other than the listed subsets.", "",
+            "## Verify the files",
+            "Every file's sha256 is listed in `provenance/files.sha256.json` (with the run path it came "
+            "from); the run's in-toto/SLSA statement is `provenance/attestation.intoto.json`. With specquant:",
+            "```bash", f"hf download {repo} --revision <tag> --local-dir {repo.split('/')[-1]}",
+            f"python -m pipeline verify {repo.split('/')[-1]}", "```",
+            "On the Hub, LFS files show their sha256, which must equal the list.", ""]
+    return "\n".join(out)

@@ -1,0 +1,129 @@
+"""DFlash config.json layouts parsed without torch (fast: compatibility checks run before heavy imports).
+
+Layer ids (the one-off between formats, made explicit here):
+- our `aux_layer_ids` and speculators `aux_hidden_state_layer_ids` are HF `output_hidden_states`
+  indices: m = output of target decoder layer m-1 (index 0 = embeddings);
+- z-lab `dflash_config.target_layer_ids` are decoder-layer indices: l = output of layer l
+  (z-lab reads `hidden_states[l + 1]`), so m = l + 1.
+vLLM (after vllm#40727) maps speculators ids back with `target_layer_ids = [m - 1]`, which agrees.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from pipeline.errors import bad_value
+from pipeline.io import read_json
+
+MODEL_TYPE = "specquant_dflash"
+FORMATS = ("zlab", "speculators", "native")
+# Qwen3 layer fields shared by every format (rope is handled separately)
+LAYER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
+                "rms_norm_eps", "attention_bias", "attention_dropout", "use_sliding_window", "sliding_window",
+                "max_window_layers", "layer_types", "tie_word_embeddings", "pad_token_id", "bos_token_id",
+                "eos_token_id")
+
+
+def zlab_to_hf_ids(target_layer_ids: list[int]) -> list[int]:
+    """z-lab `target_layer_ids` (decoder layer l) -> HF hidden_states index l+1."""
+    return [int(i) + 1 for i in target_layer_ids]
+
+
+def hf_to_zlab_ids(aux_layer_ids: list[int]) -> list[int]:
+    return [int(i) - 1 for i in aux_layer_ids]
+
+
+def _rope_from(d: dict) -> dict:
+    if d.get("rope_parameters"):
+        return dict(d["rope_parameters"])
+    scaling = dict(d.get("rope_scaling") or {})
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return {"rope_type": rope_type, "rope_theta": float(d.get("rope_theta", 1e6)), **scaling}
+
+
+def _layer_fields(d: dict) -> dict:
+    out = {k: d[k] for k in LAYER_FIELDS if k in d}
+    out["rope_parameters"] = _rope_from(d)
+    return out
+
+
+def detect_format(d: dict, path: str = "") -> str:
+    if d.get("speculators_model_type"):
+        if d["speculators_model_type"] != "dflash":
+            raise bad_value("drafter.path", path, f"it is a speculators `{d['speculators_model_type']}` checkpoint, "
+                            "not a DFlash drafter", "point drafter.path at a DFlash checkpoint")
+        return "speculators"
+    if d.get("model_type") == MODEL_TYPE:
+        return "native"
+    if "dflash_config" in d or "DFlashDraftModel" in (d.get("architectures") or []):
+        return "zlab"
+    raise bad_value("drafter.path", path, "its config.json is neither a z-lab DFlash (`dflash_config`) nor a "
+                    "speculators DFlash (`speculators_model_type: dflash`) config",
+                    "point drafter.path at a DFlash drafter checkpoint")
+
+
+def config_from_zlab(d: dict) -> dict:
+    dc = d.get("dflash_config") or {}
+    block_size = d.get("block_size", dc.get("block_size"))
+    return dict(**_layer_fields(d), block_size=int(block_size), mask_token_id=dc.get("mask_token_id"),
+                        aux_layer_ids=zlab_to_hf_ids(dc.get("target_layer_ids") or []),
+                        num_target_layers=d.get("num_target_layers"), dtype=d.get("dtype", d.get("torch_dtype")))
+
+
+def config_from_speculators(d: dict, path: str = "") -> dict:
+    tlc = d.get("transformer_layer_config") or {}
+    if not tlc:
+        raise bad_value("drafter.path", path, "its speculators config has no `transformer_layer_config`",
+                        "re-export the drafter with speculators or `python -m pipeline convert`")
+    draft_vocab = d.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != tlc.get("vocab_size"):
+        raise bad_value("draft_vocab_size", draft_vocab, f"a reduced draft vocabulary (target vocab "
+                        f"{tlc.get('vocab_size')}) is not supported", "use a full-vocabulary DFlash drafter")
+    verifier = (d.get("speculators_config") or {}).get("verifier") or {}
+    return dict(**_layer_fields(tlc), block_size=int(d["block_size"]), mask_token_id=d.get("mask_token_id"),
+                        aux_layer_ids=list(d.get("aux_hidden_state_layer_ids") or []),
+                        target_hidden_size=d.get("target_hidden_size"),
+                        num_target_layers=tlc.get("num_target_layers"),
+                        verifier_name_or_path=verifier.get("name_or_path"),
+                        verifier_architectures=verifier.get("architectures"),
+                        dtype=d.get("dtype", tlc.get("dtype")))
+
+
+
+
+def read_config_json(path: str | Path) -> dict:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise bad_value("drafter.path", str(path), "it has no config.json",
+                        "point it at a drafter checkpoint directory (or download it first)")
+    return read_json(p / "config.json", "drafter.path")
+
+
+def drafter_kwargs(path: str | Path, fmt: str = "auto") -> tuple[str, dict]:
+    """(format, DFlashConfig keyword arguments) read from a drafter directory's config.json."""
+    if fmt not in ("auto", *FORMATS):
+        raise bad_value("drafter.format", fmt, "unknown drafter format", f"use one of auto, {', '.join(FORMATS)}")
+    d = read_config_json(path)
+    found = detect_format(d, str(path))
+    if fmt != "auto" and fmt != found:
+        raise bad_value("drafter.format", fmt, f"{path} holds a {found} checkpoint",
+                        f"set drafter.format={found} (or auto)")
+    if found == "zlab":
+        return found, config_from_zlab(d)
+    if found == "speculators":
+        return found, config_from_speculators(d, str(path))
+    return found, d
+
+
+def light_config(path: str | Path, fmt: str = "auto") -> SimpleNamespace:
+    """The drafter config as a plain namespace (what `compat.check_compatible` reads), without torch."""
+    _, kw = drafter_kwargs(path, fmt)
+    kw = dict(kw)
+    kw.setdefault("num_key_value_heads", kw.get("num_attention_heads"))
+    if kw.get("head_dim") is None and kw.get("num_attention_heads"):
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    for key in ("target_hidden_size", "num_target_layers", "mask_token_id", "aux_layer_ids"):
+        kw.setdefault(key, None)
+    return SimpleNamespace(**kw)

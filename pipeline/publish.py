@@ -1,0 +1,365 @@
+"""The publish stage: assemble each quantized drafter as a Hub repo folder and (optionally) push it.
+
+For every drafter variant of the run (bf16 only when asked) the folder `publish/<variant>/`
+holds the checkpoint, the manifests, `provenance/`, the evaluation report and plots, and a
+model card. Both the run and the folder are verified before anything is pushed. A push is
+one commit of the changed files only (compared with the remote tree by sha256 / git blob id),
+then a tag; the remote tree at the new commit is compared with the local file list after.
+Re-running is idempotent: an unchanged folder makes no commit, an interrupted one completes.
+
+Dry run is the default: assemble, verify, print what would be pushed, write the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from tqdm import tqdm
+
+from pipeline import modelcard
+from pipeline import provenance as prov
+from pipeline.errors import SpecquantError, bad_value
+from pipeline.io import TMP_PREFIX, atomic_write_json, confine, sha256_file
+from pipeline.rundir import RunDir
+from pipeline.secrets import remember, scrub, scrub_obj
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")  # weights only from safetensors
+EVAL_FILES = ("report.md", "results.json", "vllm_commands.sh")
+MANIFESTS = ("calibration_manifest.json", "quant_run_manifest.json")
+
+
+# ---------------------------------------------------------------- checks before any work
+def _token(cfg) -> str | None:
+    pc = cfg.publish
+    token = pc.token or (os.environ.get(pc.token_env) if pc.token_env else None) or None
+    remember(token)
+    return token
+
+
+def repo_id_for(cfg, variant: str, n_variants: int) -> str:
+    pc = cfg.publish
+    if pc.repo_id:
+        repo = str(pc.repo_id).replace("{variant}", variant)
+        if n_variants > 1 and "{variant}" not in str(pc.repo_id):
+            raise bad_value("publish.repo_id", pc.repo_id, f"one repo id cannot hold {n_variants} variants",
+                            "put `{variant}` in it, or choose one with publish.variants=[<variant>]")
+        field = "publish.repo_id"
+    else:
+        repo = f"{pc.namespace or 'your-namespace'}/{cfg.drafter.name}-{variant}"
+        field = "publish.namespace"
+    name = repo.split("/")[-1]
+    if not _REPO_ID.match(repo) or len(name) > 96 or "--" in repo or ".." in repo or name.endswith((".", ".git")):
+        raise bad_value(field, repo, "a Hub repo id is `<namespace>/<name>` using only letters, digits, '-', '_' "
+                        "and '.' (no '--' or '..', name at most 96 characters)", "rename it, e.g. my-org/tiny-dflash-nvfp4")
+    return repo
+
+
+def _check_push(cfg, token: str | None) -> None:
+    pc = cfg.publish
+    if not (pc.repo_id or pc.namespace):
+        raise bad_value("publish.repo_id", pc.repo_id, "a real push (publish.dry_run=false) needs an explicit repo id",
+                        "set publish.repo_id=<namespace>/<name> or publish.namespace=<namespace>")
+    if not token:
+        raise bad_value("publish.token_env", pc.token_env, "the variable is unset or empty, so there is no Hub token "
+                        "to push with", f"export {pc.token_env}=<a write token> or keep publish.dry_run=true")
+    url = urlsplit(str(pc.endpoint))
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise bad_value("publish.endpoint", pc.endpoint, "it is not an http(s) URL", "use e.g. https://huggingface.co")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=5).close()
+    except OSError as exc:
+        raise bad_value("publish.endpoint", pc.endpoint, f"nothing answers at {url.hostname}:{port} "
+                        f"({exc.strerror or exc})", "check the URL and the network, or keep publish.dry_run=true"
+                        ) from None
+
+
+def select_variants(cfg, rd: RunDir) -> list[str]:
+    have = rd.drafter_variants()
+    asked = list(cfg.publish.variants or [])
+    for v in asked:
+        if v not in have:
+            raise bad_value("publish.variants", v, f"the run has no drafter checkpoint {rd.drafter(v)} "
+                            f"(it has: {', '.join(have) or 'none'})", "choose among those or run quantize-drafter")
+    chosen = asked or [v for v in have if v != "bf16"]
+    if not chosen:
+        raise bad_value("run_dir", str(rd.root), "it holds no quantized drafter checkpoint to publish",
+                        "run `make quantize-drafter` first (bf16 is published only with publish.variants=[bf16])")
+    return chosen
+
+
+def _sources(rd: RunDir, variant: str) -> dict[str, Path]:
+    """{path in the repo folder: source file in the run}, each confined to the run directory."""
+    out: dict[str, Path] = {}
+    ckpt = rd.drafter(variant)
+    for p in sorted(ckpt.rglob("*")):
+        if p.is_file() and not p.name.startswith(TMP_PREFIX):
+            rel = p.relative_to(ckpt).as_posix()
+            if p.suffix in PICKLE_SUFFIXES:
+                raise bad_value("publish", f"drafter/{variant}/{rel}", "it is a pickle file, and only safetensors "
+                                "weights are published", "remove it from the checkpoint folder")
+            out[rel] = p
+    for name in MANIFESTS:
+        out[name] = rd.root / name
+    for p in sorted(rd.provenance.rglob("*")) if rd.provenance.is_dir() else []:
+        rel = p.relative_to(rd.root).as_posix()
+        if p.is_file() and not p.name.startswith(TMP_PREFIX) and rel != prov.FILE_LIST:
+            out[rel] = p
+    for p in [rd.eval / n for n in EVAL_FILES] + sorted(rd.eval.glob("*.png")):
+        out[f"eval/{p.name}"] = p
+    out[f"checks/drafter-{variant}.json"] = rd.checks / f"drafter-{variant}.json"
+    kept = {}
+    for rel, p in out.items():
+        if p.is_file() or p.is_symlink():
+            kept[rel] = confine(p, rd.root, "publish")
+    return kept
+
+
+# ---------------------------------------------------------------- verification
+def _refuse_unless_verified(path: Path, field: str, ignore_prefix: str | None = None) -> None:
+    from pipeline.verify import verify_dir
+
+    problems = [p for p in verify_dir(path) if not (ignore_prefix and p.startswith(ignore_prefix))]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise bad_value(field, str(path),
+                        f"verification failed, refusing to publish: {'; '.join(problems[:3])}{more}",
+                        "restore the file or re-run the stage that writes it and `make manifest`, then publish again")
+
+
+# ---------------------------------------------------------------- the folder
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _hub_id(value: str | None) -> str | None:
+    """`value` if it names a Hub repo (not a local directory), else None."""
+    if value and _REPO_ID.match(str(value)) and not Path(str(value)).exists():
+        return str(value)
+    return None
+
+
+def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path) -> dict[str, Any]:
+    ckpt = _read_json(folder / "config.json") or {}
+    qrm = _read_json(folder / "quant_run_manifest.json") or {}
+    cal = _read_json(folder / "calibration_manifest.json") or {}
+    entry = next((c for c in qrm.get("checkpoints") or [] if c.get("kind") == "drafter"
+                  and c.get("variant") == variant), {})
+    record = _read_json(rd.stages / f"quantize-drafter-{variant}.json") or {}
+    q = entry.get("quant_config") or (record.get("resolved_config") or {}).get("quant") or {}
+    data = cal.get("data") or {}
+    sources = [s.get("name") for s in data.get("sources") or [] if isinstance(s, dict)]
+    verifier = (ckpt.get("speculators_config") or {}).get("verifier") or {}
+    pc = cfg.publish
+    target = pc.target_model or _hub_id(cfg.target.path) or verifier.get("name_or_path") or cfg.target.path
+    return {
+        "repo_id": repo_id, "variant": variant, "run_name": cfg.run_name,
+        "scheme": entry.get("scheme") or q.get("scheme") or variant,
+        "base_model": pc.base_model or _hub_id(cfg.drafter.path), "source_drafter": pc.base_model or cfg.drafter.path,
+        "license": cfg.drafter.license, "library_name": pc.library_name,
+        "target": target, "target_revision": cfg.target.revision,
+        "block_size": ckpt.get("block_size"),
+        "aux_layer_ids": ckpt.get("aux_hidden_state_layer_ids") or (cal.get("cache") or {}).get("aux_layer_ids"),
+        "calibration": {"num_samples": q.get("num_samples"), "anchors": q.get("anchors_per_sequence"),
+                        "max_seq_len": q.get("max_seq_len"), "calibration": q.get("calibration"),
+                        "seed": (entry.get("seeds") or {}).get("seed", record.get("seed")),
+                        "observer": entry.get("observer") or q.get("observer"),
+                        "observer_kwargs": entry.get("observer_kwargs") or q.get("observer_kwargs"),
+                        "algorithm": q.get("algorithm"), "group_size": q.get("group_size"),
+                        "ignore": entry.get("ignore") or q.get("ignore"),
+                        "data": ", ".join(sources) if sources else None},
+        "acceptance_table": modelcard.acceptance_table(_read_json(folder / "eval" / "results.json"), variant),
+        "plots": sorted(p.relative_to(folder).as_posix() for p in (folder / "eval").glob("*.png")),
+    }
+
+
+def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Path]) -> Path:
+    """Build publish/<variant>/ in a temp folder, then swap it in (never half-assembled)."""
+    dest = rd.publish / variant
+    tmp = rd.publish / f"{TMP_PREFIX}{variant}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    total = sum(p.stat().st_size for p in sources.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {variant}", disable=total < (64 << 20)) as bar:
+        for rel, src in sources.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, tmp / rel)
+            bar.update(src.stat().st_size)
+    card = modelcard.render(card_info(cfg, rd, variant, repo_id, tmp))
+    (tmp / "README.md").write_text(scrub(card), encoding="utf-8")
+    # the statement cannot name itself, so its copy carries no origin
+    origins = {rel: src.relative_to(rd.root.resolve()).as_posix() for rel, src in sources.items()
+               if rel != prov.ATTESTATION}
+    prov.write_file_list(tmp, kind="published", origins=origins)
+    old = rd.publish / f"{TMP_PREFIX}old-{variant}-{os.getpid()}"
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def git_blob_oid(path: Path) -> str:
+    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- the push
+@contextlib.contextmanager
+def hub_online():
+    """Talk to the configured endpoint even under HF_HUB_OFFLINE=1 (the Makefile's default), over plain LFS."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import close_session
+
+    saved = constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_XET
+    constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_XET = False, True
+    close_session()  # no pooled keep-alive connection to a server that has since died or restarted
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_XET = saved
+
+
+def remote_files(api, repo_id: str, revision: str, token: str) -> dict[str, Any]:
+    from huggingface_hub.hf_api import RepoFile
+
+    return {f.path: f for f in api.list_repo_tree(repo_id, recursive=True, revision=revision, token=token)
+            if isinstance(f, RepoFile)}
+
+
+def same_as_remote(path: Path, sha256: str, remote) -> bool:
+    if remote is None:
+        return False
+    if remote.lfs is not None:
+        return remote.lfs.sha256 == sha256
+    return remote.blob_id == git_blob_oid(path)
+
+
+def compare_remote(folder: Path, files: dict[str, dict], remote: dict[str, Any]) -> list[str]:
+    problems = [f"{rel}: {'missing on the Hub' if rel not in remote else 'remote hash differs from the local one'}"
+                for rel, e in sorted(files.items()) if not same_as_remote(folder / rel, e["sha256"], remote.get(rel))]
+    return problems + [f"{rel}: on the Hub but not in the local folder" for rel in sorted(set(remote) - set(files))
+                       if rel != ".gitattributes"]
+
+
+def push(cfg, folder: Path, files: dict[str, dict], repo_id: str, tag: str, token: str) -> dict[str, Any]:
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+
+    api = HfApi(endpoint=str(cfg.publish.endpoint), token=token, library_name="specquant")
+    api.create_repo(repo_id, token=token, private=bool(cfg.publish.private), exist_ok=True)
+    head = api.repo_info(repo_id, revision="main", token=token).sha
+    remote = remote_files(api, repo_id, head, token)
+    changed = [rel for rel, e in files.items() if not same_as_remote(folder / rel, e["sha256"], remote.get(rel))]
+    stale = sorted(set(remote) - set(files) - {".gitattributes"})
+    commit, status = head, "no changes"
+    if changed or stale:
+        ops = [CommitOperationAdd(rel, str(folder / rel)) for rel in changed] + [
+            CommitOperationDelete(rel) for rel in stale]
+        info = api.create_commit(repo_id, ops, commit_message=f"specquant: {cfg.run_name} / {folder.name}",
+                                 commit_description=f"Published by `python -m pipeline publish` (tag {tag}).",
+                                 token=token, revision="main", parent_commit=head)
+        commit, status = info.oid, "pushed"
+    tags = {t.name: t.target_commit for t in api.list_repo_refs(repo_id, token=token).tags}
+    if tags.get(tag) not in (None, commit):
+        raise bad_value("publish.tag", tag, f"the tag already points to commit {tags[tag][:12]} of {repo_id}, "
+                        f"not to {commit[:12]}", "choose another publish.tag")
+    if tag not in tags:
+        api.create_tag(repo_id, tag=tag, revision=commit, token=token, tag_message=f"specquant run {cfg.run_name}")
+    problems = compare_remote(folder, files, remote_files(api, repo_id, commit, token))
+    if problems:
+        raise SpecquantError(f"after the push, the Hub tree of {repo_id} at {commit[:12]} does not match the local "
+                             f"folder: {'; '.join(problems[:3])}; re-run publish to repair it.")
+    return {"status": status, "commit": commit, "tag": tag, "url": f"{cfg.publish.endpoint}/{repo_id}",
+            "uploaded": sorted(changed), "deleted": stale, "unchanged": sorted(set(files) - set(changed)),
+            "remote_verified": True}
+
+
+def _push_or_explain(cfg, folder, files, repo_id, tag, token) -> dict[str, Any]:
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError
+
+    where = f"{repo_id} at {cfg.publish.endpoint}"
+    try:
+        with hub_online():
+            return push(cfg, folder, files, repo_id, tag, token)
+    except HfHubHTTPError as exc:
+        code = exc.response.status_code if exc.response is not None else None
+        if code in (401, 403):
+            raise bad_value("publish.token_env", cfg.publish.token_env, f"the Hub refused the token for {where} "
+                            f"(HTTP {code})", "use a token with write access to that namespace") from None
+        reason = scrub(str(exc).splitlines()[0])
+    except (httpx.HTTPError, RuntimeError, OSError, ValueError) as exc:
+        reason = scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    raise SpecquantError(f"publishing {where} was interrupted ({reason}); nothing partial is visible on the Hub, "
+                         "and re-running `python -m pipeline publish` with the same settings completes it.")
+
+
+# ---------------------------------------------------------------- the stage
+def run(cfg) -> dict:
+    pc = cfg.publish
+    token = _token(cfg)
+    rd = RunDir.from_cfg(cfg)
+    if not rd.root.is_dir():
+        raise bad_value("run_dir", str(rd.root), "the run directory does not exist", "fix run_name/runs_root")
+    variants = select_variants(cfg, rd)
+    repos = {v: repo_id_for(cfg, v, len(variants)) for v in variants}
+    if pc.tag is not None and not _TAG.match(str(pc.tag)):
+        raise bad_value("publish.tag", pc.tag, "a tag may use only letters, digits, '-', '_' and '.'",
+                        "rename it, e.g. specquant-tiny-v1")
+    if not pc.dry_run:
+        _check_push(cfg, token)
+    sources = {v: _sources(rd, v) for v in variants}
+    # publish/ is about to be rebuilt, so a stale assembled folder there is no reason to refuse
+    _refuse_unless_verified(rd.root, "run_dir", ignore_prefix="publish/")
+    for p in rd.publish.glob(TMP_PREFIX + "*") if rd.publish.is_dir() else []:  # left by a killed assemble
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    out: dict[str, Any] = {}
+    for v in variants:
+        folder = assemble(cfg, rd, v, repos[v], sources[v])
+        _refuse_unless_verified(folder, "publish")
+        listing = json.loads((folder / prov.FILE_LIST).read_text(encoding="utf-8"))
+        files = {rel: {"sha256": e["sha256"], "bytes": e["bytes"]} for rel, e in listing["files"].items()}
+        files[prov.FILE_LIST] = {"sha256": sha256_file(folder / prov.FILE_LIST),
+                                 "bytes": (folder / prov.FILE_LIST).stat().st_size}
+        tag = str(pc.tag or f"specquant-{cfg.run_name}-{listing['files_sha256'][:10]}")
+        if not _TAG.match(tag):
+            raise bad_value("run_name", cfg.run_name, f"the default tag {tag!r} is not a valid Hub tag",
+                            "set publish.tag=<letters, digits, '-', '_', '.'>")
+        record = {"schema": "specquant.publish_record/v1", "run_name": str(cfg.run_name), "variant": v,
+                  "repo_id": repos[v], "endpoint": str(pc.endpoint), "dry_run": bool(pc.dry_run),
+                  "folder": f"publish/{v}", "verifier": "pipeline.verify", "files": files,
+                  "files_sha256": listing["files_sha256"], "tag": tag}
+        if pc.dry_run:
+            record.update(status="dry-run", commit=None)
+            size = sum(e["bytes"] for e in files.values())
+            print(scrub(f"[publish] dry run: would push {len(files)} files ({size / 1e6:.2f} MB) from {folder} "
+                        f"to {pc.endpoint}/{repos[v]} and tag {tag}:"))
+            for rel, e in files.items():
+                if not rel.startswith("provenance/source/"):
+                    print(f"  {rel}  {e['bytes']} B  sha256 {e['sha256'][:16]}")
+            src = [e["bytes"] for rel, e in files.items() if rel.startswith("provenance/source/")]
+            print(f"  provenance/source/  {len(src)} files, {sum(src)} B (the code that ran)")
+        else:
+            record.update(_push_or_explain(cfg, folder, files, repos[v], tag, token))
+            print(scrub(f"[publish] {repos[v]}: {record['status']}; commit {record['commit']}, tag {tag}; "
+                        f"{len(record['uploaded'])} uploaded, {len(record['unchanged'])} unchanged; "
+                        "remote tree verified against the local file list"))
+        atomic_write_json(rd.publish / f"{v}.json", scrub_obj(record))
+        out[v] = {k: record.get(k) for k in ("repo_id", "status", "commit", "tag", "files_sha256")}
+    return {"output": str(rd.publish), "variants": out}

@@ -1,0 +1,59 @@
+"""Calibration and held-apart batches for the drafter, drawn from the target hidden-state cache.
+
+The split is a seeded permutation of the cache's samples: the first `heldout_samples` are kept
+apart for the checks, the next `num_samples` calibrate. Anchors are drawn where the loss mask is
+1, with one seeded generator per role, so the same seed and cache give the same batches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.errors import bad_value
+
+HELDOUT_SEED_OFFSET = 1_000_003  # held-apart anchors come from their own stream
+
+
+def split_indices(num_cached: int, num_calib: int, num_heldout: int, seed: int, need_calib: bool,
+                  field: str = "quant") -> tuple[list[int], list[int]]:
+    """(calibration indices, held-apart indices); fails with one sentence when the cache is too small."""
+    if num_heldout < 1:
+        raise bad_value(f"{field}.heldout_samples", num_heldout, "the checks need held-apart samples",
+                        "use 1 or more")
+    want = num_heldout + (num_calib if need_calib else 0)
+    if want > num_cached:
+        raise bad_value(f"{field}.num_samples", num_calib, f"{num_heldout} held-apart + {num_calib} calibration "
+                        f"samples are needed but the cache holds {num_cached}",
+                        "lower quant.num_samples / quant.heldout_samples or cache more samples")
+    order = torch.randperm(num_cached, generator=torch.Generator().manual_seed(seed)).tolist()
+    held = sorted(order[:num_heldout])
+    calib = order[num_heldout:num_heldout + num_calib] if need_calib else []
+    return calib, held
+
+
+def _truncate(sample: dict, max_len: int) -> dict:
+    return {"id": sample["id"], "input_ids": sample["input_ids"][:max_len],
+            "loss_mask": sample["loss_mask"][:max_len], "hidden_states": sample["hidden_states"][:max_len]}
+
+
+def drafter_batches(reader, indices: list[int], anchors_per_sequence: int, block_size: int, mask_token_id: int,
+                    max_seq_len: int, seed: int) -> list[dict]:
+    """One anchored batch per cached sample (the drafter's calibration forward input)."""
+    from pipeline.models.calibration import build_calibration_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for i in indices:
+        sample = _truncate(reader[i], max_seq_len)
+        batch = build_calibration_batch([sample], anchors_per_sequence, block_size, mask_token_id, gen)
+        if bool(batch["anchor_valid"].any()):
+            batches.append(batch)
+    return batches
+
+
+def count_anchors(batches: list[dict]) -> int:
+    return int(sum(int(b["anchor_valid"].sum()) for b in batches))
+
+
+def count_tokens(batches: list[dict]) -> int:
+    return int(sum(b["input_ids"].numel() for b in batches))

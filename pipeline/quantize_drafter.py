@@ -1,0 +1,165 @@
+"""quantize-drafter: a DFlash drafter calibrated on the target's cached hidden states.
+
+Recipe: validate the config on a weightless drafter (shapes from config.json); load the drafter
+with only the target's embed_tokens/lm_head; split the cache into held-apart and calibration
+samples (seeded); run llm-compressor's oneshot with the drafter's own calibration forward over
+anchored blocks; write a compressed-tensors checkpoint in speculators format to
+runs/<name>/drafter/<quant.name>/ (and the unquantized reference to drafter/bf16/ if missing);
+reload and check both against the held-apart samples.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import bad_value
+from pipeline.io import atomic_write_json, read_json, sha256_file
+from pipeline.quant import cache_batches, calibrate, drafter_checks, export, recipes
+from pipeline.rundir import RunDir
+from pipeline.seeding import seed_everything
+
+FIELD = "quant"
+REFERENCE = "bf16"
+
+
+def drafter_config(cfg):
+    from pipeline.models.formats import load_drafter_config
+
+    dconf = load_drafter_config(cfg.drafter.path, cfg.drafter.format)
+    if not dconf.verifier_name_or_path:
+        dconf.verifier_name_or_path = str(cfg.target.path)
+    return dconf
+
+
+def drafter_linears(dconf, ignore: list[str]) -> list[tuple[str, int]]:
+    from pipeline.models.dflash import DFlashDrafter
+
+    with torch.device("meta"):
+        model = DFlashDrafter(dconf)
+    return recipes.quantized_linears(model, ignore)
+
+
+def check_cache(rd: RunDir, dconf) -> dict:
+    index = read_json(rd.cache / "index.json", "cache/index.json")
+    if list(index.get("aux_layer_ids") or []) != list(dconf.aux_layer_ids or []):
+        raise bad_value("cache/index.json", str(rd.cache), f"it holds aux layers {index.get('aux_layer_ids')} but "
+                        f"the drafter reads {dconf.aux_layer_ids}", "re-run the cache stage for this drafter")
+    return index
+
+
+def validate(cfg):
+    """Everything that can fail before weights are read: settings, shapes, cache layout."""
+    q = cfg[FIELD]
+    recipes.validate_settings(q, FIELD)
+    ignore = recipes.resolve_ignore(q)
+    dconf = drafter_config(cfg)
+    recipes.validate_group_size(q, FIELD, drafter_linears(dconf, ignore))
+    return q, ignore, dconf
+
+
+def load_working_drafter(cfg, dconf):
+    from pipeline.models.formats import load_drafter
+
+    model = load_drafter(cfg.drafter.path, target=cfg.target.path, fmt=cfg.drafter.format, dtype=torch.float32)
+    model.config.verifier_name_or_path = dconf.verifier_name_or_path
+    model.config.verifier_architectures = dconf.verifier_architectures
+    return model
+
+
+def write_reference(cfg, rd: RunDir, model) -> Path:
+    """drafter/bf16/: the unquantized drafter in speculators format, in bfloat16 (what vLLM serves)."""
+    from pipeline.models.formats import save_speculators
+
+    out = rd.drafter(REFERENCE)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    ref = load_working_drafter(cfg, model.config).to(torch.bfloat16)
+    ref.config.dtype = torch.bfloat16
+    with export.atomic_dir(out) as tmp:
+        save_speculators(ref, tmp)
+    return out
+
+
+def _write_native_config(model, work: Path) -> None:
+    """oneshot and save_pretrained re-read config.json from model.config.name_or_path."""
+    d = json.loads(json.dumps(model.config.to_dict(), default=str))
+    d["architectures"] = ["DFlashDrafter"]
+    atomic_write_json(work / "config.json", d)
+    model.config.name_or_path = str(work)
+    model.name_or_path = str(work)
+
+
+def write_quantized(model, out: Path) -> None:
+    """Compressed checkpoint in speculators layout: body tensors only, quantization_config in config."""
+    from safetensors.torch import load_file
+    from safetensors.torch import save as st_save
+
+    from pipeline.models.formats import TARGET_KEYS, speculators_config_dict
+
+    with export.atomic_dir(out) as tmp:
+        written = export.save_compressed(model, tmp)
+        tensors = load_file(str(tmp / "model.safetensors"))
+        kept = {k: v for k, v in tensors.items() if not k.endswith(TARGET_KEYS) and k != "inv_freq"}
+        (tmp / "model.safetensors").write_bytes(st_save(kept, metadata={"format": "pt"}))
+        config = speculators_config_dict(model.config, written["quantization_config"])
+        export.rewrite_config(tmp, config)
+
+
+def run(cfg) -> dict:
+    q, ignore, dconf = validate(cfg)
+    rd = RunDir.from_cfg(cfg)
+    index = check_cache(rd, dconf)
+    need_data = recipes.needs_data(q)
+    seed = int(cfg.seed)
+    calib_idx, held_idx = cache_batches.split_indices(int(index["num_samples"]), int(q.num_samples),
+                                                      int(q.heldout_samples), seed, need_data, FIELD)
+    from pipeline.cache import CacheReader
+
+    reader = CacheReader(rd.cache)
+    seed_everything(seed)
+    model = load_working_drafter(cfg, dconf)
+    reference = write_reference(cfg, rd, model)
+    batches = None
+    if need_data:
+        batches = cache_batches.drafter_batches(reader, calib_idx, int(q.anchors_per_sequence), dconf.block_size,
+                                                int(dconf.mask_token_id), int(q.max_seq_len), seed)
+    out = rd.drafter(q.name)
+    with tempfile.TemporaryDirectory(prefix="specquant-drafter-") as work:
+        _write_native_config(model, Path(work))
+        calibrate.run_oneshot(model, q, ignore, batches, seed)
+        baseline = None
+        if calibrate.quantizes_activations(q) and q.calibration == "none":
+            baseline = calibrate.set_fixed_activation_scales(model, float(q.fixed_activation_amax))
+        scales = calibrate.input_global_scales(model)
+        write_quantized(model, out)
+    del model
+    report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf)
+    return {
+        "output": str(out), "reference": str(reference), "scheme": q.scheme, "observer": q.observer,
+        "observer_kwargs": dict(q.observer_kwargs or {}), "algorithm": q.algorithm,
+        "group_size": recipes.group_size(q), "ignore": ignore, "calibration": q.calibration,
+        "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
+        "seeds": {"seed": seed, "split": seed, "anchors": seed,
+                  "heldout_anchors": seed + cache_batches.HELDOUT_SEED_OFFSET, "torch_manual_seed": seed},
+        "num_calibration_samples": len(batches or []),
+        "num_calibration_anchors": cache_batches.count_anchors(batches or []),
+        "num_calibration_tokens": cache_batches.count_tokens(batches or []),
+        "heldout_sample_ids": [reader.index["samples"][i]["id"] for i in held_idx],
+        "calibration_free": baseline, "input_global_scales": scales,
+        "inputs": {"drafter": _dir_hashes(Path(cfg.drafter.path)),
+                   "cache_content_hash": index.get("content_hash"),
+                   "target_head": _dir_hashes(Path(cfg.target.path), only_weights=True)},
+        "outputs": export.output_hashes(out),
+        "check": {k: report[k] for k in ("weight_error_summary", "served", "weights_only") if k in report},
+    }
+
+
+def _dir_hashes(path: Path, only_weights: bool = False) -> dict[str, str]:
+    if not path.is_dir():
+        return {}
+    return {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()
+            and (p.suffix == ".safetensors" or (p.name == "config.json" and not only_weights))}

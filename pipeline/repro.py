@@ -1,0 +1,231 @@
+"""`python -m pipeline.repro` (`make repro-check`): run the tiny pipeline twice from scratch and compare.
+
+Both runs use the same config and seed, into `<workdir>/a` and `<workdir>/b` (runs_root). Every output
+file's sha256 is compared, after these documented exclusions and normalizations, which are printed:
+
+- EXCLUDED files (their content legitimately differs): `stages/*.json` (start time, wall time, argv),
+  `eval/timings.json` (wall-clock seconds and speedups), `publish/*.json` (publish records: they
+  carry the folder's files_sha256 and a tag derived from it; the folder itself is compared file by file).
+- NORMALIZED text: the runs root path (and the checkout path) is replaced by `<RUNS_ROOT>` (`<REPO>`)
+  in every UTF-8 file, since commands and resolved configs capture where the run lived.
+- NORMALIZED JSON fields: the manifests' `timing` section; the statement's
+  `predicate.runDetails.metadata.{startedOn,finishedOn}` and its subject digests; the file lists'
+  per-file digests and files_sha256 (each of those files is compared directly instead).
+
+Then, if a reference exists (`manifests/tiny/`, written by `--update-reference`), the computed outputs
+(data/, cache/, drafter/, target/, checks/, eval/ and the two manifests without environment, git and
+timing) are compared with it. The reference records the machine fingerprint (CPU model, torch and its
+CPU capability): a mismatch on another fingerprint is a warning listing the files, on the same
+fingerprint a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from pipeline import provenance as prov
+from pipeline.io import atomic_write_bytes, atomic_write_json, dumps_json, sha256_bytes
+
+EXCLUDED = {
+    "stages/*.json": "stage records: start time, wall time and the captured argv",
+    "eval/timings.json": "wall-clock seconds and speedups of the evaluation",
+    "publish/*.json": "publish records: files_sha256 and tag of the folder, which is compared file by file",
+}
+DIGEST_LISTS = ("provenance/files.sha256.json", "provenance/attestation.intoto.json")
+TIMING_FIELDS = {"calibration_manifest.json": [("timing",)], "quant_run_manifest.json": [("timing",)],
+                 "provenance/attestation.intoto.json": [("predicate", "runDetails", "metadata", "startedOn"),
+                                                        ("predicate", "runDetails", "metadata", "finishedOn")]}
+# fields that name the machine or the commit rather than the computation: dropped only against the reference
+MACHINE_FIELDS = [("environment",), ("stages",), ("checkpoints", "*", "stage")]
+REFERENCE_PARTS = ("data/", "cache/", "drafter/", "target/", "checks/", "eval/")
+STAGES = ("data", "cache", "quantize-drafter", "quantize-target", "evaluate", "manifest", "publish")
+
+
+# ---------------------------------------------------------------- normalization
+def excluded(rel: str) -> str | None:
+    """Why a file is left out of the comparison (patterns match path segments from the right, so they
+    also cover the copies inside publish/<variant>/), or None."""
+    for pat, why in EXCLUDED.items():
+        if PurePosixPath(rel).match(pat) and (not pat.startswith("publish/") or rel.count("/") == 1):
+            return why
+    return None
+
+
+def _drop(obj: Any, path: tuple[str, ...]) -> None:
+    if not path or obj is None:
+        return
+    head, rest = path[0], path[1:]
+    items = (obj if isinstance(obj, list) else []) if head == "*" else None
+    if items is not None:
+        for it in items:
+            _drop(it, rest)
+    elif isinstance(obj, dict) and head in obj:
+        if rest:
+            _drop(obj[head], rest)
+        else:
+            obj[head] = "<excluded>"
+
+
+def normalized(root: Path, rel: str, roots: list[str], machine: bool = False) -> bytes:
+    """The bytes compared for one file: raw for binaries, path- and timing-normalized for text/JSON."""
+    data = (root / rel).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data
+    for r, name in sorted(((r, n) for r, n in roots), key=lambda x: -len(x[0])):
+        text = text.replace(r, name)
+    inner = rel.split("/", 2)[-1] if rel.startswith("publish/") and rel.count("/") >= 2 else rel
+    if not rel.endswith(".json") or (inner not in TIMING_FIELDS and inner not in DIGEST_LISTS and not machine):
+        return text.encode()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return text.encode()
+    for path in TIMING_FIELDS.get(inner, []) + (MACHINE_FIELDS if machine else []):
+        _drop(doc, path)
+    if inner == prov.FILE_LIST:
+        doc["files_sha256"] = "<excluded>"
+        for e in doc.get("files", {}).values():
+            e["sha256"], e["bytes"] = "<compared per file>", "<compared per file>"
+    if inner == prov.ATTESTATION:
+        for s in doc.get("subject", []):
+            s["digest"] = "<compared per file>"
+    return dumps_json(doc).encode()
+
+
+def digests(run_dir: Path, runs_root: Path, machine: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    """({file: sha256 of its normalized bytes}, {file: why excluded}) for every file of a run."""
+    roots = [(str(runs_root.resolve()), "<RUNS_ROOT>"), (str(runs_root), "<RUNS_ROOT>"),
+             (str(prov.REPO_ROOT), "<REPO>")]
+    out, skipped = {}, {}
+    for rel in prov.list_files(run_dir):
+        why = excluded(rel)
+        if why:
+            skipped[rel] = why
+        else:
+            out[rel] = sha256_bytes(normalized(run_dir, rel, roots, machine))
+    return out, skipped
+
+
+def compare(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    diffs = [f"{r}: only in the first run" for r in sorted(set(a) - set(b))]
+    diffs += [f"{r}: only in the second run" for r in sorted(set(b) - set(a))]
+    diffs += [f"{r}: differs ({a[r][:12]}... vs {b[r][:12]}...)" for r in sorted(set(a) & set(b)) if a[r] != b[r]]
+    return diffs
+
+
+# ---------------------------------------------------------------- running the pipeline
+def run_pipeline(runs_root: Path, overrides: list[str], quants: list[str], stages: list[str]) -> float:
+    env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = time.time()
+    for stage in stages:
+        for extra in ([[f"quant={q}"] for q in quants] if stage == "quantize-drafter" else [[]]):
+            argv = [sys.executable, "-m", "pipeline", stage, f"runs_root={runs_root}", *extra, *overrides]
+            print(f"[repro] {' '.join(argv[2:])}", flush=True)
+            if subprocess.run(argv, cwd=prov.REPO_ROOT, env=env).returncode != 0:
+                raise SystemExit(f"repro-check: stage {stage} {' '.join(extra)} failed in {runs_root}")
+    return time.time() - started
+
+
+def fingerprint() -> dict[str, Any]:
+    import torch
+
+    model = platform.processor()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    fp = {"machine": platform.machine(), "cpu": model, "torch": torch.__version__,
+          "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+          "cuda": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    return {**fp, "id": sha256_bytes(dumps_json(fp).encode())[:16]}
+
+
+def _reference_view(run_dir: Path, runs_root: Path) -> dict[str, str]:
+    d, _ = digests(run_dir, runs_root, machine=True)
+    return {r: h for r, h in d.items()
+            if r.startswith(REFERENCE_PARTS) or r in ("calibration_manifest.json", "quant_run_manifest.json")}
+
+
+def check_reference(ref_dir: Path, view: dict[str, str]) -> int:
+    ref = json.loads((ref_dir / "outputs.sha256.json").read_text(encoding="utf-8"))
+    diffs = compare(ref["files"], view)
+    fp = fingerprint()
+    if not diffs:
+        print(f"[repro] matches the reference {ref_dir} ({len(view)} files)")
+        return 0
+    same = ref["fingerprint"]["id"] == fp["id"]
+    for d in diffs:
+        print(f"[repro] reference {'FAIL' if same else 'warning'}: {d}")
+    if same:
+        print(f"[repro] FAILED: {len(diffs)} file(s) differ from {ref_dir} on the same machine fingerprint {fp['id']}")
+        return 1
+    print(f"[repro] warning: {len(diffs)} file(s) differ from {ref_dir}, recorded on another machine "
+          f"({ref['fingerprint']['cpu']}, {ref['fingerprint']['cpu_capability']}; this one: {fp['cpu']}, "
+          f"{fp['cpu_capability']}); floating point may differ between CPU types")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.repro", description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", help="where the two runs go (default: a new temporary directory)")
+    ap.add_argument("--quants", default="nvfp4 nvfp4-nocalib nvfp4a16 w4a16", help="drafter variants to quantize")
+    ap.add_argument("--stages", default=" ".join(STAGES), help="stages to run, in order")
+    ap.add_argument("--reference", default=str(prov.REPO_ROOT / "manifests" / "tiny"))
+    ap.add_argument("--update-reference", action="store_true", help="write the reference from the first run")
+    ap.add_argument("--keep", action="store_true", help="keep the two runs after a success")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every stage (same for both runs)")
+    args = ap.parse_args(argv)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="specquant-repro-")).resolve()
+    from pipeline.config import compose
+
+    run_name = str(compose(args.overrides).run_name)
+    runs = {}
+    for side in ("a", "b"):
+        root = work / side
+        secs = run_pipeline(root, args.overrides, args.quants.split(), args.stages.split())
+        print(f"[repro] run {side}: {secs:.0f}s -> {root / run_name}", flush=True)
+        runs[side] = (root / run_name, root)
+    (da, skipped), (db, _) = digests(*runs["a"]), digests(*runs["b"])
+    for pat, why in EXCLUDED.items():
+        n = sum(1 for r in skipped if skipped[r] == why)
+        print(f"[repro] excluded {n} file(s) matching {pat}: {why}")
+    print("[repro] normalized: runs root -> <RUNS_ROOT>, checkout -> <REPO>; JSON fields: "
+          + "; ".join(f"{f}: {', '.join('.'.join(p) for p in ps)}" for f, ps in TIMING_FIELDS.items())
+          + "; digests inside " + ", ".join(DIGEST_LISTS))
+    diffs = compare(da, db)
+    for d in diffs:
+        print(f"[repro] FAIL: {d}")
+    rc = 1 if diffs else 0
+    print(f"[repro] {'FAILED' if diffs else 'OK'}: {len(da) - len(diffs)} of {len(set(da) | set(db))} files identical")
+    ref = Path(args.reference)
+    view = _reference_view(*runs["a"])
+    if args.update_reference:
+        atomic_write_json(ref / "outputs.sha256.json", {"fingerprint": fingerprint(), "files": view})
+        for name in ("calibration_manifest.json", "quant_run_manifest.json"):
+            atomic_write_bytes(ref / name, (runs["a"][0] / name).read_bytes().replace(
+                str(runs["a"][1]).encode(), b"<RUNS_ROOT>"))
+        print(f"[repro] wrote the reference {ref}")
+    elif (ref / "outputs.sha256.json").is_file():
+        rc = max(rc, check_reference(ref, view))
+    if rc == 0 and not args.keep and not args.workdir:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""`python -m pipeline verify <run dir or published dir>`: re-hash every file against the records.
+
+What is checked (each problem names the file):
+- `provenance/files.sha256.json` (the folder's own list; rule in pipeline/provenance.py) is intact:
+  valid JSON, canonical bytes, and its `files_sha256` matches its content;
+- every listed file exists with that sha256 and size (missing / changed), and no unlisted file
+  exists (extra; temp files left by an interrupted write count as extra). In a run directory,
+  `stages/manifest.json`, `stages/publish*.json` and `publish/` are written after the manifest, so
+  they are not listed; each `publish/<variant>/` holding a file list is verified in turn;
+- the in-toto statement's subjects, the calibration manifest's cache shards and the quant run
+  manifest's checkpoint files agree with the files (a record that disagrees while the file matches
+  the list is reported as that record being altered); in a published folder, each file's "origin"
+  digest in the run's statement equals the file's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline import provenance as prov
+from pipeline.io import dumps_json
+
+
+def _load(path: Path, rel: str, problems: list[str]) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problems.append(f"{rel}: not valid JSON ({exc}); it was altered or truncated")
+        return None
+
+
+def _check_list(folder: Path, problems: list[str]) -> dict | None:
+    path = folder / prov.FILE_LIST
+    if not path.is_file():
+        problems.append(f"{prov.FILE_LIST}: missing; run `python -m pipeline manifest` (run dir) or "
+                        "`pipeline.provenance.write_file_list` (published folder) first")
+        return None
+    doc = _load(path, prov.FILE_LIST, problems)
+    if doc is None:
+        return None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict) or doc.get("kind") not in ("run", "published"):
+        problems.append(f"{prov.FILE_LIST}: not a specquant file list (no `files` or `kind`); it was altered")
+        return None
+    if prov.files_sha256_of(doc) != doc.get("files_sha256"):
+        problems.append(f"{prov.FILE_LIST}: its content does not match its own files_sha256; the list was altered")
+    elif path.read_bytes() != dumps_json(doc).encode():
+        problems.append(f"{prov.FILE_LIST}: its bytes are not the canonical JSON it was written as; it was altered")
+    return doc
+
+
+def _claims(folder: Path, doc: dict, problems: list[str]) -> dict[str, dict[str, str]]:
+    """{file: {record file: sha256 it claims}} from the statement and, in a run dir, the manifests."""
+    claims: dict[str, dict[str, str]] = {}
+
+    def add(rel: str, source: str, digest: str | None) -> None:
+        if digest:
+            claims.setdefault(rel, {})[source] = digest
+
+    att = _load(folder / prov.ATTESTATION, prov.ATTESTATION, problems) if (folder / prov.ATTESTATION).is_file() else None
+    subjects = {s.get("name"): (s.get("digest") or {}).get("sha256") for s in (att or {}).get("subject", [])
+                if isinstance(s, dict)}
+    if doc["kind"] == "published":
+        for rel, e in doc["files"].items():
+            if e.get("origin") and subjects:
+                if e["origin"] not in subjects:
+                    problems.append(f"{rel}: its origin {e['origin']} is not a subject of {prov.ATTESTATION}")
+                add(rel, f"{prov.ATTESTATION} (as {e['origin']})", subjects.get(e["origin"]))
+        return claims
+    for rel, d in subjects.items():
+        add(rel, prov.ATTESTATION, d)
+    if att is not None:
+        expected = set(doc["files"]) - {prov.ATTESTATION}
+        for rel in sorted(expected - set(subjects)):
+            problems.append(f"{prov.ATTESTATION}: has no subject for {rel}; the statement was altered or is stale")
+        for rel in sorted(set(subjects) - expected - set(doc["files"])):
+            problems.append(f"{prov.ATTESTATION}: names {rel}, which {prov.FILE_LIST} does not list")
+    calib = _load(folder / "calibration_manifest.json", "calibration_manifest.json", problems)
+    for s in ((calib or {}).get("cache") or {}).get("shards", []):
+        add(s.get("file"), "calibration_manifest.json", s.get("sha256"))
+    quant = _load(folder / "quant_run_manifest.json", "quant_run_manifest.json", problems)
+    for ck in (quant or {}).get("checkpoints", []):
+        for name, e in (ck.get("files") or {}).items():
+            add(f"{ck.get('path')}/{name}", "quant_run_manifest.json", e.get("sha256"))
+    return claims
+
+
+def verify_dir(path: str | Path) -> list[str]:
+    """Every problem found in a run directory or a published folder, each naming the file; [] = verified."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return [f"{folder}: not a directory"]
+    problems: list[str] = []
+    doc = _check_list(folder, problems)
+    if doc is None:
+        return problems
+    listed: dict[str, dict] = doc["files"]
+    if doc["kind"] == "run":
+        def skip(rel):
+            return rel == prov.FILE_LIST or prov.is_late(rel)
+    else:
+        def skip(rel):
+            return rel == prov.FILE_LIST
+    present = prov.list_files(folder, skip)
+    temps = [p.relative_to(folder).as_posix() for p in folder.rglob(prov.TMP_PREFIX + "*")
+             if not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
+    actual = prov.hash_files(folder, present, desc=f"verifying {folder.name}")
+    for rel in sorted(set(listed) - set(actual)):
+        problems.append(f"{rel}: missing (listed in {prov.FILE_LIST})")
+    for rel in sorted(set(actual) - set(listed)):
+        problems.append(f"{rel}: extra file, not listed in {prov.FILE_LIST}")
+    for rel in sorted(temps):
+        problems.append(f"{rel}: extra temporary file left by an interrupted write")
+    for rel, e in sorted(listed.items()):
+        if rel in actual and (actual[rel]["sha256"] != e.get("sha256") or actual[rel]["bytes"] != e.get("bytes")):
+            problems.append(f"{rel}: changed (sha256 {actual[rel]['sha256'][:16]}..., {actual[rel]['bytes']} bytes; "
+                            f"{prov.FILE_LIST} records {str(e.get('sha256'))[:16]}..., {e.get('bytes')} bytes)")
+    for rel, sources in sorted(_claims(folder, doc, problems).items()):
+        for source, digest in sorted(sources.items()):
+            if rel not in actual:
+                if rel not in listed:
+                    problems.append(f"{rel}: missing (recorded in {source})")
+            elif actual[rel]["sha256"] != digest and actual[rel]["sha256"] == listed.get(rel, {}).get("sha256"):
+                problems.append(f"{source.split(' ')[0]}: records sha256 {digest[:16]}... for {rel}, but the file "
+                                f"(and {prov.FILE_LIST}) has {actual[rel]['sha256'][:16]}...; the record was altered or is stale")
+    if doc["kind"] == "run":
+        for sub in sorted((folder / "publish").glob("*/" + prov.FILE_LIST)):
+            pub = sub.parent.parent
+            problems += [f"publish/{pub.name}/{p}" for p in verify_dir(pub)]
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline verify",
+                                 description="Re-hash every file of a run directory or a published folder "
+                                             "against its file list, manifests and in-toto statement.")
+    ap.add_argument("path", nargs="?", default="runs/tiny", help="run directory or published repo folder")
+    ap.add_argument("--json", action="store_true", help="print the problems as a JSON list")
+    args = ap.parse_args(argv)
+    problems = verify_dir(args.path)
+    if args.json:
+        print(json.dumps(problems, indent=2))
+    elif problems:
+        for p in problems:
+            print(f"verify: {p}")
+        print(f"verify: FAILED, {len(problems)} problem(s) in {args.path}")
+    else:
+        doc = json.loads((Path(args.path) / prov.FILE_LIST).read_text(encoding="utf-8"))
+        print(f"verify: OK, {len(doc['files'])} files in {args.path} match their recorded sha256")
+    return 1 if problems else 0

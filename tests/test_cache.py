@@ -1,0 +1,226 @@
+"""Cache stage: captured hidden states equal the target's output_hidden_states; format, reuse, fp8, import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import compose
+from pipeline.io import atomic_write_json, sha256_file
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = REPO / "tests" / "fixtures" / "dflash"
+TARGET = FIX / "target"
+SPEC_DRAFTER = FIX / "speculators" / "checkpoint"  # aux_hidden_state_layer_ids [2, 4]
+ZLAB_DRAFTER = FIX / "zlab" / "checkpoint"  # target_layer_ids [1, 3] -> HF [2, 4]
+
+
+def write_data(run_dir: Path, n: int = 10, seed: int = 0, max_len: int = 40) -> list[dict]:
+    """samples.jsonl + meta.json following the data stage's contract (ARCHITECTURE.md)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        t = int(torch.randint(3, max_len, (1,), generator=g))
+        ids = torch.randint(0, 127, (t,), generator=g).tolist()
+        mask = torch.randint(0, 2, (t,), generator=g).tolist()
+        samples.append({"id": f"syn/{i}", "source": "syn", "input_ids": ids, "loss_mask": mask})
+    d = run_dir / "data"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "samples.jsonl").write_text("".join(json.dumps(s, sort_keys=True) + "\n" for s in samples))
+    atomic_write_json(d / "meta.json", {"samples_sha256": sha256_file(d / "samples.jsonl"), "num_samples": n,
+                                        "num_tokens": sum(len(s["input_ids"]) for s in samples)})
+    return samples
+
+
+def stage_overrides(run_dir: Path, *extra: str) -> list[str]:
+    return [f"run_dir={run_dir}", f"target.path={TARGET}", f"drafter.path={SPEC_DRAFTER}",
+            "drafter.format=speculators", "cache.samples_per_shard=3", "cache.batch_tokens=64", *extra]
+
+
+def run_cache(run_dir: Path, *extra: str) -> dict:
+    from pipeline import cache
+
+    return cache.run(compose(stage_overrides(run_dir, *extra)))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Same thread count as the torchrun/subprocess runs, so hashes compare bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+
+    def hidden(ids: list[int]) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+        return tuple(h[0] for h in out.hidden_states)
+
+    return hidden
+
+
+def test_cached_states_equal_output_hidden_states(tmp_path, reference):
+    """Every layer index 0..L (+1 convention, embeddings and final norm included), padded batches."""
+    samples = write_data(tmp_path)
+    res = run_cache(tmp_path, "cache.storage_dtype=float32", "cache.aux_layer_ids=[0,2,5,6]")
+    from pipeline.cache import CacheReader
+
+    reader = CacheReader(tmp_path / "cache")
+    assert len(reader) == len(samples) == res["num_samples"] and reader.aux_layer_ids == [0, 2, 5, 6]
+    for s, item in zip(samples, reader, strict=True):
+        ref = reference(s["input_ids"])
+        assert item["id"] == s["id"]
+        assert item["input_ids"].tolist() == s["input_ids"] and item["loss_mask"].tolist() == s["loss_mask"]
+        assert item["hidden_states"].dtype == torch.float32
+        for j, m in enumerate([0, 2, 5, 6]):
+            torch.testing.assert_close(item["hidden_states"][:, j], ref[m], atol=2e-5, rtol=1e-5)
+
+
+def test_bf16_default_takes_the_drafters_aux_layers(tmp_path, reference):
+    samples = write_data(tmp_path, n=6)
+    run_cache(tmp_path)
+    from pipeline.cache import CacheReader
+
+    reader = CacheReader(tmp_path / "cache")
+    assert reader.index["storage_dtype"] == "bfloat16" and reader.aux_layer_ids == [2, 4]
+    for s, item in zip(samples, reader, strict=True):
+        ref = torch.stack([reference(s["input_ids"])[m] for m in (2, 4)], dim=1)
+        err = (item["hidden_states"] - ref).abs()
+        assert bool((err <= ref.abs() * 2**-7 + 1e-6).all()), float(err.max())  # bf16 rounding
+
+
+def test_zlab_drafter_config_maps_to_the_same_layers():
+    from pipeline.cache import resolve_aux_layer_ids
+
+    zl = compose([f"drafter.path={ZLAB_DRAFTER}", "drafter.format=zlab"])
+    sp = compose([f"drafter.path={SPEC_DRAFTER}", "drafter.format=speculators"])
+    assert resolve_aux_layer_ids(zl) == resolve_aux_layer_ids(sp) == [2, 4]
+
+
+def test_index_hashes_and_layout(tmp_path):
+    from safetensors import safe_open
+
+    samples = write_data(tmp_path, n=8)
+    res = run_cache(tmp_path)
+    index = json.loads((tmp_path / "cache" / "index.json").read_text())
+    assert index["num_shards"] == 3 == res["num_shards"] and [s["count"] for s in index["shards"]] == [3, 3, 2]
+    assert index["num_tokens"] == sum(len(s["input_ids"]) for s in samples)
+    for rec in index["shards"]:
+        p = tmp_path / "cache" / rec["file"]
+        assert sha256_file(p) == rec["sha256"] and p.stat().st_size == rec["bytes"]  # hashed while writing
+        with safe_open(str(p), framework="pt") as f:  # a standard safetensors file
+            assert f.metadata()["format"] == "specquant-cache"
+            assert len(list(f.keys())) == 3 * rec["count"]
+    assert index["inputs_hash"] == res["inputs_hash"] and len(index["content_hash"]) == 64
+    assert not list((tmp_path / "cache").glob(".tmp-*"))
+
+
+def test_content_hash_independent_of_sharding(tmp_path):
+    write_data(tmp_path / "a", n=7)
+    write_data(tmp_path / "b", n=7)
+    # one sample per forward so the numbers cannot depend on which samples share a batch
+    a = run_cache(tmp_path / "a", "cache.batch_tokens=1", "cache.samples_per_shard=2")
+    b = run_cache(tmp_path / "b", "cache.batch_tokens=1", "cache.samples_per_shard=5")
+    assert (a["num_shards"], b["num_shards"]) == (4, 2)
+    assert a["content_hash"] == b["content_hash"]
+
+
+def test_rerun_reuses_and_changed_inputs_recompute(tmp_path):
+    write_data(tmp_path, n=7)
+    first = run_cache(tmp_path)
+    again = run_cache(tmp_path)
+    assert again["reused"] and again["shards_written"] == 0 and again["content_hash"] == first["content_hash"]
+    changed = run_cache(tmp_path, "cache.aux_layer_ids=[1,3,5]", "cache.samples_per_shard=4")
+    assert not changed["reused"] and changed["shards_written"] == 2 and changed["inputs_hash"] != first["inputs_hash"]
+    names = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert names == ["index.json", "shard-00000.json", "shard-00000.safetensors", "shard-00001.json",
+                     "shard-00001.safetensors"]  # the third shard of the stale cache is gone
+    from pipeline.cache import CacheReader
+
+    assert CacheReader(tmp_path / "cache")[0]["hidden_states"].shape[1] == 3
+
+
+def test_fp8_roundtrip_error_is_bounded():
+    from pipeline.cache_store import Layout, decode_hidden, encode_hidden
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 3, 50)[:, None, None]  # wide range per token
+    layout = Layout((1, 2, 3), 64, "fp8")
+    q, scale = encode_hidden(x, layout)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (50, 3)
+    y = decode_hidden(q, scale)
+    amax = x.abs().amax(-1, keepdim=True)
+    # e4m3: 3 mantissa bits -> <= 2^-4 relative on normals; subnormals bounded by the token's scale
+    assert bool(((y - x).abs() <= x.abs() * 2**-4 + amax / 448 * 2**-9).all())
+    assert float((y - x).abs().max() / amax.max()) > 0  # it really is lossy (the test can fail)
+
+
+def test_fp8_stage_halves_the_size(tmp_path):
+    write_data(tmp_path / "bf", n=6)
+    write_data(tmp_path / "f8", n=6)
+    bf = run_cache(tmp_path / "bf", "cache.storage_dtype=float32")
+    f8 = run_cache(tmp_path / "f8", "cache.storage_dtype=fp8")
+    from pipeline.cache import CacheReader
+
+    r_bf, r_f8 = CacheReader(tmp_path / "bf" / "cache"), CacheReader(tmp_path / "f8" / "cache")
+    assert r_f8.index["storage_dtype"] == "fp8" and "hidden_states_scale" in r_f8.index["storage"]
+    for a, b in zip(r_bf, r_f8, strict=True):
+        amax = a["hidden_states"].abs().amax(-1, keepdim=True)
+        assert bool(((b["hidden_states"] - a["hidden_states"]).abs() <= a["hidden_states"].abs() * 2**-4
+                     + amax / 448 * 2**-9).all())
+    assert f8["total_bytes"] < 0.35 * bf["total_bytes"]  # float32 -> 1 byte + a 4-byte scale per 64 values
+
+
+def _write_speculators_files(src: Path, samples: list[dict], reference, layers: list[int]) -> None:
+    from safetensors.torch import save_file
+
+    src.mkdir(parents=True)
+    for i, s in enumerate(samples):
+        hs = torch.stack([reference(s["input_ids"])[m] for m in layers], dim=1)  # [T, n_layers, H]
+        save_file({"token_ids": torch.tensor(s["input_ids"]), "hidden_states": hs.contiguous()},
+                  str(src / f"hs_{i}.safetensors"))
+
+
+def test_import_speculators_roundtrip(tmp_path, reference):
+    from datasets import Dataset
+
+    from pipeline.cache import CacheReader
+    from pipeline.cache_import import import_speculators
+    from pipeline.errors import SpecquantError
+
+    samples = write_data(tmp_path, n=5)
+    _write_speculators_files(tmp_path / "hs", samples, reference, layers=[2, 3, 4, 6])
+    ds = Dataset.from_dict({"input_ids": [s["input_ids"] for s in samples],
+                            "loss_mask": [s["loss_mask"] for s in samples]})
+    ds.save_to_disk(str(tmp_path / "prepared"))
+    index = import_speculators(tmp_path / "hs", tmp_path / "cache", [2, 3, 4, 6], [4, 2], tmp_path / "prepared",
+                               storage_dtype="float32", samples_per_shard=2)
+    assert index["num_shards"] == 3 and index["aux_layer_ids"] == [4, 2]
+    for s, item in zip(samples, CacheReader(tmp_path / "cache", verify="open"), strict=True):
+        ref = reference(s["input_ids"])
+        assert item["input_ids"].tolist() == s["input_ids"] and item["loss_mask"].tolist() == s["loss_mask"]
+        assert torch.equal(item["hidden_states"], torch.stack([ref[4], ref[2]], dim=1))
+    wrong = [s["loss_mask"] for s in samples]
+    wrong[3] = wrong[3][:-1]
+    with pytest.raises(SpecquantError, match="hs_3.safetensors"):
+        import_speculators(tmp_path / "hs", tmp_path / "c2", [2, 3, 4, 6], [2], wrong)
+    with pytest.raises(SpecquantError, match="aux_layer_ids"):
+        import_speculators(tmp_path / "hs", tmp_path / "c3", [2, 3, 4, 6], [5], tmp_path / "prepared")
+
+
+def test_import_cli_help():
+    out = subprocess.run([sys.executable, "-m", "pipeline.cache_import", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--file-layer-ids" in out.stdout and "hs_{i}.safetensors" in out.stdout

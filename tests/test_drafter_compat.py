@@ -1,0 +1,115 @@
+"""Each drafter/target invariant violation fails fast with one sentence naming field, value and fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import SpecquantError
+from pipeline.models.compat import check_compatible
+from pipeline.models.dflash import DFlashConfig
+from pipeline.models.formats import load_drafter_config, zlab_config_dict
+
+FIX = Path(__file__).parent / "fixtures" / "dflash"
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = json.loads((FIX / "target" / "config.json").read_text())  # 6 layers, H=64, vocab 128
+
+
+def tokenizer(n_tokens: int, mask: str | None = "<|MASK|>", mask_at: int | None = None):
+    """A real fast tokenizer with n_tokens ids; the mask token (if any) gets id mask_at (default last)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(n_tokens)}
+    if mask is not None:
+        at = n_tokens - 1 if mask_at is None else mask_at
+        vocab = {(mask if i == at else k): i for k, i in vocab.items()}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+
+
+def drafter(**over) -> DFlashConfig:
+    base = load_drafter_config(FIX / "zlab" / "checkpoint")
+    fields = {k: getattr(base, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "head_dim", "block_size",
+                                            "mask_token_id", "aux_layer_ids", "num_target_layers")}
+    return DFlashConfig(**{**fields, **over})
+
+
+def fails(field: str, d: DFlashConfig, target=TARGET, tok=None, mask_token=None) -> str:
+    t0 = time.perf_counter()
+    with pytest.raises(SpecquantError) as exc:
+        check_compatible(d, target, tok, mask_token)
+    assert time.perf_counter() - t0 < 5
+    msg = str(exc.value)
+    assert msg.startswith(f"`{field}` = ") and "\n" not in msg and msg.endswith("."), msg
+    return msg
+
+
+def test_the_fixture_pair_is_compatible():
+    check_compatible(drafter(), TARGET, tokenizer(128), "<|MASK|>")
+
+
+def test_fc_input_width_must_match_target_hidden_size():
+    msg = fails("drafter.target_hidden_size", drafter(target_hidden_size=48))
+    assert "2 x 48" in msg and "64" in msg
+
+
+def test_drafter_hidden_size_must_match_borrowed_embedding():
+    fails("drafter.hidden_size", drafter(hidden_size=96, target_hidden_size=64))
+
+
+def test_vocab_size_and_tokenizer():
+    fails("drafter.vocab_size", drafter(vocab_size=256, mask_token_id=255))
+    fails("target.tokenizer", drafter(), tok=tokenizer(300))
+
+
+@pytest.mark.parametrize("ids", [[2, 6], [0, 2], [2, 9], []])
+def test_aux_layer_ids_within_target_depth(ids):
+    fails("drafter.aux_layer_ids", drafter(aux_layer_ids=ids))
+
+
+def test_target_depth_recorded_by_drafter():
+    fails("drafter.num_target_layers", drafter(num_target_layers=36))
+
+
+def test_mask_token_present_in_tokenizer():
+    fails("drafter.mask_token_id", drafter(mask_token_id=128))
+    fails("drafter.mask_token_id", drafter(mask_token_id=120), tok=tokenizer(100, mask=None))
+    fails("drafter.mask_token", drafter(), tok=tokenizer(128, mask_at=5), mask_token="<|MASK|>")
+    fails("drafter.mask_token", drafter(), tok=tokenizer(128, mask=None), mask_token="<|MASK|>")
+
+
+def test_head_dims_consistent():
+    fails("num_attention_heads", drafter(num_attention_heads=3))
+    fails("head_dim", drafter(head_dim=15))
+
+
+def test_block_size_at_least_two():
+    fails("block_size", drafter(block_size=1))
+
+
+def test_gemma_drafter_on_qwen_target_cli(tmp_path):
+    """A new user pairs a 256k-vocabulary drafter of another hidden size with a Qwen3-8B-shaped target."""
+    gemma = DFlashConfig(vocab_size=262144, hidden_size=2560, intermediate_size=10240, num_hidden_layers=5,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, block_size=16,
+                         mask_token_id=262143, aux_layer_ids=[2, 10, 18, 26, 33], num_target_layers=34)
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(zlab_config_dict(gemma)))
+    qwen = {**TARGET, "vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 36,
+            "layer_types": ["full_attention"] * 36}
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(qwen))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pipeline.models.compat", str(tmp_path / "drafter"),
+                           str(tmp_path / "target")], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: `drafter.target_hidden_size` = 2560")
+    assert "4096" in lines[0]
+    assert wall < 5, wall

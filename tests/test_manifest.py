@@ -1,0 +1,286 @@
+"""Manifest stage on a small hand-built run directory (records written by the real pipeline.stage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from pipeline import manifest, provenance
+from pipeline.config import compose
+from pipeline.errors import SpecquantError
+from pipeline.io import atomic_write_json, atomic_write_text, sha256_file
+from pipeline.stage import run_stage
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = REPO / "tests" / "fixtures" / "dflash"
+TOKEN = "hf_PlantedSecretToken1234567890abcdef"
+RECIPE = """quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      targets: [Linear]
+      scheme: NVFP4
+      ignore: ['re:.*q_proj', 're:.*k_proj', 're:.*v_proj']
+"""
+
+
+def _overrides(runs_root: Path) -> list[str]:
+    return [f"runs_root={runs_root}", "run_name=fake", "seed=3",
+            f"target.path={FIX / 'target'}", f"drafter.path={FIX / 'speculators' / 'checkpoint'}",
+            "+quant.observer_kwargs.averaging_constant=0.01", "quant.ignore=[re:.*q_proj,re:.*k_proj,re:.*v_proj]"]
+
+
+def _fake_stage(monkeypatch, stage: str, overrides: list[str], body) -> None:
+    """Run `body(cfg)` as stage `stage` through the real pipeline.stage so its record is genuine."""
+    mod = types.ModuleType(f"_fake_{stage.replace('-', '_')}")
+    mod.run = body
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(sys, "argv", [str(REPO / "pipeline" / "__main__.py"), stage, *overrides])
+    run_stage(stage, mod.__name__, compose(overrides), overrides)
+
+
+def _data(cfg) -> dict:
+    d = Path(cfg.run_dir) / "data"
+    rows = [{"id": f"chat/{i}", "source": "chat", "input_ids": [5, 6, 7 + i], "loss_mask": [0, 1, 1]} for i in range(3)]
+    atomic_write_text(d / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_json(d / "counts.json", {"chat": {"requested": 4, "available": 5, "kept": 3,
+                                                   "dropped": {"no_assistant_turn": 1, "too_long": 0}}})
+    atomic_write_json(d / "meta.json", {
+        "seed": int(cfg.seed), "max_seq_len": int(cfg.data.max_seq_len), "num_samples": 3, "num_tokens": 9,
+        "samples_sha256": sha256_file(d / "samples.jsonl"),
+        "tokenizer": {"path": "assets/tiny/target", "sha256": "a" * 64},
+        "sources": [{"name": "chat", "path": "assets/tiny/corpus/chat.jsonl", "revision": None,
+                     "note": f"token {TOKEN} leaked here"}]})
+    return {"output": str(d)}
+
+
+def _cache(cfg) -> dict:
+    d = Path(cfg.run_dir) / "cache"
+    d.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    save_file({"input_ids": torch.arange(9), "hidden_states": torch.randn(9, 2, 8, generator=g)},
+              str(d / "shard-00000.safetensors"))
+    atomic_write_json(d / "index.json", {
+        "aux_layer_ids": [2, 4], "storage_dtype": "bfloat16", "num_samples": 3, "content_sha256": "c" * 64,
+        "shards": [{"file": "shard-00000.safetensors", "sha256": sha256_file(d / "shard-00000.safetensors")}]})
+    return {"output": str(d)}
+
+
+def _quantize(cfg) -> dict:
+    root = Path(cfg.run_dir)
+    src = FIX / "speculators" / "checkpoint"
+    for variant in ("bf16", cfg.quant.name):
+        shutil.copytree(src, root / "drafter" / variant, dirs_exist_ok=True)
+    out = root / "drafter" / cfg.quant.name
+    conf = json.loads((out / "config.json").read_text())
+    conf["quantization_config"] = {"format": "nvfp4-pack-quantized", "quant_method": "compressed-tensors"}
+    atomic_write_json(out / "config.json", conf)
+    atomic_write_text(out / "recipe.yaml", RECIPE)
+    atomic_write_json(root / "checks" / f"drafter-{cfg.quant.name}.json", {"kl_vs_bf16": 0.01})
+    return {"output": str(out), "scheme": cfg.quant.scheme, "calibration_seed": 7, "group_size": 16,
+            "ignore": ["lm_head", *cfg.quant.ignore], "seeds": {"anchors": 11}}
+
+
+def build_run(tmp_path: Path, monkeypatch, stages=("data", "cache", "quantize-drafter")) -> tuple[Path, list[str]]:
+    """A run dir with data/, cache/, drafter/{bf16,nvfp4}/, checks/ and genuine stage records."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)  # records are written before the token is known
+    ov = _overrides(tmp_path / "runs")
+    bodies = {"data": _data, "cache": _cache, "quantize-drafter": _quantize}
+    for s in stages:
+        _fake_stage(monkeypatch, s, ov + ([f"publish.namespace={TOKEN}"] if s == "data" else []), bodies[s])
+    eval_dir = tmp_path / "runs" / "fake" / "eval"
+    atomic_write_text(eval_dir / "vllm_commands.sh", "vllm bench serve --dataset-name custom  # chat\n")
+    return tmp_path / "runs" / "fake", ov
+
+
+def run_manifest(run: Path, ov: list[str], monkeypatch) -> dict:
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    return manifest.run(compose(ov))
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    rd, ov = build_run(tmp_path, monkeypatch)
+    run_manifest(rd, ov, monkeypatch)
+    return rd
+
+
+def _validate(doc: dict, name: str) -> None:
+    import jsonschema
+
+    schema = json.loads((REPO / "manifests" / f"{name}.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.Draft202012Validator(schema).validate(doc)
+
+
+def test_calibration_manifest_fields(run):
+    cal = json.loads((run / "calibration_manifest.json").read_text())
+    _validate(cal, "calibration_manifest")
+    data, cache = cal["data"], cal["cache"]
+    assert data["sources"][0]["name"] == "chat" and "revision" in data["sources"][0]
+    assert data["counts"]["chat"]["kept"] == 3 and data["counts"]["chat"]["dropped"]["no_assistant_turn"] == 1
+    assert data["counts"]["chat"]["dropped_total"] == 1
+    rec = json.loads((run / "stages" / "data.json").read_text())
+    assert (data["seed"], data["max_seq_len"]) == (3, rec["resolved_config"]["data"]["max_seq_len"])
+    assert data["tokenizer"]["sha256"] == "a" * 64
+    assert data["samples_sha256"] == sha256_file(run / "data" / "samples.jsonl")
+    shard = run / "cache" / "shard-00000.safetensors"
+    assert cache["shards"] == [{"file": "cache/shard-00000.safetensors", "sha256": sha256_file(shard),
+                                "bytes": shard.stat().st_size, "in_index": True}]
+    assert cache["content_sha256"] == "c" * 64 and cache["index_sha256"] == sha256_file(run / "cache" / "index.json")
+    assert (cache["aux_layer_ids"], cache["dtype"]) == ([2, 4], "bfloat16")
+    assert set(cal["timing"]) == {"data", "cache"} and cal["not_run"] == []
+
+
+def test_quant_run_manifest_fields(run):
+    q = json.loads((run / "quant_run_manifest.json").read_text())
+    _validate(q, "quant_run_manifest")
+    by = {(c["kind"], c["variant"]): c for c in q["checkpoints"]}
+    assert set(by) == {("drafter", "bf16"), ("drafter", "nvfp4")}
+    ck = by[("drafter", "nvfp4")]
+    qcfg = json.loads((run / "stages" / "quantize-drafter-nvfp4.json").read_text())["resolved_config"]["quant"]
+    assert ck["quant_config"] == qcfg and ck["scheme"] == qcfg["scheme"] == "nvfp4"
+    assert ck["observer"] == qcfg["observer"] and isinstance(ck["observer"], str)
+    assert ck["observer_kwargs"] == {"averaging_constant": 0.01}
+    assert ck["ignore"] == ["lm_head", "re:.*q_proj", "re:.*k_proj", "re:.*v_proj"]  # the effective list
+    assert ck["group_size"] == 16
+    assert ck["recipe"]["text"] == RECIPE and ck["recipe"]["parsed"] == yaml.safe_load(RECIPE)
+    assert ck["seeds"] == {"seed": 3, "calibration_seed": 7, "anchors": 11}
+    assert ck["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    src = FIX / "speculators" / "checkpoint"
+    assert ck["inputs"]["drafter"]["files"]["model.safetensors"]["sha256"] == sha256_file(src / "model.safetensors")
+    assert ck["inputs"]["target"]["files"]["model.safetensors"]["sha256"] == sha256_file(FIX / "target" / "model.safetensors")
+    assert ck["inputs"]["calibration_cache"]["content_sha256"] == "c" * 64
+    out = run / "drafter" / "nvfp4"
+    assert ck["files"] == {f: {"sha256": sha256_file(out / f), "bytes": (out / f).stat().st_size}
+                           for f in ("config.json", "model.safetensors", "recipe.yaml")}
+    assert ck["checks"]["report"] == {"kl_vs_bf16": 0.01}
+    assert by[("drafter", "bf16")]["scheme"] == "unquantized"
+    env = q["environment"]
+    assert {"torch", "transformers", "llmcompressor", "compressed-tensors", "specquant"} <= set(env["versions"])
+    assert set(env["git"]) >= {"commit", "dirty"} and env["device"]["machine"]
+    assert ck["stage"]["git"]["commit"] == env["git"]["commit"]
+    assert all(isinstance(t["wall_time_s"], float) for t in q["timing"].values())
+    assert q["not_run"] == ["quantize-target", "evaluate"]
+
+
+def test_provenance_folder(run, tmp_path):
+    p = run / "provenance"
+    cmds = json.loads((p / "commands.json").read_text())
+    assert [c["stage"] for c in cmds] == ["data", "cache", "quantize-drafter"]
+    rec = json.loads((run / "stages" / "quantize-drafter-nvfp4.json").read_text())
+    assert cmds[2]["argv"] == rec["argv"] and cmds[2]["overrides"] == rec["overrides"]
+    assert " ".join(rec["overrides"][:2]) in (p / "commands.sh").read_text()
+    subprocess.run(["bash", "-n", str(p / "commands.sh")], check=True)
+    cfg = yaml.safe_load((p / "resolved_config" / "quantize-drafter-nvfp4.yaml").read_text())
+    assert cfg["quant"]["scheme"] == "nvfp4" and cfg["run_dir"] == str(tmp_path / "runs" / "fake")
+    src = json.loads((p / "source" / "SOURCE.json").read_text())
+    assert src["files"]["pipeline/manifest.py"]["sha256"] == sha256_file(REPO / "pipeline" / "manifest.py")
+    assert (p / "source" / "pipeline" / "stage.py").read_bytes() == (REPO / "pipeline" / "stage.py").read_bytes()
+    assert (p / "source" / "git.diff").exists() == bool(src["git"]["dirty"] and src["git"]["diff"])
+    att = json.loads((p / "attestation.intoto.json").read_text())
+    assert att["_type"] == "https://in-toto.io/Statement/v1" and att["predicateType"] == "https://slsa.dev/provenance/v1"
+    bd = att["predicate"]["buildDefinition"]
+    assert {"buildType", "externalParameters", "internalParameters", "resolvedDependencies"} <= set(bd)
+    assert att["predicate"]["runDetails"]["builder"]["id"]
+    deps = {d["name"]: d for d in bd["resolvedDependencies"]}
+    assert deps[f"{FIX / 'target'}/model.safetensors"]["digest"]["sha256"] == sha256_file(FIX / "target" / "model.safetensors")
+    every = provenance.list_files(run, lambda r: provenance.is_late(r))
+    expected = sorted(set(every) - {provenance.ATTESTATION, provenance.FILE_LIST})
+    assert [s["name"] for s in att["subject"]] == expected
+    assert all(s["digest"]["sha256"] == sha256_file(run / s["name"]) for s in att["subject"])
+
+
+def test_vllm_serve_command_runs(run, tmp_path):
+    """The script calls `vllm serve` with valid JSON: a stand-in `vllm` on PATH prints its argv."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    stub = bindir / "vllm"
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", str(run / "provenance" / "vllm_serve.sh"), "nvfp4"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    argv = json.loads(out)
+    assert argv[:2] == ["serve", str(FIX / "target")] and argv[2] == "--speculative-config"
+    spec = json.loads(argv[3])
+    assert spec == {"method": "dflash", "model": f"{run.resolve()}/drafter/nvfp4", "num_speculative_tokens": 3}
+    bad = subprocess.run(["bash", str(run / "provenance" / "vllm_serve.sh"), "nope"], env=env, capture_output=True)
+    assert bad.returncode == 2
+
+
+def test_eval_commands_compose_per_subset(run):
+    """Each per-subset command's overrides compose with the real config tree to exactly one prompt set."""
+    text = (run / "provenance" / "eval_commands.sh").read_text()
+    subprocess.run(["bash", "-n", str(run / "provenance" / "eval_commands.sh")], check=True)
+    import shlex
+
+    cmds = [shlex.split(line) for line in text.splitlines() if line.startswith("python -m pipeline evaluate")]
+    assert len(cmds) == 3 and "vllm bench serve" in text
+    names = []
+    for argv in cmds:
+        cfg = compose(argv[4:])
+        assert len(cfg.eval.prompt_sets) == 1
+        names.append(cfg.eval.prompt_sets[0].name)
+        assert cfg.eval.prompt_sets[0].path.startswith("assets/tiny/eval/")
+    assert names == ["chat", "math", "code"]
+
+
+def test_planted_token_never_written(run):
+    hits = [p for p in [run / "calibration_manifest.json", run / "quant_run_manifest.json",
+                        *(run / "provenance").rglob("*")]
+            if p.is_file() and TOKEN.encode() in p.read_bytes()]
+    assert hits == []
+    assert TOKEN in (run / "stages" / "data.json").read_text()  # the plant really was in the inputs
+
+
+def test_byte_stable_across_writes(run, monkeypatch):
+    def snapshot():
+        return {r: (run / r).read_bytes() for r in provenance.list_files(run, provenance.is_late)}
+
+    first = snapshot()
+    for _ in range(3):  # others may edit the shared checkout between two writes; CI's tree is still
+        run_manifest(run, _overrides(run.parent), monkeypatch)
+        second = snapshot()
+        if second["provenance/source/SOURCE.json"] == first["provenance/source/SOURCE.json"]:
+            break
+        first = second
+    assert second == first
+
+
+def test_degrades_when_stages_missing(tmp_path, monkeypatch):
+    rd, ov = build_run(tmp_path, monkeypatch, stages=("data",))
+    result = run_manifest(rd, ov, monkeypatch)
+    cal = json.loads((rd / "calibration_manifest.json").read_text())
+    q = json.loads((rd / "quant_run_manifest.json").read_text())
+    _validate(cal, "calibration_manifest")
+    _validate(q, "quant_run_manifest")
+    assert cal["cache"] is None and cal["not_run"] == ["cache"] and q["checkpoints"] == []
+    assert result["not_run"] == ["cache", "evaluate", "quantize-drafter", "quantize-target"]
+    assert "vllm serve" not in (rd / "provenance" / "vllm_serve.sh").read_text().split("case")[1].split("*)")[0]
+
+
+def test_corrupt_shard_refused_before_writing(tmp_path, monkeypatch):
+    rd, ov = build_run(tmp_path, monkeypatch, stages=("data", "cache"))
+    shard = rd / "cache" / "shard-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SpecquantError, match="cache/shard-00000.safetensors"):
+        run_manifest(rd, ov, monkeypatch)
+    assert not (rd / "calibration_manifest.json").exists() and not (rd / "provenance").exists()
+
+
+def test_missing_run_dir_is_one_sentence(tmp_path):
+    with pytest.raises(SpecquantError, match=r"`run_dir` = .*does not exist"):
+        manifest.run(compose([f"runs_root={tmp_path}", "run_name=nothing"]))

@@ -1,0 +1,316 @@
+"""The publish stage against the project's Hub server on 127.0.0.1 (pipeline.hubserver).
+
+The run folder is small but real: a safetensors drafter checkpoint (the golden speculators
+fixture for bf16, a re-saved tiny one for nvfp4), a captured stage record, eval results, and
+the real manifest stage on top (manifests, provenance, in-toto statement, file list).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import zlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import compose
+from pipeline.errors import SpecquantError
+from pipeline.hubserver import HubServer
+
+REPO = Path(__file__).resolve().parent.parent
+CKPT = REPO / "tests" / "fixtures" / "dflash" / "speculators" / "checkpoint"
+TOKEN = "hf_plantedTOKENpublish0123456789abcd"
+BASE = "z-lab/Qwen3-8B-DFlash-b16"
+TARGET = "Qwen/Qwen3-8B"
+
+
+def _png() -> bytes:
+    """A valid 2x2 grey PNG (no plotting library needed)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+    raw = b"".join(b"\x00" + bytes([128, 128]) for _ in range(2))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", (2).to_bytes(4, "big") * 2 + bytes([8, 0, 0, 0, 0]))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
+    """A run with drafter/{bf16,nvfp4}, a stage record, checks, eval; then the real manifest stage."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    rd = runs_root / name
+    (rd / "drafter" / "bf16").mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copyfile(CKPT / f, rd / "drafter" / "bf16" / f)
+    q = rd / "drafter" / "nvfp4"
+    q.mkdir()
+    conf = json.loads((CKPT / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    (q / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: (v + 0.01 * torch.randn(v.shape, generator=g)).contiguous()
+               for k, v in load_file(CKPT / "model.safetensors").items()}
+    save_file(tensors, q / "model.safetensors")
+    (q / "recipe.yaml").write_text("default_stage:\n  default_modifiers:\n    QuantizationModifier:\n"
+                                   "      scheme: NVFP4\n      ignore: [lm_head]\n")
+    (rd / "checks").mkdir()
+    (rd / "checks" / "drafter-nvfp4.json").write_text('{"max_rel_error": 0.1}\n')
+    (rd / "eval").mkdir()
+    rows = [{"variant": v, "subset": s, "tau": t} for v, s, t in
+            (("bf16", "chat", 2.5), ("nvfp4", "chat", 2.4), ("bf16", "code", 3.0), ("nvfp4", "code", 2.7))]
+    (rd / "eval" / "results.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    (rd / "eval" / "report.md").write_text("# Acceptance\n\n| subset | bf16 | nvfp4 |\n")
+    (rd / "eval" / "tau.png").write_bytes(_png())
+    cfg = compose([f"runs_root={runs_root}", f"run_name={name}", f"seed={seed}"])
+    from omegaconf import OmegaConf
+
+    record = {"stage": "quantize-drafter", "command": "python -m pipeline quantize-drafter quant=nvfp4",
+              "argv": ["python", "-m", "pipeline", "quantize-drafter", "quant=nvfp4"], "overrides": ["quant=nvfp4"],
+              "resolved_config": OmegaConf.to_container(cfg, resolve=True), "seed": seed,
+              "started_utc": "2026-01-01T00:00:00+00:00", "wall_time_s": 1.0, "result": {}}
+    (rd / "stages").mkdir()
+    (rd / "stages" / "quantize-drafter-nvfp4.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    remanifest(runs_root, name)
+    return rd
+
+
+def remanifest(runs_root: Path, name: str = "tiny") -> None:
+    from pipeline import manifest
+
+    manifest.run(compose([f"runs_root={runs_root}", f"run_name={name}"]))
+
+
+def publish_cfg(runs_root: Path, *extra: str, name: str = "tiny"):
+    return compose([f"runs_root={runs_root}", f"run_name={name}", f"publish.base_model={BASE}",
+                    f"publish.target_model={TARGET}", "publish.namespace=specquant-test", *extra])
+
+
+def push_cfg(runs_root: Path, url: str, *extra: str):
+    return publish_cfg(runs_root, "publish.dry_run=false", f"publish.endpoint={url}", *extra)
+
+
+def front_matter(readme: str) -> dict:
+    assert readme.startswith("---\n")
+    return yaml.safe_load(readme.split("---\n")[1])
+
+
+def sha256(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def download(url: str, repo_id: str, revision: str, cache: Path) -> Path:
+    from huggingface_hub import snapshot_download
+
+    from pipeline.publish import hub_online
+
+    with hub_online():
+        snap = Path(snapshot_download(repo_id, revision=revision, endpoint=url, token=TOKEN, cache_dir=cache))
+    plain = cache.parent / f"{cache.name}-files"  # the cache's snapshot is symlinks; verify wants files
+    shutil.rmtree(plain, ignore_errors=True)
+    shutil.copytree(snap, plain, symlinks=False)
+    return plain
+
+
+def repos_on(server_root: Path) -> list[str]:
+    d = server_root / "repos"
+    return sorted(p.relative_to(d).as_posix() for p in d.rglob("*.json")) if d.is_dir() else []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def pristine_runs(tmp_path_factory) -> Path:
+    """Built once (the manifest stage and torch import dominate); each test gets a copy."""
+    root = tmp_path_factory.mktemp("pristine") / "runs"
+    make_run(root)
+    return root
+
+
+@pytest.fixture
+def run_root(pristine_runs, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    root = tmp_path / "runs"
+    shutil.copytree(pristine_runs, root, symlinks=True)
+    return root
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with HubServer(tmp_path / "hub") as srv:
+        yield srv
+
+
+# ---------------------------------------------------------------- dry run and the card
+def test_dry_run_assembles_verified_folder_with_card(run_root, tmp_path, capsys):
+    from pipeline import publish
+    from pipeline.verify import verify_dir
+
+    out = publish.run(publish_cfg(run_root))
+    folder = run_root / "tiny" / "publish" / "nvfp4"
+    rec = json.loads((run_root / "tiny" / "publish" / "nvfp4.json").read_text())
+    assert out["variants"]["nvfp4"]["status"] == "dry-run" and rec["commit"] is None
+    assert not (run_root / "tiny" / "publish" / "bf16").exists()  # bf16 only when asked
+    names = set(rec["files"])
+    for f in ("README.md", "config.json", "model.safetensors", "recipe.yaml", "calibration_manifest.json",
+              "quant_run_manifest.json", "provenance/attestation.intoto.json", "provenance/files.sha256.json",
+              "eval/report.md", "eval/results.json", "eval/tau.png", "checks/drafter-nvfp4.json"):
+        assert f in names, f
+    assert not any(n.startswith(("tokenizer", "vocab", "merges", "special_tokens")) for n in names)
+    assert sha256(folder / "model.safetensors") == sha256(run_root / "tiny" / "drafter" / "nvfp4" / "model.safetensors")
+    assert verify_dir(folder) == []
+    printed = capsys.readouterr().out
+    assert "dry run: would push" in printed and "model.safetensors" in printed
+
+    readme = (folder / "README.md").read_text()
+    meta = front_matter(readme)
+    assert meta["base_model"] == BASE and meta["base_model_relation"] == "quantized"
+    assert meta["license"] == "apache-2.0" and meta["library_name"] and meta["pipeline_tag"] == "text-generation"
+    for t in ("speculative-decoding", "dflash", "speculators", "vllm", "nvfp4"):
+        assert t in meta["tags"]
+    q = compose([]).quant
+    for text in ("not** a chat", TARGET, f"`{q.num_samples}`", f"`{q.max_seq_len}`", f"`{q.observer}`",
+                 "vllm serve Qwen/Qwen3-8B --speculative-config", '"num_speculative_tokens":3',
+                 "python -m pipeline verify", "Not measured", "![eval/tau.png](eval/tau.png)", "-4.0%", "-10.0%"):
+        assert text in readme, text
+
+    # same run, same config: byte-identical folder and record
+    before = {p: sha256(p) for p in sorted((run_root / "tiny" / "publish").rglob("*")) if p.is_file()}
+    publish.run(publish_cfg(run_root))
+    after = {p: sha256(p) for p in sorted((run_root / "tiny" / "publish").rglob("*")) if p.is_file()}
+    assert before == after
+
+
+# ---------------------------------------------------------------- push, download back, idempotence
+def test_push_download_verify_then_no_second_commit(run_root, hub, tmp_path):
+    from huggingface_hub import HfApi
+
+    from pipeline import publish
+    from pipeline.publish import hub_online
+
+    out = publish.run(push_cfg(run_root, hub.url))["variants"]["nvfp4"]
+    assert out["status"] == "pushed" and len(out["commit"]) == 40
+    rec = json.loads((run_root / "tiny" / "publish" / "nvfp4.json").read_text())
+    repo = rec["repo_id"]
+    assert repo == "specquant-test/tiny-dflash-b8-nvfp4"
+    got = download(hub.url, repo, out["tag"], tmp_path / "cache")
+    remote = {p.relative_to(got).as_posix(): sha256(p) for p in got.rglob("*") if p.is_file()}
+    assert remote == {rel: e["sha256"] for rel, e in rec["files"].items()}
+    listing = json.loads((got / "provenance" / "files.sha256.json").read_text())["files"]
+    assert all(remote[rel] == e["sha256"] for rel, e in listing.items())
+    assert front_matter((got / "README.md").read_text())["base_model"] == BASE
+    with hub_online():
+        api = HfApi(endpoint=hub.url, token=TOKEN)
+        lfs = {f.path: f.lfs.sha256 for f in api.list_repo_tree(repo, recursive=True, revision=out["commit"])
+               if getattr(f, "lfs", None)}
+    assert lfs["model.safetensors"] == rec["files"]["model.safetensors"]["sha256"]
+
+    again = publish.run(push_cfg(run_root, hub.url))["variants"]["nvfp4"]
+    assert again["status"] == "no changes" and again["commit"] == out["commit"] and again["tag"] == out["tag"]
+    with hub_online():
+        refs = HfApi(endpoint=hub.url).list_repo_refs(repo, token=TOKEN)
+    assert refs.branches[0].target_commit == out["commit"]
+
+    # a changed run (new eval report, manifests re-written) -> exactly one new commit, only changed files sent
+    (run_root / "tiny" / "eval" / "report.md").write_text("# Acceptance, revised\n")
+    remanifest(run_root)
+    third = publish.run(push_cfg(run_root, hub.url))["variants"]["nvfp4"]
+    rec3 = json.loads((run_root / "tiny" / "publish" / "nvfp4.json").read_text())
+    assert third["status"] == "pushed" and third["commit"] != out["commit"]
+    assert "model.safetensors" in rec3["unchanged"] and "eval/report.md" in rec3["uploaded"]
+    with hub_online():
+        info = HfApi(endpoint=hub.url).repo_info(repo, revision="main", token=TOKEN)
+    assert info.sha == third["commit"]
+    parent = json.loads((tmp_path / "hub" / "commits" / f"{third['commit']}.json").read_text())["parent"]
+    assert parent == out["commit"]
+
+
+# ---------------------------------------------------------------- refusals, each one sentence, nothing pushed
+@pytest.mark.faults("tamper")
+def test_tampered_checkpoint_refused_naming_the_file(run_root, hub, tmp_path):
+    """A byte flipped in the run's drafter weights after the manifest: publish refuses, names the file."""
+    from pipeline import publish
+
+    w = run_root / "tiny" / "drafter" / "nvfp4" / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-3] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(SpecquantError) as err:
+        publish.run(push_cfg(run_root, hub.url))
+    msg = str(err.value)
+    assert "drafter/nvfp4/model.safetensors" in msg and "refusing to publish" in msg and "\n" not in msg
+    assert repos_on(tmp_path / "hub") == [] and not (run_root / "tiny" / "publish").exists()
+
+
+def _one_sentence(msg: str, *needles: str) -> None:
+    assert "\n" not in msg and msg.endswith(".") and "Traceback" not in msg and len(msg) < 600, msg
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+@pytest.mark.faults("bad-input")
+@pytest.mark.parametrize("case", ["missing token", "unreachable endpoint", "invalid repo id", "no repo id",
+                                  "bad tag", "unknown variant"])
+def test_bad_publish_inputs_one_sentence_nothing_pushed(case, run_root, hub, tmp_path, monkeypatch):
+    """Bad publish settings: one sentence naming the field, before anything is written or pushed."""
+    from pipeline import publish
+
+    cfgs = {
+        "missing token": (push_cfg(run_root, hub.url), "publish.token_env"),
+        "unreachable endpoint": (push_cfg(run_root, f"http://127.0.0.1:{free_port()}"), "publish.endpoint"),
+        "invalid repo id": (push_cfg(run_root, hub.url, "publish.repo_id='me/bad name!'"), "publish.repo_id"),
+        "no repo id": (push_cfg(run_root, hub.url, "publish.namespace=null"), "publish.repo_id"),
+        "bad tag": (push_cfg(run_root, hub.url, "publish.tag='v 1/x'"), "publish.tag"),
+        "unknown variant": (push_cfg(run_root, hub.url, "publish.variants=[w8a8]"), "publish.variants"),
+    }
+    cfg, field = cfgs[case]
+    if case == "missing token":
+        monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(SpecquantError) as err:
+        publish.run(cfg)
+    _one_sentence(str(err.value), f"`{field}`")
+    assert repos_on(tmp_path / "hub") == [] and not (run_root / "tiny" / "publish").exists()
+
+
+@pytest.mark.faults("security")
+def test_planted_token_never_written_or_printed(run_root, hub, tmp_path, capfd, caplog, monkeypatch):
+    """A planted HF token is used for the push, yet appears in no file, record, log or output."""
+    from pipeline.stage import run_stage
+
+    caplog.set_level("DEBUG")
+    monkeypatch.setenv("HF_HUB_VERBOSITY", "debug")
+    overrides = [f"runs_root={run_root}", "run_name=tiny", "publish.dry_run=false", f"publish.endpoint={hub.url}",
+                 "publish.namespace=specquant-test"]
+    run_stage("publish", "pipeline.publish", compose(overrides), overrides)
+    run_stage("publish", "pipeline.publish", compose([*overrides, f"publish.token={TOKEN}x"]),
+              [*overrides, f"publish.token={TOKEN}x"])  # a token given in config is scrubbed too
+    with pytest.raises(SpecquantError) as err:
+        run_stage("publish", "pipeline.publish", compose([*overrides, "publish.repo_id=me/x--y"]), overrides)
+    download(hub.url, "specquant-test/tiny-dflash-b8-nvfp4", "main", tmp_path / "cache")
+    captured = capfd.readouterr()
+    texts = [captured.out, captured.err, caplog.text, str(err.value)]
+    assert all(TOKEN not in t for t in texts)
+    leaked = [p for p in tmp_path.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
+    assert leaked == []
+    assert (run_root / "tiny" / "stages" / "publish.json").is_file()
+
+
+def test_tokens_in_env_are_forwarded_only_to_the_endpoint(run_root, hub, tmp_path, monkeypatch):
+    """The server sees the token (401 otherwise): a wrong one is refused with one sentence."""
+    from pipeline import publish
+
+    with HubServer(tmp_path / "hub2", token="the-right-token") as strict:
+        with pytest.raises(SpecquantError) as err:
+            publish.run(push_cfg(run_root, strict.url))
+        _one_sentence(str(err.value), "`publish.token_env`", "401")
+        monkeypatch.setenv("HF_TOKEN", "the-right-token")
+        assert publish.run(push_cfg(run_root, strict.url))["variants"]["nvfp4"]["status"] == "pushed"
+    assert os.environ["HF_TOKEN"] == "the-right-token"

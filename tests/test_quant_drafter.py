@@ -1,0 +1,129 @@
+"""quantize-drafter end to end on the fixture world: real cache, real oneshot, real reload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pipeline import quantize_drafter
+from pipeline.io import hash_tree, read_json
+from pipeline.quant import cache_batches, recipes
+from tests.test_quant_world import build_world, world_cfg
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("qworld")
+    build_world(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def nvfp4(world):
+    return quantize_drafter.run(world_cfg(world, "quant=nvfp4"))
+
+
+def _files(run_dir, variant):
+    return {**{f"drafter/{k}": v["sha256"] for k, v in hash_tree(run_dir / "drafter" / variant).items()},
+            **{f"checks/{k}": v["sha256"] for k, v in hash_tree(run_dir / "checks").items()
+               if k.startswith(f"drafter-{variant}.") or k.startswith(f"drafter-{variant}-")}}
+
+
+def test_nvfp4_drafter_is_a_speculators_compressed_tensors_checkpoint(world, nvfp4):
+    out = world / "qw" / "drafter" / "nvfp4"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "recipe.yaml"]
+    config = read_json(out / "config.json")
+    assert config["speculators_model_type"] == "dflash" and config["speculators_config"]["algorithm"] == "dflash"
+    assert config["aux_hidden_state_layer_ids"] == [2, 4] and config["block_size"] == 4
+    qc = config["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "nvfp4-pack-quantized"
+    assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] == "local"
+    assert qc["config_groups"]["group_0"]["weights"]["observer"] == "nvfp4_expanded_mse"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("layers.0.mlp.down_proj.weight_packed").dtype == torch.uint8
+        assert f.get_tensor("fc.weight_scale").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("layers.1.self_attn.k_proj.weight").dtype == torch.float32  # q/k/v stay dense
+    assert "layers.0.self_attn.o_proj.input_global_scale" in keys
+    assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
+    # the bf16 reference sits beside it, and the check reloaded and compared the checkpoint
+    ref = read_json(world / "qw" / "drafter" / "bf16" / "config.json")
+    assert ref["dtype"] == "bfloat16" and "quantization_config" not in ref
+    report = read_json(world / "qw" / "checks" / "drafter-nvfp4.json")
+    assert report["reloaded"] and len(report["weight_error"]) == 9  # fc + 2 x (o, gate, up, down)
+    assert 0.0 < report["weight_error_summary"]["max"] < 0.2
+    assert report["served"]["rows"] > 0 and 0.5 < report["served"]["top1_agreement"] <= 1.0
+    assert (world / "qw" / "checks" / "drafter-nvfp4-weight-error.png").stat().st_size > 1000
+    assert nvfp4["num_calibration_samples"] == 6 and nvfp4["num_calibration_anchors"] == 36
+
+
+def test_same_seed_gives_identical_files(world, nvfp4):
+    before = _files(world / "qw", "nvfp4")
+    again = quantize_drafter.run(world_cfg(world, "quant=nvfp4"))
+    assert _files(world / "qw", "nvfp4") == before
+    assert again["outputs"] == nvfp4["outputs"] and again["input_global_scales"] == nvfp4["input_global_scales"]
+
+
+def test_activation_scales_come_from_the_calibration_activations(world, nvfp4):
+    # fc's input is the cached hidden states themselves: its scale is 448*6 / absmax over the
+    # calibration samples (the rows the seeded split picked), not a constant or a weight statistic
+    assert nvfp4["input_global_scales"]["fc"] == pytest.approx(_fc_scale(world), rel=1e-5)
+    # only the weight observer changes -> the same activation scales
+    minmax = quantize_drafter.run(world_cfg(world, "quant.observer=minmax", "quant.name=nvfp4-minmax"))
+    assert minmax["input_global_scales"] == nvfp4["input_global_scales"]
+    assert minmax["outputs"]["model.safetensors"] != nvfp4["outputs"]["model.safetensors"]
+    # another seed (other samples and anchors) -> other scales
+    seeded = quantize_drafter.run(world_cfg(world, "seed=1", "quant.name=nvfp4-seed1"))
+    assert seeded["input_global_scales"] != nvfp4["input_global_scales"]
+
+
+def test_another_cache_changes_the_activation_scales(tmp_path, nvfp4):
+    other = tmp_path / "other"
+    build_world(other, blend_seed=1)
+    result = quantize_drafter.run(world_cfg(other, "quant=nvfp4"))
+    changed = [k for k, v in result["input_global_scales"].items() if v != nvfp4["input_global_scales"][k]]
+    # every layer after fc sees other activations; fc may keep its scale when both calibration sets
+    # share their absmax row (a position-0 token), so it is checked against its own data instead
+    assert set(changed) >= set(nvfp4["input_global_scales"]) - {"fc"}
+    assert result["input_global_scales"]["fc"] == pytest.approx(_fc_scale(other), rel=1e-5)
+
+
+def _fc_scale(root) -> float:
+    from pipeline.cache import CacheReader
+
+    reader = CacheReader(root / "qw" / "cache")
+    calib, _ = cache_batches.split_indices(len(reader), 6, 4, 0, True)
+    absmax = max(float(reader[i]["hidden_states"][:64].abs().max()) for i in calib)
+    return recipes.fixed_input_global_scale(absmax)
+
+
+def test_calibrated_nvfp4_is_not_worse_than_calibration_free(world, nvfp4):
+    free = quantize_drafter.run(world_cfg(world, "quant=nvfp4-nocalib"))
+    assert free["calibration_free"]["input_global_scale"] == 1.0
+    assert set(free["input_global_scales"].values()) == {1.0}
+    assert free["num_calibration_samples"] == 0
+    calibrated = read_json(world / "qw" / "checks" / "drafter-nvfp4.json")
+    baseline = read_json(world / "qw" / "checks" / "drafter-nvfp4-nocalib.json")
+    # same weights (same observer), so the weight-only numbers agree and only activations differ
+    assert calibrated["weights_only"] == baseline["weights_only"]
+    assert calibrated["served"]["top1_agreement"] >= baseline["served"]["top1_agreement"]
+    print("\ncalibrated", json.dumps(calibrated["served"]), "\ncalibration-free", json.dumps(baseline["served"]))
+
+
+@pytest.mark.parametrize("overrides, fmt", [
+    (["quant=nvfp4a16"], "nvfp4-pack-quantized"),
+    (["quant=w4a16", "quant.group_size=64"], "pack-quantized"),
+])
+def test_weight_only_drafters_are_produced_and_reload(world, nvfp4, overrides, fmt):
+    result = quantize_drafter.run(world_cfg(world, *overrides))
+    name = overrides[0].split("=")[1]
+    config = read_json(world / "qw" / "drafter" / name / "config.json")
+    assert config["quantization_config"]["format"] == fmt
+    assert config["quantization_config"]["config_groups"]["group_0"]["input_activations"] is None
+    assert result["input_global_scales"] == {} and result["num_calibration_samples"] == 0
+    report = read_json(world / "qw" / "checks" / f"drafter-{name}.json")
+    assert report["served"] == report["weights_only"] and report["served"]["top1_agreement"] > 0.5

@@ -1,0 +1,90 @@
+"""Recipe building and validation: wrong settings fail in one sentence before any weight is read."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from pipeline import quantize_drafter, quantize_target
+from pipeline.errors import SpecquantError
+from pipeline.quant import recipes
+from tests.test_quant_world import DRAFTER, world_cfg
+
+
+@pytest.fixture()
+def broken_drafter(tmp_path):
+    """The fixture drafter with unreadable weights: any error about settings must come before loading."""
+    d = tmp_path / "drafter"
+    shutil.copytree(DRAFTER, d)
+    (d / "model.safetensors").write_bytes(b"not a safetensors file")
+    return d
+
+
+def _fails(cfg, stage=quantize_drafter) -> str:
+    with pytest.raises(SpecquantError) as exc:
+        stage.run(cfg)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.endswith(".") and not re.search(r"\w\. [A-Z]", msg), msg  # one sentence
+    return msg
+
+
+@pytest.mark.parametrize("override, field, words", [
+    ("quant.scheme=int3", "`quant.scheme` = 'int3'", "nvfp4, nvfp4a16, w4a16"),
+    ("quant.observer=no_such_observer", "`quant.observer` = 'no_such_observer'", "nvfp4_expanded_mse"),
+    ("quant.algorithm=awq", "`quant.algorithm` = 'awq'", "rtn, gptq"),
+    ("quant.group_size=32", "`quant.group_size` = 32", "set it to 16"),
+])
+def test_bad_settings_fail_before_loading_weights(tmp_path, broken_drafter, override, field, words):
+    cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", override)
+    msg = _fails(cfg)
+    assert msg.startswith(field) and words in msg
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_group_size_that_does_not_divide_a_layer_fails_before_loading(tmp_path, broken_drafter):
+    # the fixture drafter's o_proj reads 4 heads x 16 = 64 features; int4 groups of 128 cannot tile it
+    cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", "quant=w4a16", "quant.group_size=128")
+    msg = _fails(cfg)
+    assert msg.startswith("`quant.group_size` = 128: it does not divide the in-features 64 of layers.0.self_attn.o_proj")
+    assert "e.g. 64" in msg
+
+
+def test_target_group_size_is_checked_from_config_alone(tmp_path):
+    cfg = world_cfg(tmp_path / "runs", "target_quant=w4a16", "target_quant.group_size=48")
+    msg = _fails(cfg, quantize_target)
+    assert msg.startswith("`target_quant.group_size` = 48: it does not divide the in-features 64")
+
+
+def test_gptq_without_calibration_data_is_refused(tmp_path, broken_drafter):
+    cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", "quant=w4a16", "quant.algorithm=gptq",
+                    "quant.calibration=none")
+    assert "GPTQ needs calibration data" in _fails(cfg)
+
+
+def test_default_ignore_keeps_qkv_embedding_and_head_dense():
+    cfg = world_cfg("/tmp/unused")
+    default = recipes.resolve_ignore(cfg.quant)
+    assert recipes.QKV_IGNORE in default and all(e in default for e in recipes.ALWAYS_IGNORE)
+    cfg.quant.quantize_qkv = True
+    assert recipes.QKV_IGNORE not in recipes.resolve_ignore(cfg.quant)
+    from pipeline.models.formats import load_drafter_config
+
+    names = [n for n, _ in quantize_drafter.drafter_linears(load_drafter_config(DRAFTER), default)]
+    assert "fc" in names and "layers.1.mlp.down_proj" in names and "layers.0.self_attn.o_proj" in names
+    assert not any(n.endswith(("q_proj", "k_proj", "v_proj")) or n == "lm_head" for n in names)
+
+
+def test_nvfp4_recipe_has_explicit_groups():
+    cfg = world_cfg("/tmp/unused", "quant.observer=mse", "+quant.observer_kwargs={maxshrink: 0.5}")
+    mod = recipes.build_modifier(cfg.quant, recipes.resolve_ignore(cfg.quant))
+    group = mod.config_groups["group_0"]
+    w, a = group.weights, group.input_activations
+    assert (w.num_bits, w.type, w.strategy, w.group_size, w.scale_dtype) == (4, "float", "tensor_group", 16,
+                                                                           torch.float8_e4m3fn)
+    assert w.observer == "mse" and w.observer_kwargs == {"maxshrink": 0.5}
+    assert a.dynamic == "local" and a.observer == "static_minmax" and a.group_size == 16
+    w4 = recipes.build_modifier(world_cfg("/tmp/unused", "quant=w4a16").quant, []).config_groups["group_0"]
+    assert (w4.weights.type, w4.weights.group_size, w4.input_activations) == ("int", 128, None)

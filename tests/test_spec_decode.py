@@ -1,0 +1,116 @@
+"""The greedy speculative loop is lossless: its output equals plain target greedy decoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.models.formats import load_drafter
+from pipeline.models.spec_decode import greedy_generate, load_prompts, measure_tau, spec_generate
+
+FIX = Path(__file__).parent / "fixtures" / "dflash"
+TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    return AutoModelForCausalLM.from_pretrained(FIX / "target", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return load_drafter(FIX / "zlab" / "checkpoint", target=FIX / "target")
+
+
+def prompts(n: int, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 127, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+class _Cache:
+    def __len__(self):
+        return 0
+
+
+class ScriptedDrafter(torch.nn.Module):
+    """A stand-in drafter module (what evaluation passes for a quantized drafter) that proposes a
+    known continuation, wrong from draft slot `wrong_from` on: exercises multi-token acceptance."""
+
+    def __init__(self, continuation: list[int], block_size: int, wrong_from: int, vocab: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(1, 1)  # the loop casts context to fc's dtype
+        self.config = SimpleNamespace(block_size=block_size, mask_token_id=127, aux_layer_ids=[2, 4])
+        self.seq, self.wrong_from, self.vocab = continuation, wrong_from, vocab
+
+    def new_cache(self):
+        return _Cache()
+
+    def draft_block(self, ctx, block, pos, cache):
+        start = int(pos[0, -1]) - block.shape[1] + 1
+        logits = torch.zeros(1, block.shape[1], self.vocab)
+        for k in range(1, block.shape[1]):
+            tok = self.seq[start + k] if start + k < len(self.seq) else 0
+            if k >= self.wrong_from:
+                tok = (tok + 1) % self.vocab
+            logits[0, k, tok] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize("wrong_from", [1, 2, 3, 4])
+def test_scripted_drafter_acceptance_and_losslessness(target, wrong_from):
+    for ids in prompts(3, seed=wrong_from):
+        ref = greedy_generate(target, ids, 20)
+        d = ScriptedDrafter(ref, 4, wrong_from, 128)
+        res = spec_generate(target, d, ids, 20)
+        assert res.output_ids == ref
+        # every step accepts wrong_from - 1 drafted tokens (capped by the block) plus the bonus
+        assert set(res.acceptance_lengths[:-1]) == {min(wrong_from, 4)}
+        steps = len(res.acceptance_lengths)
+        assert res.accepted[0] >= steps - 1 if wrong_from > 1 else res.accepted[0] == 0
+
+
+def test_random_drafter_is_lossless_and_stops(target, drafter):
+    for ids in prompts(4):
+        ref = greedy_generate(target, ids, 24)
+        res = spec_generate(target, drafter, ids, 24)
+        assert res.output_ids == ref and len(ref) == len(ids) + 24
+        assert all(t >= 1 for t in res.acceptance_lengths)
+        assert sum(res.drafted) == 3 * len(res.acceptance_lengths)
+        stop = ref[len(ids) + 5]  # a token the target emits: both loops must stop right after it
+        cut = greedy_generate(target, ids, 24, stop_token_ids=[stop])
+        assert spec_generate(target, drafter, ids, 24, stop_token_ids=[stop]).output_ids == cut
+        assert cut[-1] == stop and len(cut) <= len(ids) + 6
+
+
+def test_block_size_override_checked(target, drafter):
+    from pipeline.errors import SpecquantError
+
+    with pytest.raises(SpecquantError, match="block_size"):
+        spec_generate(target, drafter, [1, 2, 3], 4, block_size=5)
+    assert spec_generate(target, drafter, [5, 6, 7], 8, block_size=2).output_ids == greedy_generate(target, [5, 6, 7], 8)
+
+
+@pytest.mark.skipif(not (TINY / "drafter" / "config.json").is_file(), reason="tiny drafter not built yet")
+def test_shipped_tiny_drafter_is_lossless_with_tau_above_1_5():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY / "target")
+    target = AutoModelForCausalLM.from_pretrained(TINY / "target", dtype=torch.float32).eval()
+    d = load_drafter(TINY / "drafter")  # verifier resolved from the config (../target)
+    assert d.config.block_size == 8
+    sets = load_prompts(TINY / "eval", tok, limit=4)
+    report = measure_tau(target, d, sets, 48, [tok.eos_token_id], check_lossless=True)
+    assert report["lossless_mismatches"] == 0
+    assert report["mean_tau"] > 1.5, report
+    readme = (TINY / "drafter" / "README.md").read_text()
+    assert "mean tau" in readme.lower()
+    recorded = json.loads((TINY / "drafter" / "tau.json").read_text())
+    assert recorded["block_size"] == 8 and recorded["mean_tau"] >= 1.5

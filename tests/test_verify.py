@@ -1,0 +1,140 @@
+"""`python -m pipeline verify`: a fresh run passes; one flipped byte, an extra or a missing file fails naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import provenance, verify
+from pipeline.io import TMP_PREFIX, atomic_write_json
+from tests.test_manifest import build_run, run_manifest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        rd, ov = build_run(tmp_path_factory.mktemp("verify"), mp)
+        run_manifest(rd, ov, mp)
+    finally:
+        mp.undo()
+    return rd
+
+
+@pytest.fixture
+def run(pristine, tmp_path):
+    dst = tmp_path / "copy" / pristine.name
+    shutil.copytree(pristine, dst)
+    return dst
+
+
+def _flip(path: Path, where: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_fresh_run_verifies(run):
+    assert verify.verify_dir(run) == []
+    out = subprocess.run([sys.executable, "-m", "pipeline", "verify", str(run)], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0 and "verify: OK" in out.stdout
+
+
+FLIPS = ["cache/shard-00000.safetensors", "cache/index.json", "data/samples.jsonl", "data/counts.json",
+         "drafter/nvfp4/model.safetensors", "drafter/nvfp4/config.json", "drafter/nvfp4/recipe.yaml",
+         "drafter/bf16/model.safetensors", "checks/drafter-nvfp4.json", "stages/quantize-drafter-nvfp4.json",
+         "eval/vllm_commands.sh", "calibration_manifest.json", "quant_run_manifest.json",
+         "provenance/commands.sh", "provenance/commands.json", "provenance/resolved_config/data.yaml",
+         "provenance/source/pipeline/stage.py", "provenance/source/SOURCE.json", "provenance/vllm_serve.sh",
+         "provenance/eval_commands.sh", "provenance/attestation.intoto.json", "provenance/files.sha256.json"]
+
+
+@pytest.mark.parametrize("rel", FLIPS)
+@pytest.mark.parametrize("where", [0.0, 0.5, 0.999])
+def test_one_flipped_byte_is_named(run, rel, where):
+    _flip(run / rel, where)
+    problems = verify.verify_dir(run)
+    assert problems and any(p.startswith(f"{rel}:") for p in problems), problems
+
+
+def test_cli_fails_naming_the_file(run):
+    _flip(run / "drafter/nvfp4/model.safetensors")
+    out = subprocess.run([sys.executable, "-m", "pipeline", "verify", str(run)], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "verify: drafter/nvfp4/model.safetensors: changed" in out.stdout and "FAILED" in out.stdout
+
+
+def test_extra_missing_and_temp_files(run):
+    (run / "drafter/nvfp4/extra.bin").write_bytes(b"x")
+    (run / "cache/shard-00000.safetensors").unlink()
+    (run / "data" / f"{TMP_PREFIX}abc").write_bytes(b"partial")
+    problems = verify.verify_dir(run)
+    assert "drafter/nvfp4/extra.bin: extra file, not listed in provenance/files.sha256.json" in problems
+    assert "cache/shard-00000.safetensors: missing (listed in provenance/files.sha256.json)" in problems
+    assert f"data/{TMP_PREFIX}abc: extra temporary file left by an interrupted write" in problems
+
+
+def test_record_edited_consistently_is_caught_by_other_records(run):
+    """Re-writing the list so it agrees with a changed shard still fails: the manifests and statement disagree."""
+    _flip(run / "cache/shard-00000.safetensors")
+    provenance.write_file_list(run, kind="run")
+    problems = verify.verify_dir(run)
+    assert any(p.startswith("cache/shard-00000.safetensors") or "for cache/shard-00000.safetensors" in p
+               for p in problems), problems
+    assert any(p.startswith("calibration_manifest.json:") for p in problems)
+    assert any(p.startswith("provenance/attestation.intoto.json:") for p in problems)
+
+
+def test_late_outputs_are_not_extra(run):
+    atomic_write_json(run / "stages" / "manifest.json", {"stage": "manifest"})
+    atomic_write_json(run / "publish" / "record.json", {"pushed": False})
+    assert verify.verify_dir(run) == []
+
+
+def _publish(run: Path) -> Path:
+    """Assemble a published folder the way the publish stage does: copy files, then write its list last."""
+    pub = run / "publish" / "nvfp4"
+    origins = {}
+    for rel in ("config.json", "model.safetensors", "recipe.yaml"):
+        origins[rel] = f"drafter/nvfp4/{rel}"
+    for rel in ("calibration_manifest.json", "quant_run_manifest.json"):
+        origins[rel] = rel
+    for dst, src in origins.items():
+        (pub / dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run / src, pub / dst)
+    shutil.copytree(run / "provenance", pub / "provenance")
+    (pub / "README.md").write_text("# tiny drafter nvfp4\n")
+    provenance.write_file_list(pub, kind="published", origins=origins)
+    return pub
+
+
+def test_published_folder(run):
+    pub = _publish(run)
+    assert verify.verify_dir(pub) == []
+    assert verify.verify_dir(run) == []  # the run dir verifies publish/<variant>/ too
+    _flip(pub / "model.safetensors")
+    assert any(p.startswith("model.safetensors: changed") for p in verify.verify_dir(pub))
+    assert any(p.startswith("publish/nvfp4/model.safetensors: changed") for p in verify.verify_dir(run))
+
+
+def test_published_file_that_differs_from_the_run_is_named(run):
+    pub = _publish(run)
+    _flip(pub / "recipe.yaml")
+    lst = json.loads((pub / provenance.FILE_LIST).read_text())
+    provenance.write_file_list(pub, kind="published",
+                               origins={r: e["origin"] for r, e in lst["files"].items() if "origin" in e})
+    problems = verify.verify_dir(pub)
+    assert any("recipe.yaml" in p and "attestation" in p for p in problems), problems
+
+
+def test_missing_list_and_not_a_dir(tmp_path):
+    assert verify.verify_dir(tmp_path / "nope") == [f"{tmp_path / 'nope'}: not a directory"]
+    (tmp_path / "x").mkdir()
+    assert verify.verify_dir(tmp_path / "x")[0].startswith("provenance/files.sha256.json: missing")
