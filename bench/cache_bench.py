@@ -8,8 +8,7 @@ Not a test. Same model, same token batches, same process; each mode reports toke
            writing to --out-dir (use a tmpfs such as /dev/shm to take the disk out of the measure)
 
     python bench/cache_bench.py --device cpu --tiny                          # smoke test, seconds
-    python bench/cache_bench.py --device cuda --shape qwen3-8b --batch-size 4 --seq-len 2048 \
-        --batches 12 --warmup 2 --out-dir /dev/shm/cache-bench --json bench-cache.json
+    python bench/cache_bench.py --device cuda --shape qwen3-8b --out-dir /dev/shm/cache-bench --json out.json
     python bench/cache_bench.py --device cuda --target /path/to/Qwen3-8B ...   # real weights
 
 Random weights at the chosen shape (bf16 on CUDA); the aux layers default to DFlash's 5 layers for
@@ -103,7 +102,7 @@ def run_stock(model, batches: list[torch.Tensor], aux: list[int], device, warmup
 
 
 def run_stage(model, batches, aux, device, warmup: int, storage: str, out_dir: Path | None,
-              samples_per_shard: int) -> dict:
+              samples_per_shard: int, shards_in_flight: int = 1) -> dict:
     """The cache stage's own loop (pipeline.cache.cache_shards) over the same batches."""
     h = model.config.hidden_size
     layout = Layout(tuple(aux), h, storage)
@@ -113,6 +112,8 @@ def run_stage(model, batches, aux, device, warmup: int, storage: str, out_dir: P
     n_warm = warmup * bsz
     capture = LayerCapture(model, aux)
     dry = out_dir is None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir)) if out_dir else Path(tempfile.mkdtemp())
     try:
         if n_warm:  # warm up kernels and pinned buffers with the same loop
@@ -123,7 +124,8 @@ def run_stage(model, batches, aux, device, warmup: int, storage: str, out_dir: P
         plans = plan_shards([seq] * len(rest), layout, samples_per_shard, 2**62)
         _reset_peak(device)
         t0 = time.perf_counter()
-        cache_shards(capture, plans, rest, layout, tmp / "cache", "bench", device, bsz * seq, rank=1, dry_run=dry)
+        cache_shards(capture, plans, rest, layout, tmp / "cache", "bench", device, bsz * seq, rank=1, dry_run=dry,
+                     shards_in_flight=shards_in_flight)
         _sync(device)
         dt = time.perf_counter() - t0
         written = sum(p.stat().st_size for p in (tmp / "cache").glob("*.safetensors")) if not dry else 0
@@ -131,7 +133,8 @@ def run_stage(model, batches, aux, device, warmup: int, storage: str, out_dir: P
         capture.remove()
         shutil.rmtree(tmp, ignore_errors=True)
     tokens = len(rest) * seq
-    return {"mode": "capture" if dry else "stage", "storage_dtype": storage, "tokens": tokens,
+    return {"mode": "capture" if dry else "stage", "storage_dtype": storage, "shards_in_flight": shards_in_flight,
+            "tokens": tokens,
             "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1), "bytes_written": written,
             "write_gb_per_s": round(written / dt / 1e9, 3) if written else None, **_peak(device)}
 
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storage-dtype", nargs="+", default=["bfloat16", "fp8"],
                     help="storage dtypes for the stage mode")
     ap.add_argument("--samples-per-shard", type=int, default=64)
+    ap.add_argument("--shards-in-flight", type=int, default=1,
+                    help="cache.shards_in_flight: shards written at once (each hashes on its own core)")
     ap.add_argument("--out-dir", default=None, help="where the stage mode writes shards (default: system temp)")
     ap.add_argument("--modes", nargs="+", default=["stock", "capture", "stage"], choices=["stock", "capture", "stage"])
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer's forward")
@@ -165,14 +170,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     a.dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model = build_model(a, device)
     n_layers = model.config.num_hidden_layers
     aux = a.aux_layer_ids or (dflash_aux_layer_ids(n_layers) if n_layers >= 8 else [2, 4])
-    if a.compile:
-        for layer in model.model.layers:
-            layer.forward = torch.compile(layer.forward)  # hooks stay outside the compiled region
+    if a.compile:  # the stage's cache.compile_layers=true; the stock path then runs compiled layers too
+        cap = LayerCapture(model, aux)
+        cap.compile_layers()
+        cap.remove()
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (a.batch_size, a.seq_len), generator=g) for _ in range(a.warmup + a.batches)]
@@ -186,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for st in a.storage_dtype:
                 results.append(run_stage(model, batches, aux, device, a.warmup, st, Path(a.out_dir) if a.out_dir
-                                         else Path(tempfile.gettempdir()), a.samples_per_shard))
+                                         else Path(tempfile.gettempdir()), a.samples_per_shard,
+                                         a.shards_in_flight))
         print(json.dumps(results[-1]), flush=True)
     base = next((r["tokens_per_s"] for r in results if r["mode"] == "stock"), None)
     setup = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

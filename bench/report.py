@@ -28,6 +28,9 @@ def environment(work: Path) -> dict:
             env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except ImportError:
         pass
+    root = Path(__file__).resolve().parent.parent / "pipeline"
+    env["code_sha256"] = {p.relative_to(root.parent).as_posix(): _sha12(p) for p in sorted(root.rglob("*.py"))
+                          if p.name.startswith(("cache", "quantize", "manifest")) or p.parent.name in ("quant", "models")}
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
@@ -35,6 +38,12 @@ def environment(work: Path) -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return env
+
+
+def _sha12(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
 def _find(d: dict, keys: tuple[str, ...]):
@@ -50,7 +59,7 @@ def _find(d: dict, keys: tuple[str, ...]):
     return None
 
 
-def cache_summary(run_dir: Path, rec: dict | None = None) -> dict:
+def cache_summary(run_dir: Path, bench_rec: dict | None = None) -> dict:
     """Bytes, tokens, bytes/token, content hash and tokens/s of a finished cache stage.
 
     tok_s is the stage's own figure (its clock includes loading the target); tok_s_steady takes the
@@ -82,7 +91,7 @@ def cache_summary(run_dir: Path, rec: dict | None = None) -> dict:
             out["tok_s_end_to_end"] = round(tokens / rec["wall_time_s"])
         if not out["tok_s"]:
             out["tok_s"] = out.get("tok_s_end_to_end")
-        loads = [p.get("load_target_s") for p in (rec or {}).get("probe") or [] if p.get("load_target_s")]
+        loads = [p.get("load_target_s") for p in (bench_rec or {}).get("probe") or [] if p.get("load_target_s")]
         secs, written = result.get("seconds"), result.get("tokens_written")
         if loads and secs and written and secs > max(loads):
             out["load_target_s"] = max(loads)
@@ -147,4 +156,13 @@ def markdown(results: dict) -> str:
         lines += ["", f"D2H pageable {prof.get('d2h_pageable_GBs')} GB/s, pinned {prof.get('d2h_pinned_GBs')} GB/s; "
                   f"write+sha256+fsync {prof.get('write_sha_GBs')} GB/s; {prof.get('bytes_per_step')} bytes/step; "
                   f"bound serial {prof.get('bound_serial_tok_s')} tok/s, overlapped {prof.get('bound_overlapped_tok_s')} tok/s"]
+    cb = (results.get("phases", {}).get("cache_bench") or {}).get("result")
+    if cb:
+        st = cb.get("setup", {})
+        lines += ["", f"bench/cache_bench.py (batch {st.get('batch_size')} x {st.get('seq_len')}, "
+                  f"{st.get('batches')} timed batches, {st.get('dtype')}):", "",
+                  "| mode | storage | tok/s | GPU peak GiB | host RSS GiB | write GB/s |", "|---|---|---|---|---|---|"]
+        for r in cb.get("results", []):
+            lines.append(f"| {r.get('mode')} | {r.get('storage_dtype', '-')} | {r.get('tokens_per_s')} | "
+                         f"{r.get('gpu_peak_gib', '-')} | {r.get('host_max_rss_gib')} | {r.get('write_gb_per_s', '-')} |")
     return "\n".join(lines) + "\n"

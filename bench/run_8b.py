@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-samples", type=int, default=64, help="target calibration samples (GPTQ/NVFP4)")
     p.add_argument("--nproc", type=int, default=2, help="processes for the `dist` phase (torchrun)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile-reps", type=int, default=5)
+    p.add_argument("--profile-reps", type=int, default=3)
     p.add_argument("--extra", default="", help="extra Hydra overrides for every stage, space-separated")
     return p.parse_args(argv)
 
@@ -88,7 +88,7 @@ class Bench:
 
     def stage(self, key: str, stage: str, run: str, extra: list[str] = (), nproc: int = 1) -> dict:
         """Run one pipeline stage under the probe; returns the probe record + the stage's own record."""
-        probe = self.out / "probes" / f"{key}.json"
+        probe = self.work / "probes" / f"{key}.json"
         cmd = [sys.executable, "-m", "bench.probe", str(probe), stage, *self.overrides(run, extra)]
         if nproc > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -186,7 +186,7 @@ class Bench:
     def stock(self) -> None:
         """Plain llm-compressor oneshot on the target, same scheme as quantize-target (the baseline)."""
         self.build()
-        probe = self.out / "probes" / "stock-oneshot-target.json"
+        probe = self.work / "probes" / "stock-oneshot-target.json"
         out_dir = self.work / "stock-target-w4a16"
         cmd = [sys.executable, "-m", "bench.stock_target", "--target", str(self.models / "target"),
                "--out-dir", str(out_dir), "--probe", str(probe), "--device", self.args.device]
@@ -222,6 +222,7 @@ class Bench:
         rec["speedup"] = rec.get("speedup_tok_s_steady") or rec.get("speedup_tok_s")
         rec["scaling_efficiency"] = round(rec["speedup"] / self.args.nproc, 3) if rec["speedup"] else None
         self.record(f"cache[{name}]", rec)
+        shutil.rmtree(self.runs / name / "cache", ignore_errors=True)  # disk for the later phases
 
 
 def stage_file(stage: str, extra: list[str]) -> str:
@@ -235,9 +236,11 @@ def stage_file(stage: str, extra: list[str]) -> str:
 
 def run_cache_bench(bench: Bench, aux: list[int]) -> dict:
     """Helper C's side-by-side (stage vs output_hidden_states) if present; its JSON is recorded as is."""
-    out = bench.out / "probes" / "cache_bench.json"
+    out = bench.work / "probes" / "cache_bench.json"
     cmd = [sys.executable, "-m", "bench.cache_bench", "--target", str(bench.models / "target"),
-           "--device", bench.args.device, "--seq-len", str(bench.args.seq_len), "--json", str(out)]
+           "--device", bench.args.device, "--seq-len", str(bench.args.seq_len), "--json", str(out),
+           "--batches", "8", "--warmup", "2", "--out-dir", str(bench.work / "cache-bench")]
+    (bench.work / "cache-bench").mkdir(parents=True, exist_ok=True)  # cache_bench.py does not create it
     print(f"[bench] $ {' '.join(cmd)}", flush=True)
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
     print(proc.stdout[-4000:], proc.stderr[-4000:], flush=True)

@@ -50,6 +50,10 @@ class LayerCapture:
 
     def __init__(self, model, aux_layer_ids: list[int]):
         self.base = model.base_model
+        if not all(hasattr(self.base, a) for a in ("layers", "norm", "get_input_embeddings")):
+            raise bad_value("target.path", getattr(model.config, "name_or_path", "?"),
+                            f"its base model ({type(self.base).__name__}) has no `layers`/`norm` to hook",
+                            "use a decoder-only HF causal LM (Llama/Qwen family layout)")
         n = len(self.base.layers)
         modules = {0: self.base.get_input_embeddings(), n: self.base.norm}
         modules.update({m: self.base.layers[m - 1] for m in range(1, n)})
@@ -77,6 +81,11 @@ class LayerCapture:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+    def compile_layers(self) -> None:
+        """torch.compile each needed decoder layer's forward; the hooks stay outside the compiled code."""
+        for layer in self.base.layers[: self.deepest]:
+            layer.forward = torch.compile(layer.forward)
 
 
 def check_aux_layer_ids(aux, num_layers: int, field: str = "drafter aux_layer_ids") -> list[int]:
@@ -111,6 +120,16 @@ def resolve_aux_layer_ids(cfg) -> list[int]:
     return list(load_drafter_config(cfg.drafter.path, cfg.drafter.format).aux_layer_ids)
 
 
+def _check_drafter(cfg, target_config) -> None:
+    """The drafter's own shape checks against the target (hidden size, layers), from configs only."""
+    try:
+        from pipeline.models.compat import check_compatible
+        from pipeline.models.formats import load_drafter_config
+    except ImportError:
+        return
+    check_compatible(load_drafter_config(cfg.drafter.path, cfg.drafter.format), target_config)
+
+
 def target_files_sha256(cfg) -> tuple[str, Path]:
     """sha256 over the target's files (name + content hash); follows the Hub cache's symlinks."""
     path = Path(cfg.target.path)
@@ -130,7 +149,7 @@ def target_files_sha256(cfg) -> tuple[str, Path]:
 def _check_cfg(cfg) -> None:
     c = cfg.cache
     check_storage_dtype(c.storage_dtype)
-    for key in ("samples_per_shard", "max_shard_bytes", "batch_tokens"):
+    for key in ("samples_per_shard", "max_shard_bytes", "batch_tokens", "shards_in_flight"):
         if int(c[key]) < 1:
             raise bad_value(f"cache.{key}", c[key], "it must be a positive integer", "set it to 1 or more")
     if c.distributed_backend not in ("auto", "gloo", "nccl"):
@@ -195,6 +214,8 @@ def _device(cfg) -> torch.device:
     if dev.type == "cuda" and world > 1:
         dev = torch.device("cuda", local_rank)
     if dev.type == "cuda":
+        if dev.index is None:  # set_device and the pinned-copy stream want an explicit index
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     return dev
 
@@ -239,28 +260,37 @@ def forward_batch(capture: LayerCapture, batch: list[list[int]], layout: Layout,
 
 
 def cache_shards(capture: LayerCapture, plans, samples, layout: Layout, out: Path, resume_key: str,
-                 device: torch.device, batch_tokens: int, rank: int = 0, dry_run: bool = False) -> int:
+                 device: torch.device, batch_tokens: int, rank: int = 0, dry_run: bool = False,
+                 shards_in_flight: int = 1) -> int:
     """Compute and write `plans` (shards, in order); returns the tokens written. The loop only
     launches GPU work and hands batches over: copies, writes and hashes happen off this thread.
-    `dry_run` copies to host but writes nothing (benchmarks)."""
+    With shards_in_flight = W, W consecutive shards are written at once by W writer threads (their
+    batches interleaved). `dry_run` copies to host but writes nothing (benchmarks)."""
     from tqdm import tqdm
 
     longest = max(len(samples[g]["input_ids"]) for p in plans for g in range(p.first, p.first + p.count))
     writer = BackgroundWriter(out, samples, layout, resume_key, device, dry_run=dry_run,
-                              max_batch_tokens=max(batch_tokens, longest))
+                              max_batch_tokens=max(batch_tokens, longest), lanes=shards_in_flight)
     bar = tqdm(total=sum(p.num_tokens for p in plans), unit="tok", unit_scale=True, disable=rank != 0,
                desc=f"cache rank {rank}", mininterval=1.0)
     try:
         with torch.inference_mode():
-            for plan in plans:
-                lengths = [len(samples[g]["input_ids"]) for g in range(plan.first, plan.first + plan.count)]
-                batches = [[plan.first + i for i in b] for b in pack_batches(lengths, batch_tokens)]
-                writer.open_shard(plan, [g for b in batches for g in b])
-                for b in batches:
-                    hs, scale = forward_batch(capture, [samples[g]["input_ids"] for g in b], layout, device)
-                    writer.put_batch(b, [len(samples[g]["input_ids"]) for g in b], hs, scale)
-                    bar.update(sum(len(samples[g]["input_ids"]) for g in b))
-                writer.close_shard()
+            for start in range(0, len(plans), shards_in_flight):
+                group = plans[start:start + shards_in_flight]
+                batches = []
+                for lane, plan in enumerate(group):
+                    lengths = [len(samples[g]["input_ids"]) for g in range(plan.first, plan.first + plan.count)]
+                    batches.append([[plan.first + i for i in b] for b in pack_batches(lengths, batch_tokens)])
+                    writer.open_shard(plan, [g for b in batches[-1] for g in b], lane)
+                for step in range(max(len(b) for b in batches)):
+                    for lane, shard_batches in enumerate(batches):
+                        if step < len(shard_batches):
+                            b = shard_batches[step]
+                            hs, scale = forward_batch(capture, [samples[g]["input_ids"] for g in b], layout, device)
+                            writer.put_batch(b, [len(samples[g]["input_ids"]) for g in b], hs, scale, lane)
+                            bar.update(sum(len(samples[g]["input_ids"]) for g in b))
+                for lane in range(len(group)):
+                    writer.close_shard(lane)
         writer.finish()
     except BaseException:
         writer.abort()
@@ -274,9 +304,12 @@ def _cache_rank(cfg, plans, samples, layout, out: Path, resume_key: str, device,
     if not plans:
         return 0, 0
     capture = LayerCapture(load_target(cfg, device), list(layout.aux_layer_ids))
+    if cfg.cache.get("compile_layers"):
+        capture.compile_layers()
     try:
         return len(plans), cache_shards(capture, plans, samples, layout, out, resume_key, device,
-                                        int(cfg.cache.batch_tokens), rank)
+                                        int(cfg.cache.batch_tokens), rank,
+                                        shards_in_flight=int(cfg.cache.get("shards_in_flight", 1)))
     finally:
         capture.remove()
 
@@ -295,6 +328,8 @@ def run(cfg) -> dict:
                                        trust_remote_code=bool(cfg.target.trust_remote_code)).get_text_config()
     field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
     aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field)
+    if not cfg.cache.get("aux_layer_ids"):
+        _check_drafter(cfg, tconf)
     layout = Layout(tuple(aux), int(tconf.hidden_size), cfg.cache.storage_dtype)
     files_sha, _ = target_files_sha256(cfg)
     # what the cached values depend on (paths are not: a moved target or run dir reuses the cache)
@@ -312,6 +347,7 @@ def run(cfg) -> dict:
     device = _device(cfg)
     resume_key = sha256_text(dumps_json({"inputs_hash": inputs_hash, "batch_tokens": int(cfg.cache.batch_tokens),
                                          "device_type": device.type,
+                                         "compile_layers": bool(cfg.cache.get("compile_layers")),
                                          "plan": [[p.first, p.count] for p in plans]}))
     dist = _Dist(cfg.cache.distributed_backend, device)
     try:

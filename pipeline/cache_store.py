@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import queue
 import re
 import struct
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -269,70 +272,114 @@ class ShardWriter:
             self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)  # unlinks the temp file
 
 
+class _Lane:
+    """One writer thread with its own queue and io thread: writes one shard at a time, in order."""
+
+    def __init__(self, owner: BackgroundWriter, k: int, slots: int):
+        self.owner = owner
+        self.q: queue.Queue = queue.Queue(maxsize=slots)
+        self.io_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cache-io{k}")
+        self.shard: ShardWriter | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"cache-writer{k}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        o = self.owner
+        try:
+            while True:
+                item = self.q.get()
+                if item[0] == "stop" or o.error is not None:
+                    break
+                if o.dry_run:  # benchmarks: wait for the copy, write nothing
+                    if item[0] == "batch" and item[5] is not None:
+                        item[5].synchronize()
+                        o.free.put(item[6])
+                elif item[0] == "open":
+                    self.shard = ShardWriter(o.cache_dir, item[1], item[2], o.samples, o.layout, o.resume_key,
+                                             o.pool, self.io_pool)
+                elif item[0] == "batch":
+                    self._write_batch(*item[1:])
+                else:
+                    rec = self.shard.close()
+                    self.shard = None
+                    with o.lock:
+                        o.records.append(rec)
+        except BaseException as exc:  # noqa: BLE001 - handed to the producer
+            o.error = exc
+        if self.shard is not None:
+            self.shard.abort()
+        self.io_pool.shutdown()
+
+    def _write_batch(self, gs, lens, hs, scale, done, slot) -> None:
+        o = self.owner
+        if done is not None:
+            done.synchronize()
+        off = 0
+        for g, n in zip(gs, lens, strict=True):
+            self.shard.add(g, hs[off:off + n], None if scale is None else scale[off:off + n])
+            off += n
+            with o.lock:
+                o.written += 1
+                pause = o.pause is not None and o.written == o.pause[0]
+            if pause:
+                self.shard.drain()
+                o.pause_forever()
+        self.shard.drain()  # the io and digest threads read the buffer too
+        if done is not None:
+            o.free.put(slot)
+
+
 class BackgroundWriter:
-    """Writes shards on a background thread so the target never waits for the disk or the hashes.
+    """Writes shards on background threads so the target never waits for the disk or the hashes.
 
     On CUDA, each batch is copied device->host on a side stream into one of `slots` pinned buffers
-    (non_blocking, overlapping the next forward); the thread waits for the copy's event, writes and
-    hashes, then frees the buffer. The bounded queue and buffer pool cap host memory at `slots`
-    batches whatever the dataset size. Errors on the thread surface on the next call."""
+    (non_blocking, overlapping the next forward); a writer thread waits for the copy's event, writes
+    and hashes, then frees the buffer. Bounded queues and the buffer pool cap host memory at a few
+    batches whatever the dataset size. With `lanes` > 1, that many shards are written at once (the
+    caller interleaves their batches): a shard's sha256 is sequential, so one lane is bounded by one
+    core's hash rate. Errors on a writer thread surface on the producer's next call."""
 
     def __init__(self, cache_dir: Path, samples: list[dict], layout: Layout, resume_key: str,
-                 device: torch.device, slots: int = 3, dry_run: bool = False, max_batch_tokens: int = 0):
-        import queue
-        import threading
-
+                 device: torch.device, slots: int = 3, dry_run: bool = False, max_batch_tokens: int = 0,
+                 lanes: int = 1):
         self.cache_dir, self.samples, self.layout, self.resume_key = cache_dir, samples, layout, resume_key
         self.cuda, self.dry_run = device.type == "cuda", dry_run
         # pinned buffers sized once for the largest batch, so varying batches do not re-pin memory
         self.slot_bytes = max_batch_tokens * layout.hidden_bytes_per_token() + 64
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.q: queue.Queue = queue.Queue(maxsize=slots)
         self.free: queue.Queue = queue.Queue()
-        for _ in range(slots):
-            self.free.put(None)  # pinned buffers are allocated on first use, sized to the batch
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="cache-digest")
-        self.io_pool = ThreadPoolExecutor(1, thread_name_prefix="cache-io")
+        for _ in range(slots + lanes - 1):
+            self.free.put(None)  # pinned buffers are allocated on first use
+        self.pool = ThreadPoolExecutor(lanes + 1, thread_name_prefix="cache-digest")
         self.error: BaseException | None = None
         self.records: list[dict] = []
-        self._shard: ShardWriter | None = None
-        self._pause = _test_pause()
-        self._written = 0
-        self.thread = threading.Thread(target=self._loop, name="cache-writer", daemon=True)
-        self.thread.start()
+        self.lock = threading.Lock()
+        self.pause, self.written = _test_pause(), 0
+        self.lanes = [_Lane(self, k, slots) for k in range(lanes)]
 
     # ---- producer side (main thread)
-    def _put(self, item) -> None:
-        import queue
-
+    def _wait(self, fn):
+        """Call a blocking queue operation in short slices, raising a writer thread's error."""
         while True:
             if self.error is not None:
                 raise self.error
             try:
-                self.q.put(item, timeout=0.5)
-                return
-            except queue.Full:
+                return fn(timeout=0.5)
+            except (queue.Full, queue.Empty):
                 continue
 
-    def _take_slot(self) -> torch.Tensor | None:
-        import queue
+    def _put(self, lane: int, item) -> None:
+        self._wait(lambda timeout: self.lanes[lane].q.put(item, timeout=timeout))
 
-        while True:
-            if self.error is not None:
-                raise self.error
-            try:
-                return self.free.get(timeout=0.5)
-            except queue.Empty:
-                continue
+    def open_shard(self, plan: ShardPlan, order: list[int], lane: int = 0) -> None:
+        self._put(lane, ("open", plan, order))
 
-    def open_shard(self, plan: ShardPlan, order: list[int]) -> None:
-        self._put(("open", plan, order))
-
-    def put_batch(self, gs: list[int], lens: list[int], hs: torch.Tensor, scale: torch.Tensor | None) -> None:
+    def put_batch(self, gs: list[int], lens: list[int], hs: torch.Tensor, scale: torch.Tensor | None,
+                  lane: int = 0) -> None:
         if not self.cuda:
-            self._put(("batch", gs, lens, hs, scale, None, None))
+            self._put(lane, ("batch", gs, lens, hs, scale, None, None))
             return
-        slot = self._take_slot()
+        slot = self._wait(self.free.get)
         n_hs = hs.numel() * hs.element_size()
         s_off = (n_hs + 63) // 64 * 64
         need = s_off + (0 if scale is None else scale.numel() * 4)
@@ -345,78 +392,39 @@ class BackgroundWriter:
             host_hs.copy_(hs, non_blocking=True)
             if scale is not None:
                 host_scale.copy_(scale, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # the writer thread sleeps on it instead of spinning a core
             done.record(self.copy_stream)
         # the allocator must not hand these blocks to the next forward before the copy has read them
         hs.record_stream(self.copy_stream)
         if scale is not None:
             scale.record_stream(self.copy_stream)
-        self._put(("batch", gs, lens, host_hs, host_scale, done, slot))
+        self._put(lane, ("batch", gs, lens, host_hs, host_scale, done, slot))
 
-    def close_shard(self) -> None:
-        self._put(("close",))
+    def close_shard(self, lane: int = 0) -> None:
+        self._put(lane, ("close",))
 
     def finish(self) -> list[dict]:
-        self._put(("stop",))
-        self.thread.join()
+        for k in range(len(self.lanes)):
+            self._put(k, ("stop",))
+        for lane in self.lanes:
+            lane.thread.join()
         self.pool.shutdown()
-        self.io_pool.shutdown()
         if self.error is not None:
             raise self.error
-        return self.records
+        return sorted(self.records, key=lambda r: r["shard"]["index"])
 
     def abort(self) -> None:
         self.error = self.error or RuntimeError("aborted")
-        with contextlib.suppress(Exception):
-            self.q.put_nowait(("stop",))
-        self.thread.join(timeout=60)
+        for lane in self.lanes:
+            with contextlib.suppress(Exception):
+                lane.q.put_nowait(("stop",))
+        for lane in self.lanes:
+            lane.thread.join(timeout=60)
         self.pool.shutdown()
-        self.io_pool.shutdown()
 
-    # ---- consumer side (writer thread)
-    def _loop(self) -> None:
-        try:
-            while True:
-                item = self.q.get()
-                if item[0] == "stop" or self.error is not None:
-                    break
-                if self.dry_run:  # benchmarks: wait for the copy, write nothing
-                    if item[0] == "batch" and item[5] is not None:
-                        item[5].synchronize()
-                        self.free.put(item[6])
-                elif item[0] == "open":
-                    self._shard = ShardWriter(self.cache_dir, item[1], item[2], self.samples, self.layout,
-                                              self.resume_key, self.pool, self.io_pool)
-                elif item[0] == "batch":
-                    self._write_batch(*item[1:])
-                else:
-                    self.records.append(self._shard.close())
-                    self._shard = None
-        except BaseException as exc:  # noqa: BLE001 - handed to the producer
-            self.error = exc
-        if self._shard is not None:
-            self._shard.abort()
-
-    def _write_batch(self, gs, lens, hs, scale, done, slot) -> None:
-        if done is not None:
-            done.synchronize()
-        off = 0
-        for g, n in zip(gs, lens, strict=True):
-            self._shard.add(g, hs[off:off + n], None if scale is None else scale[off:off + n])
-            off += n
-            self._written += 1
-            if self._pause is not None and self._written == self._pause[0]:
-                self._shard.drain()
-                self._pause_forever()
-        self._shard.drain()  # the io and digest threads read the buffer too
-        if done is not None:
-            self.free.put(slot)
-
-    def _pause_forever(self) -> None:
+    def pause_forever(self) -> None:
         """Test hook: signal, then hang mid-shard so a test can SIGKILL the process at this point."""
-        import time
-
-        Path(self._pause[1]).write_text(str(self._written))
+        Path(self.pause[1]).write_text(str(self.written))
         while True:
             time.sleep(60)
 

@@ -71,6 +71,8 @@ class CacheConfig:
     distributed_backend: str = "auto"  # auto | gloo | nccl
     # HF output_hidden_states indices to cache; None = the drafter config's aux layers
     aux_layer_ids: list[int] | None = None
+    compile_layers: bool = False  # torch.compile each decoder layer's forward (GPU throughput; compile time)
+    shards_in_flight: int = 1  # shards written at once (one sha256 stream each); a kill redoes up to this many
 
 
 @dataclass
@@ -92,6 +94,7 @@ class QuantConfig:
     # calibration=none with activation quantization: the fixed activation absmax behind the constant
     # NVFP4 input_global_scale (448*6 = 2688 gives 1.0, compressed-tensors' uncalibrated fallback)
     fixed_activation_amax: float = 2688.0
+    device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N - where calibration runs
 
 
 @dataclass

@@ -184,7 +184,7 @@ def _write_outputs(out: Path, results: dict, timings: dict, subsets) -> list[str
 
 def run(cfg) -> dict:
     import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from pipeline.evaluation.fakequant import load_drafter_variant, load_target
     from pipeline.evaluation.prompts import load_prompt_sets
@@ -208,12 +208,16 @@ def run(cfg) -> dict:
                         "evaluate variants of one drafter together")
     block_size = next(iter(block_sizes.values()))
 
+    revision = cfg.target.revision if cfg.eval.target_variant == REFERENCE else None
+    target_config = AutoConfig.from_pretrained(target_path, revision=revision,
+                                               trust_remote_code=bool(cfg.target.trust_remote_code))
+    for p in drafters.values():  # before any weights are loaded
+        check_compatible(load_drafter_config(p), target_config, tokenizer, cfg.drafter.mask_token)
+
     seed_everything(int(cfg.seed))
     dtype, device = getattr(torch, cfg.target.dtype), str(cfg.target.device)
-    target = load_target(target_path, dtype, device, cfg.target.revision if cfg.eval.target_variant == REFERENCE
-                         else None, bool(cfg.target.trust_remote_code), cfg.target.attn_implementation)
-    for p in drafters.values():
-        check_compatible(load_drafter_config(p), target.config, tokenizer, cfg.drafter.mask_token)
+    target = load_target(target_path, dtype, device, revision, bool(cfg.target.trust_remote_code),
+                         cfg.target.attn_implementation)
     stop, max_new = _stop_ids(tokenizer, target), int(cfg.eval.max_new_tokens)
     greedy, target_s = _greedy_reference(target, subsets, max_new, stop, device)
 

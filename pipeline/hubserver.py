@@ -306,11 +306,13 @@ class _Handler(BaseHTTPRequestHandler):
             headers = {"X-Error-Message": str(exc)[:200]}
             if exc.code:
                 headers["X-Error-Code"] = exc.code
+            if method in ("PUT", "POST"):  # the request body may be unread: say so, then drop the connection
+                headers["Connection"] = "close"
+                self.close_connection = True
             if method == "HEAD":
                 self._send(exc.status, headers=headers, head=True)
             else:
                 self._json(exc.status, {"error": str(exc), **exc.extra}, headers)
-            self.close_connection = exc.status >= 400 and method in ("PUT", "POST")
 
     do_GET = lambda self: self._dispatch("GET")  # noqa: E731
     do_HEAD = lambda self: self._dispatch("HEAD")  # noqa: E731

@@ -90,13 +90,15 @@ class Inputs:
                 deps.append({"name": f"{base}/{rel}", "uri": uri, "digest": {"sha256": e["sha256"]}})
             if ref["files"] is None:
                 deps.append({"name": base, "uri": f"https://huggingface.co/{ref['repo_id']}",
-                             "annotations": {"revision": ref["revision"]}})
+                             **({"annotations": {"revision": ref["revision"]}} if ref["revision"] else {})})
         for s in sources:
             d = {"name": f"data:{s.get('name')}", "uri": f"file:{s['path']}" if s.get("path") else
                  f"https://huggingface.co/datasets/{s.get('hub_id')}"}
             if s.get("sha256"):
                 d["digest"] = {"sha256": s["sha256"]}
-            d["annotations"] = {"revision": s.get("revision"), "split": s.get("split")}
+            notes = {k: s.get(k) for k in ("revision", "split") if s.get(k) is not None}
+            if notes:
+                d["annotations"] = notes
             deps.append(d)
         return deps
 
@@ -317,8 +319,9 @@ def run(cfg) -> dict:
     written[p + "eval_commands.sh"] = prov.eval_commands_sh(
         eval_rec, ((eval_rec or {}).get("resolved_config") or {}).get("eval") or last_cfg.get("eval") or {},
         vllm_cmds.read_text(encoding="utf-8") if vllm_cmds.is_file() else None)
+    written = {rel: scrub(text) for rel, text in written.items()}
     for rel, text in written.items():
-        atomic_write_text(rd.root / rel, scrub(text))
+        atomic_write_text(rd.root / rel, text)
     source = prov.write_source_snapshot(rd.provenance / "source", source)
     keep = set(written) | {f"{p}source/{r}" for r in source["files"]} | {f"{p}source/SOURCE.json"}
     if source["git"]["diff"]:
@@ -331,7 +334,9 @@ def run(cfg) -> dict:
                                  + [{"name": "specquant source", "digest": _source_digest(source)}],
                                  source, str(cfg.run_name))
     atomic_write_json(rd.root / prov.ATTESTATION, statement)
-    listed = prov.write_file_list(rd.root, kind="run")
+    att = rd.root / prov.ATTESTATION
+    listed = prov.write_file_list(rd.root, kind="run", files={
+        **subjects, prov.ATTESTATION: {"sha256": sha256_file(att), "bytes": att.stat().st_size}})
     return {"output": str(rd.root), "files_listed": len(listed["files"]), "checkpoints": len(quant["checkpoints"]),
             "not_run": sorted(set(calib["not_run"]) | set(quant["not_run"])),
             "calibration_manifest_sha256": sha256_bytes(written["calibration_manifest.json"].encode()),

@@ -24,10 +24,14 @@ def front_matter(info: dict[str, Any]) -> dict[str, Any]:
             tags.append(SCHEME_TAGS[key])
         if key in SCHEME_TAGS and key not in tags:
             tags.append(key)
+    quantized = scheme.lower() not in ("", "unquantized", "bf16")
+    if not quantized:
+        tags.remove("quantized")
     meta: dict[str, Any] = {}
     if info.get("base_model"):
         meta["base_model"] = info["base_model"]
-        meta["base_model_relation"] = "quantized"
+        if quantized:  # the bf16 reference is the source drafter re-saved, not a quantization of it
+            meta["base_model_relation"] = "quantized"
     meta["library_name"] = info.get("library_name") or "speculators"
     if info.get("license"):
         meta["license"] = info["license"]
@@ -105,12 +109,15 @@ def render(info: dict[str, Any]) -> str:
     plots = info.get("plots") or []
     table = info.get("acceptance_table")
     out = [f"---\n{meta}---", "", f"# {repo.split('/')[-1]}", "",
-           f"A **{scheme}**-quantized DFlash drafter for speculative decoding with `{target}`, produced by "
+           (f"A DFlash drafter quantized to **{scheme}**" if scheme.lower() not in ("unquantized", "bf16")
+            else "The unquantized (bf16 reference) DFlash drafter")
+           + f", for speculative decoding with `{target}`, produced by "
            f"specquant from the drafter `{info.get('source_drafter')}` (run `{info.get('run_name')}`, "
            f"variant `{variant}`).", "",
            "## What it is and is not",
-           "- It **is** a block drafter: it proposes blocks of tokens that the target verifies, so the "
-           "output equals the target's own greedy output; only speed changes.",
+           "- It **is** a block drafter: it proposes blocks of tokens that the target verifies, so what is "
+           "generated is what the target alone would generate (token for token under greedy decoding); only "
+           "the speed changes.",
            "- It is **not** a chat or instruction model and cannot generate text on its own: it has no "
            "embedding or LM head of its own (it uses the target's) and reads the target's hidden states "
            f"(aux layers `{info.get('aux_layer_ids')}`, block size `{info.get('block_size')}`).",
@@ -135,10 +142,9 @@ def render(info: dict[str, Any]) -> str:
             "vLLM copies the target's quantization to the draft unless the draft's own is used; this "
             "checkpoint carries its own `quantization_config`.", "",
             "## What was and was not measured",
-            "- Measured: " + ("acceptance length per subset and per-position acceptance on the run's prompt "
-                              "sets with specquant's reference greedy loop (fake-quantized as the checkpoint "
-                              "specifies); " if table else "")
-            + "reload and dequantization checks of the checkpoint (`checks/`).",
+            "- Measured: " + ("acceptance length per subset on the run's prompt sets with specquant's "
+                              "reference greedy loop (details in `eval/report.md`); " if table else "")
+            + "reload and dequantization checks of the checkpoint (`checks/`, when present).",
             "- Not measured: serving throughput or latency in vLLM, native FP4 kernels on Blackwell GPUs, "
             "sampling (non-greedy) acceptance, and quality on tasks other than the listed subsets.", "",
             "## Verify the files",

@@ -94,11 +94,13 @@ def file_list_doc(files: dict[str, dict[str, Any]], kind: str) -> dict[str, Any]
     return {**doc, "files_sha256": files_sha256_of(doc)}
 
 
-def write_file_list(folder: str | Path, kind: str = "published", origins: dict[str, str] | None = None) -> dict:
-    """Write `provenance/files.sha256.json` for `folder` (call it after the folder is complete)."""
+def write_file_list(folder: str | Path, kind: str = "published", origins: dict[str, str] | None = None,
+                    files: dict[str, dict[str, Any]] | None = None) -> dict:
+    """Write `provenance/files.sha256.json` for `folder` (call it after the folder is complete).
+    `files` (already hashed, e.g. by the manifest stage) saves re-reading a large run."""
     folder = Path(folder)
     skip = (lambda rel: rel == FILE_LIST or is_late(rel)) if kind == "run" else (lambda rel: rel == FILE_LIST)
-    files = hash_files(folder, list_files(folder, skip))
+    files = {r: dict(e) for r, e in files.items()} if files is not None else hash_files(folder, list_files(folder, skip))
     for rel, origin in (origins or {}).items():
         if rel in files:
             files[rel]["origin"] = origin
@@ -228,7 +230,8 @@ def vllm_serve_sh(target: dict, drafters: dict[str, int | None]) -> str:
     rev = f" --revision {shlex.quote(target['revision'])}" if target.get("revision") else ""
     lines = ["#!/usr/bin/env bash", "# Serve the target with each drafter variant of this run as its DFlash drafter.",
              "# Pick one variant: bash vllm_serve.sh <variant>. Needs an attention backend that supports",
-             "# non-causal attention (e.g. flash_attn).", "set -euo pipefail",
+             "# non-causal attention (e.g. flash_attn). A relative target path is relative to the specquant",
+             "# checkout; drafter paths are inside this run directory.", "set -euo pipefail",
              'RUN_DIR="${RUN_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"', 'VARIANT="${1:?usage: vllm_serve.sh <variant>}"',
              'case "$VARIANT" in']
     for variant, block in drafters.items():
@@ -285,8 +288,9 @@ def attestation(subjects: dict[str, dict], records: dict[str, dict], dependencie
         },
         # timing lives only in runDetails.metadata (startedOn/finishedOn) so repro-check can drop it by name
         "runDetails": {"builder": {"id": BUILDER_ID, "version": {"specquant": (last.get("versions") or {}).get("specquant")}},
-                       "metadata": {"invocationId": run_name, "startedOn": starts[0] if starts else None,
-                                    "finishedOn": _finished(records)}},
+                       "metadata": {k: v for k, v in (("invocationId", run_name),
+                                                      ("startedOn", starts[0] if starts else None),
+                                                      ("finishedOn", _finished(records))) if v is not None}},
     }
     return scrub_obj({"_type": STATEMENT_TYPE,
                       "subject": [{"name": rel, "digest": {"sha256": e["sha256"]}} for rel, e in sorted(subjects.items())],

@@ -77,6 +77,8 @@ def _check_push(cfg, token: str | None) -> None:
     if url.scheme not in ("http", "https") or not url.hostname:
         raise bad_value("publish.endpoint", pc.endpoint, "it is not an http(s) URL", "use e.g. https://huggingface.co")
     port = url.port or (443 if url.scheme == "https" else 80)
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return  # through a proxy a direct connection may fail while the client's would work
     try:
         socket.create_connection((url.hostname, port), timeout=5).close()
     except OSError as exc:

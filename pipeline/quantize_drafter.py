@@ -64,7 +64,8 @@ def validate(cfg):
 def load_working_drafter(cfg, dconf):
     from pipeline.models.formats import load_drafter
 
-    model = load_drafter(cfg.drafter.path, target=cfg.target.path, fmt=cfg.drafter.format, dtype=torch.float32)
+    model = load_drafter(cfg.drafter.path, target=cfg.target.path, fmt=cfg.drafter.format, dtype=torch.float32,
+                         device=recipes.resolve_device(cfg[FIELD].device))
     model.config.verifier_name_or_path = dconf.verifier_name_or_path
     model.config.verifier_architectures = dconf.verifier_architectures
     return model
@@ -77,7 +78,7 @@ def write_reference(cfg, rd: RunDir, model) -> Path:
     out = rd.drafter(REFERENCE)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    ref = load_working_drafter(cfg, model.config).to(torch.bfloat16)
+    ref = load_working_drafter(cfg, model.config).to("cpu", torch.bfloat16)
     ref.config.dtype = torch.bfloat16
     with export.atomic_dir(out) as tmp:
         save_speculators(ref, tmp)
@@ -120,9 +121,11 @@ def run(cfg) -> dict:
     from pipeline.cache import CacheReader
 
     reader = CacheReader(rd.cache)
+    clock = _Clock()
     seed_everything(seed)
     model = load_working_drafter(cfg, dconf)
     reference = write_reference(cfg, rd, model)
+    clock.lap("load_s")
     batches = None
     if need_data:
         batches = cache_batches.drafter_batches(reader, calib_idx, int(q.anchors_per_sequence), dconf.block_size,
@@ -131,13 +134,16 @@ def run(cfg) -> dict:
     with tempfile.TemporaryDirectory(prefix="specquant-drafter-") as work:
         _write_native_config(model, Path(work))
         calibrate.run_oneshot(model, q, ignore, batches, seed)
+        clock.lap("oneshot_s")
         baseline = None
         if calibrate.quantizes_activations(q) and q.calibration == "none":
             baseline = calibrate.set_fixed_activation_scales(model, float(q.fixed_activation_amax))
         scales = calibrate.input_global_scales(model)
         write_quantized(model, out)
+        clock.lap("write_s")
     del model
     report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf)
+    clock.lap("check_s")
     return {
         "output": str(out), "reference": str(reference), "scheme": q.scheme, "observer": q.observer,
         "observer_kwargs": dict(q.observer_kwargs or {}), "algorithm": q.algorithm,
@@ -155,7 +161,24 @@ def run(cfg) -> dict:
                    "target_head": _dir_hashes(Path(cfg.target.path), only_weights=True)},
         "outputs": export.output_hashes(out),
         "check": {k: report[k] for k in ("weight_error_summary", "served", "weights_only") if k in report},
+        "timings": clock.laps, "device": str(recipes.resolve_device(q.device)),
     }
+
+
+class _Clock:
+    """Wall time per phase of the stage (load, oneshot, write, check) for benchmarks."""
+
+    def __init__(self):
+        import time
+
+        self._now = time.perf_counter
+        self._t = self._now()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        t = self._now()
+        self.laps[name] = round(t - self._t, 3)
+        self._t = t
 
 
 def _dir_hashes(path: Path, only_weights: bool = False) -> dict[str, str]:

@@ -7,6 +7,7 @@ checkpoint with the tokenizer to runs/<name>/target/<target_quant.name>/.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -68,8 +69,12 @@ def run(cfg) -> dict:
         batches = calibration_batches(samples, int(q.num_samples), int(q.max_seq_len), int(cfg.seed))
 
     seed_everything(int(cfg.seed))
-    model = _load_dense(cfg)
+    started = time.perf_counter()
+    device = recipes.resolve_device(q.device)
+    model = _load_dense(cfg, device)
+    timings = {"load_s": round(time.perf_counter() - started, 3)}
     calibrate.run_oneshot(model, q, ignore, batches, int(cfg.seed))
+    timings["oneshot_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
     baseline = None
     if calibrate.quantizes_activations(q) and q.calibration == "none":
         baseline = calibrate.set_fixed_activation_scales(model, float(q.fixed_activation_amax))
@@ -81,8 +86,10 @@ def run(cfg) -> dict:
         export.copy_tokenizer(cfg.target.tokenizer or cfg.target.path, tmp)
         export.rewrite_config(tmp, written)
     del model
-    report = check_target(cfg, out, q)
+    timings["write_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
+    report = check_target(cfg, out, q, device)
     checks.write_report(rd.checks, "target", q.name, report)
+    timings["check_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
     return {
         "output": str(out), "scheme": q.scheme, "observer": q.observer, "algorithm": q.algorithm,
         "group_size": recipes.group_size(q), "ignore": ignore, "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
@@ -93,21 +100,22 @@ def run(cfg) -> dict:
         "inputs": {"target": _input_hashes(Path(cfg.target.path)), "samples_sha256": samples_sha},
         "outputs": export.output_hashes(out),
         "check": {"weight_error": checks.summarize(report["weight_error"])},
+        "timings": timings, "device": str(device),
     }
 
 
-def _load_dense(cfg):
+def _load_dense(cfg, device: str | torch.device = "cpu"):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(cfg.target.path, revision=cfg.target.revision,
                                                 dtype=DTYPES.get(cfg.target.dtype, torch.float32),
-                                                trust_remote_code=bool(cfg.target.trust_remote_code)).eval()
+                                                trust_remote_code=bool(cfg.target.trust_remote_code)).to(device).eval()
 
 
-def check_target(cfg, out: Path, q) -> dict:
+def check_target(cfg, out: Path, q, device: str | torch.device = "cpu") -> dict:
     """Reload the written checkpoint, dequantize it, and compare every quantized layer to the original."""
-    model = checks.load_dequantized(_load_dense(cfg), out)
-    reference = _load_dense(cfg)
+    model = checks.load_dequantized(_load_dense(cfg, device), out)
+    reference = _load_dense(cfg, device)
     errors = checks.weight_errors(model, reference)
     return {"kind": "target", "variant": q.name, "checkpoint": str(out), "scheme": q.scheme,
             "reloaded": True, "weight_error": errors, "weight_error_summary": checks.summarize(errors)}

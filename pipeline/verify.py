@@ -4,7 +4,7 @@ What is checked (each problem names the file):
 - `provenance/files.sha256.json` (the folder's own list; rule in pipeline/provenance.py) is intact:
   valid JSON, canonical bytes, and its `files_sha256` matches its content;
 - every listed file exists with that sha256 and size (missing / changed), and no unlisted file
-  exists (extra; temp files left by an interrupted write count as extra). In a run directory,
+  exists (extra; temp files left by an interrupted write and symbolic links count as extra). In a run directory,
   `stages/manifest.json`, `stages/publish*.json` and `publish/` are written after the manifest, so
   they are not listed; each `publish/<variant>/` holding a file list is verified in turn;
 - the in-toto statement's subjects, the calibration manifest's cache shards and the quant run
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import provenance as prov
+from pipeline.errors import bad_value
 from pipeline.io import dumps_json
 
 
@@ -109,6 +110,8 @@ def verify_dir(path: str | Path) -> list[str]:
     present = prov.list_files(folder, skip)
     temps = [p.relative_to(folder).as_posix() for p in folder.rglob(prov.TMP_PREFIX + "*")
              if not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
+    links = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_symlink()
+             and not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
     actual = prov.hash_files(folder, present, desc=f"verifying {folder.name}")
     for rel in sorted(set(listed) - set(actual)):
         problems.append(f"{rel}: missing (listed in {prov.FILE_LIST})")
@@ -116,6 +119,8 @@ def verify_dir(path: str | Path) -> list[str]:
         problems.append(f"{rel}: extra file, not listed in {prov.FILE_LIST}")
     for rel in sorted(temps):
         problems.append(f"{rel}: extra temporary file left by an interrupted write")
+    for rel in sorted(links):
+        problems.append(f"{rel}: extra symbolic link (only regular files are recorded; links are never followed)")
     for rel, e in sorted(listed.items()):
         if rel in actual and (actual[rel]["sha256"] != e.get("sha256") or actual[rel]["bytes"] != e.get("bytes")):
             problems.append(f"{rel}: changed (sha256 {actual[rel]['sha256'][:16]}..., {actual[rel]['bytes']} bytes; "
@@ -142,6 +147,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("path", nargs="?", default="runs/tiny", help="run directory or published repo folder")
     ap.add_argument("--json", action="store_true", help="print the problems as a JSON list")
     args = ap.parse_args(argv)
+    if not Path(args.path).is_dir():
+        raise bad_value("path", args.path, "no such directory",
+                        "give a run directory (runs/<name>) or a published folder (runs/<name>/publish/<variant>)")
     problems = verify_dir(args.path)
     if args.json:
         print(json.dumps(problems, indent=2))

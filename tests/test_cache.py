@@ -135,6 +135,11 @@ def test_content_hash_independent_of_sharding(tmp_path):
     b = run_cache(tmp_path / "b", "cache.batch_tokens=1", "cache.samples_per_shard=5")
     assert (a["num_shards"], b["num_shards"]) == (4, 2)
     assert a["content_hash"] == b["content_hash"]
+    # three shards written at once by three writer threads: the same bytes, the same index
+    write_data(tmp_path / "c", n=7)
+    c = run_cache(tmp_path / "c", "cache.batch_tokens=1", "cache.samples_per_shard=2", "cache.shards_in_flight=3")
+    assert c["shards_written"] == 4
+    assert (tmp_path / "c" / "cache" / "index.json").read_bytes() == (tmp_path / "a" / "cache" / "index.json").read_bytes()
 
 
 def test_rerun_reuses_and_changed_inputs_recompute(tmp_path):
@@ -224,3 +229,21 @@ def test_import_cli_help():
     out = subprocess.run([sys.executable, "-m", "pipeline.cache_import", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--file-layer-ids" in out.stdout and "hs_{i}.safetensors" in out.stdout
+
+
+def test_bench_smoke_on_cpu(tmp_path):
+    """bench/cache_bench.py --device cpu --tiny runs every mode and reports figures."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cache_bench", REPO / "bench" / "cache_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.dflash_aux_layer_ids(36) == [2, 10, 18, 26, 34]  # z-lab's [1, 9, 17, 25, 33] + 1
+    out = tmp_path / "bench.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [(r["mode"], r.get("storage_dtype")) for r in res] == [
+        ("stock", None), ("capture", "bfloat16"), ("stage", "bfloat16"), ("stage", "fp8")]
+    assert all(r["tokens_per_s"] > 0 and r["tokens"] == 4 * 2 * 64 for r in res)
+    assert res[2]["bytes_written"] > res[3]["bytes_written"] > 0
+    assert not list(tmp_path.glob("tmp*"))  # its scratch directories are removed

@@ -133,3 +133,22 @@ def test_torchrun_two_ranks_same_content_hash(tmp_path):
     record = json.loads((two_dir / "stages" / "cache.json").read_text())
     assert record["launcher"]["world_size"] == 2 and record["result"]["shards_written"] == 4
     assert torch.cuda.is_available() or record["resolved_config"]["cache"]["distributed_backend"] == "gloo"
+
+
+@pytest.mark.faults("kill")
+def test_shard_without_sidecar_or_truncated_is_redone(tmp_path):
+    """The two states a kill can leave besides a temp file: a renamed shard whose sidecar never got
+    written, and (simulated) a shard whose size disagrees with its sidecar. Only those are redone."""
+    write_data(tmp_path, n=10)
+    ref = run_cache(tmp_path)
+    cache = tmp_path / "cache"
+    (cache / "index.json").unlink()
+    (cache / "shard-00001.json").unlink()
+    with open(cache / "shard-00002.safetensors", "r+b") as fh:
+        fh.truncate(100)
+    before = _shard_state(cache)
+    res = run_cache(tmp_path)
+    assert res["shards_written"] == 2 and res["content_hash"] == ref["content_hash"]
+    after = _shard_state(cache)
+    assert after["shard-00000.safetensors"] == before["shard-00000.safetensors"]
+    assert after["shard-00003.safetensors"] == before["shard-00003.safetensors"]

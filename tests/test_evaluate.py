@@ -55,23 +55,46 @@ def _drafter(target, tok, target_dir: Path):
     return drafter.eval()
 
 
-def _calibration_batches(target, tok, drafter) -> list[dict]:
-    """Drafter forward batches from real target hidden states of a few greedy continuations."""
-    from pipeline.models.spec_decode import aux_hidden, greedy_generate
+def _calibration_batches(target, tok, drafter, texts: list[str], new_tokens: int = 12, every: int = 3) -> list[dict]:
+    """Drafter forward batches from real target hidden states of greedy continuations."""
     from pipeline.evaluation.prompts import render
+    from pipeline.models.spec_decode import aux_hidden, greedy_generate
 
     batches = []
-    for text in ["Hello, how are you?", "What is 2 + 3?", "def add(a, b):"]:
-        ids = greedy_generate(target, render(tok, [{"role": "user", "content": text}]), 12)
+    for text in texts:
+        ids = greedy_generate(target, render(tok, [{"role": "user", "content": text}]), new_tokens)
         t = torch.tensor([ids])
         with torch.no_grad():
             hs = aux_hidden(target(t, output_hidden_states=True).hidden_states, drafter.config.aux_layer_ids)
-        anchors = torch.arange(1, len(ids) - BLOCK, 3)[None]
+        anchors = torch.arange(1, len(ids) - BLOCK, every)[None]
         batches.append({"input_ids": t, "hidden_states": hs, "position_ids": torch.arange(len(ids))[None],
                         "document_ids": torch.zeros(1, len(ids), dtype=torch.long),
                         "loss_mask": torch.ones(1, len(ids), dtype=torch.long),
                         "anchor_positions": anchors, "anchor_valid": torch.ones_like(anchors, dtype=torch.bool)})
     return batches
+
+
+def _train(drafter, batches: list[dict], steps: int = 80) -> None:
+    """A few Adam steps on the target's own greedy tokens, so acceptance lengths are not all 1."""
+    import torch.nn.functional as F
+
+    from pipeline.models.calibration import aligned_loss_mask, block_labels
+
+    torch.manual_seed(2)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=3e-3)
+    drafter.train()
+    for i in range(steps):
+        b = batches[i % len(batches)]
+        anchors = b["anchor_positions"].reshape(-1)
+        logits = drafter(**b).logits[0]
+        labels = block_labels(b["input_ids"], anchors, BLOCK)
+        mask = aligned_loss_mask(b["loss_mask"], anchors, b["anchor_valid"], BLOCK)
+        loss = (F.cross_entropy(logits, labels, reduction="none") * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafter.eval()
 
 
 def _quantize(drafter, variant: str, batches, native_dir: Path, out: Path) -> None:
@@ -103,6 +126,18 @@ def _quantize(drafter, variant: str, batches, native_dir: Path, out: Path) -> No
     shutil.rmtree(tmp)
 
 
+def _quantize_target(target_dir: Path, out: Path) -> None:
+    """A W4A16 target checkpoint (data-free RTN), as quantize-target writes it."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    oneshot(model=model, recipe=[QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])],
+            pipeline="datafree")
+    model.save_pretrained(str(out), save_compressed=True)
+
+
 def _copy_drafter(drafter, native_dir: Path):
     """A fresh copy whose config oneshot can re-read from disk (it reloads `name_or_path`)."""
     from pipeline.models.dflash import DFlashDrafter
@@ -125,10 +160,13 @@ def build_world(root: Path) -> dict:
     target, tok = _target(tok_dir, target_dir)
     drafter = _drafter(target, tok, target_dir)
     run = root / "runs" / "tiny-eval"
+    texts = [t for ts in PROMPTS.values() for t in ts]
+    _train(drafter, _calibration_batches(target, tok, drafter, texts, new_tokens=24, every=1))
     save_speculators(drafter, run / "drafter" / "bf16", verifier=str(target_dir))
-    batches = _calibration_batches(target, tok, drafter)
+    batches = _calibration_batches(target, tok, drafter, texts[::3])
     for variant in SCHEMES:
         _quantize(drafter, variant, batches, root / "native", run / "drafter" / variant)
+    _quantize_target(target_dir, run / "target" / "w4a16")
     prompts = {}
     for name, texts in PROMPTS.items():
         prompts[name] = root / "eval" / f"{name}.jsonl"
@@ -139,7 +177,7 @@ def build_world(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # 2 shared cores: more threads only spin against other processes
     return build_world(tmp_path_factory.mktemp("evalworld"))
 
 
@@ -237,7 +275,7 @@ def test_quantized_drafter_keeps_spec_decode_lossless(world):
     target, tok = world["target"], world["tok"]
     for variant in ("nvfp4", "w4a16"):
         drafter, _ = load_variant(world, variant)
-        for text in PROMPTS["math"][:2]:
+        for text in (PROMPTS["math"][0], PROMPTS["code"][2]):
             ids = render(tok, [{"role": "user", "content": text}])
             r = spec_generate(target, drafter, ids, 20, [tok.eos_token_id])
             assert r.output_ids == greedy_generate(target, ids, 20, [tok.eos_token_id])
@@ -280,7 +318,7 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     assert "## Calibrated vs calibration-free" in report and "| nvfp4 | `nvfp4` | `nvfp4-nocalib` | chat |" in report
     assert "| **all** |" in report
     cmds = (ev / "vllm_commands.sh").read_text()
-    assert cmds.count("vllm serve") == 5 and cmds.count("vllm bench serve") == 3
+    assert cmds.count("  vllm serve") == 5 and cmds.count("  vllm bench serve") == 3
     assert '"num_speculative_tokens": 3' in cmds and '"method": "dflash"' in cmds
     from PIL import Image
 
@@ -301,3 +339,33 @@ def test_evaluate_refuses_unknown_variant_before_work(world, tmp_path):
     with pytest.raises(SpecquantError, match="eval.variants"):
         evaluate.run(cfg)
     assert not (tmp_path / "tiny-eval" / "eval").exists()
+
+
+def test_cli_unknown_variant_is_one_line_exit_2(world, tmp_path):
+    from tests.conftest import run_cli
+
+    r = run_cli("evaluate", f"runs_root={tmp_path}", f"drafter.path={world['run'] / 'drafter' / 'bf16'}",
+                "eval.variants=[fp8]")
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: `eval.variants`") and "fp8" in lines[0]
+    assert not (tmp_path / "tiny" / "eval").exists()
+
+
+def test_quantized_target_is_dequantized_and_still_lossless(world):
+    from pipeline import evaluate
+    from pipeline.evaluation.fakequant import load_target
+
+    qt = load_target(str(world["run"] / "target" / "w4a16"), torch.float32, "cpu")
+    dense, quant = world["target"].model.layers[0].mlp.down_proj, qt.model.layers[0].mlp.down_proj
+    assert quant.weight.dtype == torch.float32 and quant.weight.shape == dense.weight.shape
+    err = ((quant.weight - dense.weight).norm() / dense.weight.norm()).item()
+    assert 1e-3 < err < 0.3  # int4 group-128 rounding, not a different model
+    cfg = compose_for(world, "eval.limit=1", "eval.target_variant=w4a16", "eval.variants=[bf16,nvfp4]",
+                      f"runs_root={world['root'] / 'runs-qt'}")
+    shutil.copytree(world["run"] / "drafter", world["root"] / "runs-qt" / "tiny-eval" / "drafter")
+    shutil.copytree(world["run"] / "target", world["root"] / "runs-qt" / "tiny-eval" / "target")
+    out = evaluate.run(cfg)
+    res = json.loads((world["root"] / "runs-qt" / "tiny-eval" / "eval" / "results.json").read_text())
+    assert out["lossless"] and res["target"]["variant"] == "w4a16" and res["variant_order"] == ["bf16", "nvfp4"]
+    assert res["target"]["path"].endswith("target/w4a16") and "model.safetensors" in res["target"]["files"]

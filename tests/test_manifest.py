@@ -108,10 +108,15 @@ def run_manifest(run: Path, ov: list[str], monkeypatch) -> dict:
     return manifest.run(compose(ov))
 
 
-@pytest.fixture
-def run(tmp_path, monkeypatch):
-    rd, ov = build_run(tmp_path, monkeypatch)
-    run_manifest(rd, ov, monkeypatch)
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One run for the read-only tests of this module (built once: the machine is shared)."""
+    mp = pytest.MonkeyPatch()
+    try:
+        rd, ov = build_run(tmp_path_factory.mktemp("manifest"), mp)
+        run_manifest(rd, ov, mp)
+    finally:
+        mp.undo()
     return rd
 
 
@@ -174,7 +179,7 @@ def test_quant_run_manifest_fields(run):
     assert q["not_run"] == ["quantize-target", "evaluate"]
 
 
-def test_provenance_folder(run, tmp_path):
+def test_provenance_folder(run):
     p = run / "provenance"
     cmds = json.loads((p / "commands.json").read_text())
     assert [c["stage"] for c in cmds] == ["data", "cache", "quantize-drafter"]
@@ -183,7 +188,7 @@ def test_provenance_folder(run, tmp_path):
     assert " ".join(rec["overrides"][:2]) in (p / "commands.sh").read_text()
     subprocess.run(["bash", "-n", str(p / "commands.sh")], check=True)
     cfg = yaml.safe_load((p / "resolved_config" / "quantize-drafter-nvfp4.yaml").read_text())
-    assert cfg["quant"]["scheme"] == "nvfp4" and cfg["run_dir"] == str(tmp_path / "runs" / "fake")
+    assert cfg["quant"]["scheme"] == "nvfp4" and cfg["run_dir"] == str(run)
     src = json.loads((p / "source" / "SOURCE.json").read_text())
     assert src["files"]["pipeline/manifest.py"]["sha256"] == sha256_file(REPO / "pipeline" / "manifest.py")
     assert (p / "source" / "pipeline" / "stage.py").read_bytes() == (REPO / "pipeline" / "stage.py").read_bytes()
@@ -193,6 +198,11 @@ def test_provenance_folder(run, tmp_path):
     bd = att["predicate"]["buildDefinition"]
     assert {"buildType", "externalParameters", "internalParameters", "resolvedDependencies"} <= set(bd)
     assert att["predicate"]["runDetails"]["builder"]["id"]
+    import datetime as dt
+
+    meta = att["predicate"]["runDetails"]["metadata"]
+    assert dt.datetime.fromisoformat(meta["startedOn"]) <= dt.datetime.fromisoformat(meta["finishedOn"])
+    assert all(set(d) & {"uri", "digest"} for d in bd["resolvedDependencies"])
     deps = {d["name"]: d for d in bd["resolvedDependencies"]}
     assert deps[f"{FIX / 'target'}/model.safetensors"]["digest"]["sha256"] == sha256_file(FIX / "target" / "model.safetensors")
     every = provenance.list_files(run, lambda r: provenance.is_late(r))
@@ -284,3 +294,13 @@ def test_corrupt_shard_refused_before_writing(tmp_path, monkeypatch):
 def test_missing_run_dir_is_one_sentence(tmp_path):
     with pytest.raises(SpecquantError, match=r"`run_dir` = .*does not exist"):
         manifest.run(compose([f"runs_root={tmp_path}", "run_name=nothing"]))
+
+
+@pytest.mark.parametrize("name", ["calibration_manifest", "quant_run_manifest"])
+def test_committed_tiny_manifests_validate(name):
+    path = REPO / "manifests" / "tiny" / f"{name}.json"
+    if not path.is_file():
+        pytest.skip("manifests/tiny/ is written by `python -m pipeline.repro --update-reference`")
+    doc = json.loads(path.read_text())
+    _validate(doc, name)
+    assert doc["not_run"] == [] and doc["run_name"] == "tiny"

@@ -4,6 +4,7 @@ documented exclusions (timing, run root); any other difference is named."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -11,19 +12,35 @@ from pipeline import repro
 from tests.test_manifest import build_run, run_manifest
 
 
-def _tree(rd):
-    return json.loads((rd / "provenance/source/SOURCE.json").read_text())["tree_sha256"]
+def _state(rd):
+    src = json.loads((rd / "provenance/source/SOURCE.json").read_text())
+    return src["tree_sha256"], src["git"]["commit"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        for attempt in range(3):  # others may edit or commit the shared checkout meanwhile; CI's tree is still
+            base = tmp_path_factory.mktemp(f"repro{attempt}")
+            runs = [build_run(base / side, mp) for side in ("a", "b")]
+            for rd, ov in runs:
+                run_manifest(rd, ov, mp)
+            if _state(runs[0][0]) == _state(runs[1][0]):
+                break
+    finally:
+        mp.undo()
+    return [rd for rd, _ in runs]
 
 
 @pytest.fixture
-def two_runs(tmp_path, monkeypatch):
-    built = [build_run(tmp_path / side, monkeypatch) for side in ("a", "b")]
-    for _ in range(3):  # other people may edit the checkout between the two snapshots; CI's tree is still
-        for rd, ov in built:
-            run_manifest(rd, ov, monkeypatch)
-        if _tree(built[0][0]) == _tree(built[1][0]):
-            break
-    return [(rd, rd.parent) for rd, _ in built]
+def two_runs(built, tmp_path):
+    """Private copies (tests modify them), each with the runs root its files were written under."""
+    out = []
+    for side, rd in zip("ab", built):
+        shutil.copytree(rd, tmp_path / side / rd.name)
+        out.append((tmp_path / side / rd.name, rd.parent))
+    return out
 
 
 def test_same_inputs_compare_equal(two_runs):
@@ -65,3 +82,34 @@ def test_excluded_patterns():
     assert repro.excluded("stages/data.json") and repro.excluded("eval/timings.json")
     assert repro.excluded("publish/nvfp4.json") and repro.excluded("publish/nvfp4/eval/timings.json")
     assert not repro.excluded("publish/nvfp4/config.json") and not repro.excluded("eval/results.json")
+
+
+def test_reference_same_fingerprint_fails_other_fingerprint_warns(two_runs, tmp_path, capsys):
+    (a, ra), _ = two_runs
+    view = repro._reference_view(a, ra)
+    assert "quant_run_manifest.json" in view and "drafter/nvfp4/model.safetensors" in view
+    assert not any(r.startswith(("provenance/", "stages/")) for r in view)
+    ref = tmp_path / "ref"
+    fp = repro.fingerprint()
+    ref.mkdir()
+    (ref / "outputs.sha256.json").write_text(json.dumps({"fingerprint": fp, "files": view}))
+    assert repro.check_reference(ref, view) == 0
+    changed = {**view, "drafter/nvfp4/model.safetensors": "0" * 64}
+    (ref / "outputs.sha256.json").write_text(json.dumps({"fingerprint": fp, "files": changed}))
+    assert repro.check_reference(ref, view) == 1
+    assert "reference FAIL: drafter/nvfp4/model.safetensors: differs" in capsys.readouterr().out
+    (ref / "outputs.sha256.json").write_text(json.dumps({"fingerprint": {**fp, "id": "other", "cpu": "X"},
+                                                         "files": changed}))
+    assert repro.check_reference(ref, view) == 0
+    out = capsys.readouterr().out
+    assert "reference warning: drafter/nvfp4/model.safetensors: differs" in out and "another machine" in out
+
+
+def test_reference_ignores_machine_and_commit(two_runs):
+    (a, ra), (b, rb) = two_runs
+    q = json.loads((b / "quant_run_manifest.json").read_text())
+    q["environment"]["git"]["commit"] = "f" * 40
+    q["environment"]["device"]["cpu_count"] = 999
+    (b / "quant_run_manifest.json").write_text(json.dumps(q, indent=2, sort_keys=True) + "\n")
+    assert repro.compare(repro._reference_view(a, ra), repro._reference_view(b, rb)) == []
+    assert repro.compare(repro.digests(a, ra)[0], repro.digests(b, rb)[0]) != []

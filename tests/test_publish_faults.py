@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,7 +19,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import SpecquantError
-from tests.test_publish import TOKEN, download, pristine_runs, push_cfg, run_root  # noqa: F401 (fixtures)
+from tests import test_publish as tp
+from tests.test_publish import TOKEN, download, push_cfg
+
+pristine_runs, run_root = tp.pristine_runs, tp.run_root  # the same fixtures as test_publish
 
 REPO_ID = "specquant-test/tiny-dflash-b8-nvfp4"
 
@@ -123,3 +127,39 @@ def test_server_killed_mid_lfs_upload_then_rerun_completes(run_root, tmp_path):
         _check_complete(run_root, store, srv.url, out["tag"], tmp_path / "cache")
     finally:
         srv.kill()
+
+
+@pytest.mark.faults("kill")
+def test_publish_process_killed_mid_upload_then_rerun_completes(run_root, pristine_runs, tmp_path):
+    """SIGKILL of `python -m pipeline publish` itself while the weights upload; the re-run completes."""
+    import os
+
+    from pipeline import publish
+    from pipeline.hubserver import HubServer
+
+    store = tmp_path / "hub"
+    with HubServer(store, slow_put=0.3) as srv:
+        overrides = [f"runs_root={run_root}", "run_name=tiny", "publish.dry_run=false",
+                     f"publish.endpoint={srv.url}", "publish.namespace=specquant-test"]
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "publish", *overrides], cwd=tp.REPO,
+                                env={**os.environ, "HF_TOKEN": TOKEN}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 90
+        while time.time() < deadline and not list((store / "lfs").glob(".tmp-*")) and proc.poll() is None:
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.stdout.read()
+        proc.kill()
+        out_text = proc.communicate()[0]
+        assert TOKEN not in out_text
+        deadline = time.time() + 10  # the server drops the half-received object when the socket dies
+        while time.time() < deadline and list((store / "lfs").glob(".tmp-*")):
+            time.sleep(0.05)
+        assert not list(store.rglob(".tmp-*"))
+        state = _commits(store)
+        out = publish.run(push_cfg(run_root, srv.url))["variants"]["nvfp4"]
+        assert out["status"] == "pushed" and _commits(store)["main"] == out["commit"] != state["main"]
+        _check_complete(run_root, store, srv.url, out["tag"], tmp_path / "cache")
+    # the same files an uninterrupted run assembles
+    shutil.copytree(pristine_runs, tmp_path / "clean", symlinks=True)
+    clean = publish.run(tp.publish_cfg(tmp_path / "clean"))["variants"]["nvfp4"]
+    assert clean["files_sha256"] == out["files_sha256"] and clean["tag"] == out["tag"]

@@ -58,7 +58,7 @@ def test_nvfp4_drafter_is_a_speculators_compressed_tensors_checkpoint(world, nvf
     assert 0.0 < report["weight_error_summary"]["max"] < 0.2
     assert report["served"]["rows"] > 0 and 0.5 < report["served"]["top1_agreement"] <= 1.0
     assert (world / "qw" / "checks" / "drafter-nvfp4-weight-error.png").stat().st_size > 1000
-    assert nvfp4["num_calibration_samples"] == 6 and nvfp4["num_calibration_anchors"] == 36
+    assert nvfp4["num_calibration_samples"] == 12 and nvfp4["num_calibration_anchors"] == 12 * 8
 
 
 def test_same_seed_gives_identical_files(world, nvfp4):
@@ -96,7 +96,7 @@ def _fc_scale(root) -> float:
     from pipeline.cache import CacheReader
 
     reader = CacheReader(root / "qw" / "cache")
-    calib, _ = cache_batches.split_indices(len(reader), 6, 4, 0, True)
+    calib, _ = cache_batches.split_indices(len(reader), 12, 12, 0, True)
     absmax = max(float(reader[i]["hidden_states"][:64].abs().max()) for i in calib)
     return recipes.fixed_input_global_scale(absmax)
 

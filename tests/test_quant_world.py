@@ -21,7 +21,7 @@ TARGET = FIXTURES / "dflash" / "target"
 DRAFTER = FIXTURES / "dflash" / "speculators" / "checkpoint"
 
 
-def write_blend(data_dir: Path, num_samples: int = 14, seq_len: int = 40, seed: int = 0) -> Path:
+def write_blend(data_dir: Path, num_samples: int = 30, seq_len: int = 40, seed: int = 0) -> Path:
     """samples.jsonl + meta.json: random ids below the mask id, loss mask 1 after a short prompt."""
     g = torch.Generator().manual_seed(seed)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -43,12 +43,12 @@ def write_blend(data_dir: Path, num_samples: int = 14, seq_len: int = 40, seed: 
 def world_cfg(runs_root: Path, *overrides: str):
     return compose([f"runs_root={runs_root}", "run_name=qw", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
                     f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32",
-                    "quant.num_samples=6", "quant.heldout_samples=4", "quant.anchors_per_sequence=6",
+                    "quant.num_samples=12", "quant.heldout_samples=12", "quant.anchors_per_sequence=8",
                     "quant.max_seq_len=64", "target_quant.num_samples=4", "target_quant.max_seq_len=64",
                     *overrides])
 
 
-def build_world(runs_root: Path, blend_seed: int = 0, num_samples: int = 14) -> Path:
+def build_world(runs_root: Path, blend_seed: int = 0, num_samples: int = 30) -> Path:
     """Blend + cache under runs_root/qw; returns the run directory."""
     from pipeline import cache
 
@@ -64,7 +64,7 @@ def test_world_builds_a_cache_the_drafter_can_read(tmp_path):
 
     run_dir = build_world(tmp_path)
     reader = CacheReader(run_dir / "cache")
-    assert len(reader) == 14
+    assert len(reader) == 30
     s = reader[0]
     assert s["hidden_states"].shape[1:] == (2, 64)
     assert s["hidden_states"].shape[0] == s["input_ids"].numel() == s["loss_mask"].numel()

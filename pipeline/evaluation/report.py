@@ -99,34 +99,43 @@ def render_report(results: dict) -> str:
     return "\n".join(out)
 
 
+def _fn(prefix: str, name: str) -> str:
+    return f"{prefix}_{name.replace('-', '_').replace('.', '_')}"
+
+
 def render_vllm_commands(results: dict, prompt_files: dict[str, str]) -> str:
-    """Serve command per drafter variant and one `vllm bench serve` per subset (prompts as written)."""
+    """Serve command per drafter variant and one `vllm bench serve` per subset, as a runnable script."""
     t = results["target"]
     k = results["block_size"] - 1
+    variants, subsets = results["variant_order"], [s["name"] for s in results["subsets"]]
     lines = ["#!/usr/bin/env bash",
-             "# Reproduce this evaluation with vLLM on real hardware (greedy, temperature 0).",
-             "# 1. Start ONE server (pick a drafter variant), 2. run the benchmark of each subset against it,",
-             "# 3. read the acceptance length vLLM reports (accepted tokens / drafts + 1).",
-             "# Paths are relative to the repository root; replace them by Hub ids after publishing.",
+             "# Reproduce this evaluation with vLLM on GPUs (greedy, temperature 0):",
+             "#   ./vllm_commands.sh serve <variant>     # in one shell: the target with that drafter",
+             "#   ./vllm_commands.sh bench <subset>      # in another: one benchmark per subset",
+             "# vLLM reports the acceptance length (accepted tokens / drafts + 1) per benchmark.",
+             "# Paths are those of this run; use Hub ids instead once the variants are published.",
              "set -euo pipefail", "", f"TARGET={shlex.quote(t['serve_path'])}", "PORT=${PORT:-8000}", ""]
-    for v in results["variant_order"]:
-        spec = json.dumps({"method": "dflash", "model": results["variants"][v]["path"], "num_speculative_tokens": k})
-        lines += [f"# drafter variant: {v}",
-                  f"serve_{v.replace('-', '_')}() {{",
-                  f"  vllm serve \"$TARGET\" --port \"$PORT\" --attention-backend flash_attn \\",
-                  f"    --speculative-config {shlex.quote(spec)}",
+    for v in variants:
+        d = results["variants"][v]
+        spec = {"method": "dflash", "model": d["path"], "num_speculative_tokens": k}
+        if d["quantization"].get("quantized"):
+            spec["quantization"] = "compressed-tensors"  # else vLLM applies the target's quantization to the draft
+        lines += [f"{_fn('serve', v)}() {{  # drafter variant {v}",
+                  "  vllm serve \"$TARGET\" --port \"$PORT\" --attention-backend FLASH_ATTN \\",
+                  f"    --speculative-config {shlex.quote(json.dumps(spec))}",
                   "}", ""]
-    lines.append("# benchmarks: one per subset (prompts written by the evaluate stage, chat template applied by the server)")
     for s in results["subsets"]:
-        n = s["num_prompts"]
-        lines += [f"bench_{s['name'].replace('-', '_')}() {{",
+        lines += [f"{_fn('bench', s['name'])}() {{  # subset {s['name']}, {s['num_prompts']} prompts",
                   "  vllm bench serve --model \"$TARGET\" --port \"$PORT\" --backend openai-chat "
                   "--endpoint /v1/chat/completions \\",
                   f"    --dataset-name custom --dataset-path {shlex.quote(prompt_files[s['name']])} "
-                  f"--num-prompts {n} --disable-shuffle \\",
+                  f"--num-prompts {s['num_prompts']} --disable-shuffle \\",
                   f"    --custom-output-len {results['max_new_tokens']} --temperature 0 --max-concurrency 1 "
                   f"--label {shlex.quote(s['name'])}",
                   "}", ""]
-    lines += ["# usage: source this file, then e.g.  serve_bf16 &  and  " +
-              "; ".join(f"bench_{s['name'].replace('-', '_')}" for s in results["subsets"]), ""]
+    lines += ['case "${1:-}:${2:-}" in']
+    lines += [f"  serve:{v}) {_fn('serve', v)} ;;" for v in variants]
+    lines += [f"  bench:{s}) {_fn('bench', s)} ;;" for s in subsets]
+    lines += [f'  *) echo "usage: $0 serve <{"|".join(variants)}> | bench <{"|".join(subsets)}>" >&2; exit 2 ;;',
+              "esac", ""]
     return "\n".join(lines)

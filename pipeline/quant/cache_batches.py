@@ -36,24 +36,52 @@ def _truncate(sample: dict, max_len: int) -> dict:
             "loss_mask": sample["loss_mask"][:max_len], "hidden_states": sample["hidden_states"][:max_len]}
 
 
+class DrafterBatches:
+    """Anchored calibration batches built lazily from the cache, one cached sample per batch.
+
+    Map-style, so oneshot's DataLoader reads one sample at a time (a 2,048-token sample with five
+    4096-wide aux layers is ~170 MB in fp32: never hold them all). Each sample's anchors come from
+    its own generator seeded by (seed, cache index), so batches do not depend on reading order.
+    """
+
+    def __init__(self, reader, indices: list[int], anchors_per_sequence: int, block_size: int,
+                 mask_token_id: int, max_seq_len: int, seed: int):
+        self.reader, self.indices = reader, list(indices)
+        self.anchors, self.block_size, self.mask_token_id = anchors_per_sequence, block_size, mask_token_id
+        self.max_seq_len, self.seed = max_seq_len, seed
+        self.built: dict[int, tuple[int, int]] = {}  # position -> (valid anchors, tokens)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, j: int) -> dict:
+        from pipeline.models.calibration import build_calibration_batch
+
+        i = self.indices[j]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        sample = _truncate(self.reader[i], self.max_seq_len)
+        batch = build_calibration_batch([sample], self.anchors, self.block_size, self.mask_token_id, gen)
+        self.built[j] = (int(batch["anchor_valid"].sum()), int(batch["input_ids"].numel()))
+        return batch
+
+    def __iter__(self):
+        for j in range(len(self)):
+            yield self[j]
+
+
 def drafter_batches(reader, indices: list[int], anchors_per_sequence: int, block_size: int, mask_token_id: int,
-                    max_seq_len: int, seed: int) -> list[dict]:
-    """One anchored batch per cached sample (the drafter's calibration forward input)."""
-    from pipeline.models.calibration import build_calibration_batch
-
-    gen = torch.Generator().manual_seed(seed)
-    batches = []
-    for i in indices:
-        sample = _truncate(reader[i], max_seq_len)
-        batch = build_calibration_batch([sample], anchors_per_sequence, block_size, mask_token_id, gen)
-        if bool(batch["anchor_valid"].any()):
-            batches.append(batch)
-    return batches
+                    max_seq_len: int, seed: int) -> DrafterBatches:
+    return DrafterBatches(reader, indices, anchors_per_sequence, block_size, mask_token_id, max_seq_len, seed)
 
 
-def count_anchors(batches: list[dict]) -> int:
+def count_anchors(batches) -> int:
+    """Valid anchors over the batches built so far (a DrafterBatches) or over a list of batches."""
+    if isinstance(batches, DrafterBatches):
+        return sum(a for a, _ in batches.built.values())
     return int(sum(int(b["anchor_valid"].sum()) for b in batches))
 
 
-def count_tokens(batches: list[dict]) -> int:
+def count_tokens(batches) -> int:
+    if isinstance(batches, DrafterBatches):
+        return sum(t for _, t in batches.built.values())
     return int(sum(b["input_ids"].numel() for b in batches))

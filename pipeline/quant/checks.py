@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pipeline.io import atomic_write_bytes, atomic_write_json
 
@@ -58,19 +57,6 @@ def weight_errors(model: torch.nn.Module, reference: torch.nn.Module) -> dict[st
         w, r = module.weight.detach().float(), ref[name].weight.detach().float()
         out[name] = float((w - r).norm() / r.norm().clamp_min(1e-12))
     return out
-
-
-def logits_agreement(ref_logits: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Mean KL(ref || quantized) and top-1 agreement over rows where mask is 1."""
-    v = ref_logits.shape[-1]
-    ref = ref_logits.reshape(-1, v).float()
-    q = logits.reshape(-1, v).float()
-    m = mask.reshape(-1) > 0
-    logp = F.log_softmax(ref[m], -1)
-    kl = (logp.exp() * (logp - F.log_softmax(q[m], -1))).sum(-1)
-    top1 = (ref[m].argmax(-1) == q[m].argmax(-1)).float()
-    return {"kl": float(kl.mean()) if kl.numel() else float("nan"),
-            "top1_agreement": float(top1.mean()) if top1.numel() else float("nan"), "rows": int(m.sum())}
 
 
 def plot_errors(errors: dict[str, float], title: str, path: Path) -> None:

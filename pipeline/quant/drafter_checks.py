@@ -10,14 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.quant import cache_batches, checks
-
-HELD_ANCHORS_MIN = 1
-
-
-@torch.no_grad()
-def _logits(model, batches: list[dict]) -> list[torch.Tensor]:
-    return [model(**b).logits.float() for b in batches]
+from pipeline.quant import cache_batches, checks, recipes
 
 
 def _rows_mask(batch: dict, block_size: int) -> torch.Tensor:
@@ -27,33 +20,60 @@ def _rows_mask(batch: dict, block_size: int) -> torch.Tensor:
                              block_size)
 
 
-def compare(reference, quantized, batches: list[dict], block_size: int) -> dict[str, dict]:
+class _Agreement:
+    """Running KL sum and top-1 matches, so no vocabulary-wide logits are kept across batches."""
+
+    def __init__(self):
+        self.kl, self.top1, self.rows = 0.0, 0, 0
+
+    def add(self, ref: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        m = mask.reshape(-1) > 0
+        v = ref.shape[-1]
+        r, q = ref.reshape(-1, v)[m].float(), logits.reshape(-1, v)[m].float()
+        logp = torch.log_softmax(r, -1)
+        self.kl += float((logp.exp() * (logp - torch.log_softmax(q, -1))).sum())
+        self.top1 += int((r.argmax(-1) == q.argmax(-1)).sum())
+        self.rows += int(m.sum())
+
+    def result(self) -> dict:
+        n = self.rows
+        return {"kl": self.kl / n if n else float("nan"), "top1_agreement": self.top1 / n if n else float("nan"),
+                "rows": n}
+
+
+@torch.no_grad()
+def compare(reference, quantized, batches, block_size: int) -> dict[str, dict]:
     """KL(bf16 || quantized) and top-1 agreement, served (W4A4 emulated) and weights-only."""
     from compressed_tensors.quantization import disable_quantization, enable_quantization
 
-    ref = torch.cat([x.reshape(-1, x.shape[-1]) for x in _logits(reference, batches)])
-    mask = torch.cat([_rows_mask(b, block_size) for b in batches])
-    served = torch.cat([x.reshape(-1, x.shape[-1]) for x in _logits(quantized, batches)])
-    quantized.apply(disable_quantization)
-    try:
-        weights_only = torch.cat([x.reshape(-1, x.shape[-1]) for x in _logits(quantized, batches)])
-    finally:
-        quantized.apply(enable_quantization)
-    return {"served": checks.logits_agreement(ref, served, mask),
-            "weights_only": checks.logits_agreement(ref, weights_only, mask)}
+    device = next(reference.parameters()).device
+    served, weights_only = _Agreement(), _Agreement()
+    for batch in batches:
+        mask = _rows_mask(batch, block_size).to(device)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        ref = reference(**batch).logits
+        served.add(ref, quantized(**batch).logits, mask)
+        quantized.apply(disable_quantization)
+        try:
+            weights_only.add(ref, quantized(**batch).logits, mask)
+        finally:
+            quantized.apply(enable_quantization)
+    return {"served": served.result(), "weights_only": weights_only.result()}
 
 
 def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf) -> dict:
     from pipeline.models.formats import load_drafter
 
     ref_dir, out = rd.drafter("bf16"), rd.drafter(q.name)
-    reference = load_drafter(ref_dir, target=cfg.target.path, dtype=torch.float32)
-    quantized = checks.load_dequantized(load_drafter(ref_dir, target=cfg.target.path, dtype=torch.float32), out)
+    device = recipes.resolve_device(q.device)
+    reference = load_drafter(ref_dir, target=cfg.target.path, dtype=torch.float32, device=device)
+    dense = load_drafter(ref_dir, target=cfg.target.path, dtype=torch.float32, device=device)
+    quantized = checks.load_dequantized(dense, out)
     errors = checks.weight_errors(quantized, reference)
     held = cache_batches.drafter_batches(reader, held_idx, int(q.anchors_per_sequence), dconf.block_size,
                                          int(dconf.mask_token_id), int(q.max_seq_len),
                                          int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET)
-    metrics = compare(reference, quantized, held, dconf.block_size) if held else {}
+    metrics = compare(reference, quantized, held, dconf.block_size) if len(held) else {}
     report = {"kind": "drafter", "variant": q.name, "checkpoint": str(out), "reference": str(ref_dir),
               "scheme": q.scheme, "observer": q.observer, "calibration": q.calibration, "reloaded": True,
               "heldout_samples": len(held_idx), "heldout_anchors": cache_batches.count_anchors(held),

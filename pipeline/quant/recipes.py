@@ -96,6 +96,10 @@ def validate_settings(q, field: str) -> None:
         raise bad_value(f"{field}.group_size", q.group_size,
                         f"{q.scheme} stores one FP8 scale per {scheme.default_group_size} weights and kernels read "
                         "no other block size", f"set it to {scheme.default_group_size} or leave it unset")
+    if q.device != "auto" and not str(q.device).startswith(("cpu", "cuda")):
+        raise bad_value(f"{field}.device", q.device, "it is not a torch device", "use auto, cpu, cuda or cuda:N")
+    if str(q.device).startswith("cuda") and not torch.cuda.is_available():
+        raise bad_value(f"{field}.device", q.device, "no CUDA device is visible", "use auto or cpu")
     if q.num_samples <= 0 and q.calibration == "cache":
         raise bad_value(f"{field}.num_samples", q.num_samples, "calibration needs at least one sample",
                         "use a positive number")
@@ -175,3 +179,10 @@ def needs_data(q) -> bool:
 def fixed_input_global_scale(amax: float) -> float:
     """The calibration-free activation global scale for a fixed absmax (what static_minmax would give)."""
     return FP8_E4M3_MAX * FP4_MAX / float(amax)
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` = the first CUDA device when there is one (calibration and checks), else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)

@@ -74,7 +74,7 @@ def render_readme(root: Path) -> str:
     lines += [
         "## Target training", "",
         f"- architecture: Qwen3ForCausalLM, {arch}, vocab_size=2048 ({rep['num_params']:,} parameters)",
-        f"- training: seed={rep['seed']}, {train}; AdamW, warmup + cosine, loss on every non-pad token",
+        f"- training: seed={rep['seed']}, {train}; AdamW, warmup + cosine, on CPU",
         f"- data: {rep['num_sequences']} chat-templated conversations, {rep['num_tokens']:,} tokens",
         f"- loss: {rep['first_loss']} at the first step -> {rep['final_loss']} (mean of the last 20 steps)", "",
         "## Greedy samples on held-apart prompts", "",
@@ -82,7 +82,8 @@ def render_readme(root: Path) -> str:
         "up to 120 new tokens.", "",
     ]
     for subset, s in rep["samples"].items():
-        lines += [f"### {subset}", "", f"Prompt: `{s['prompt']}`", "", "```text", s["greedy"], "```", ""]
+        # four-backtick fence: code replies contain ``` themselves
+        lines += [f"### {subset}", "", f"Prompt: `{s['prompt']}`", "", "````text", s["greedy"], "````", ""]
     return "\n".join(lines)
 
 
