@@ -21,6 +21,20 @@ TMP_PREFIX = ".tmp-specquant-"
 _CHUNK = 1 << 20
 
 
+def _read_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+# mkstemp creates 0600 files; outputs get the mode a plain open() would (read once: umask is process-wide)
+_FILE_MODE = 0o666 & ~_read_umask()
+
+
+def _default_mode() -> int:
+    return _FILE_MODE
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -37,6 +51,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
     try:
+        os.fchmod(fd, _default_mode())
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()
