@@ -77,8 +77,6 @@ class QuantBench:
                 f"quant.anchors_per_sequence={a.anchors}", f"quant.device={a.device}",
                 f"target_quant.num_samples={a.target_samples}", f"target_quant.max_seq_len={a.seq_len}",
                 f"target_quant.device={a.device}"]
-        if a.tiny:  # the tiny shapes are 128 wide: int4 groups of 128 would leave one group per row
-            base += ["quant.group_size=64", "target_quant.group_size=64"]
         return base + list(extra) + a.extra.split()
 
     def build(self) -> None:

@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="folder for results.json / results.md / probe records")
     p.add_argument("--work", default="auto", help="work folder on local disk (auto: the largest free of "
                    "/tmp, /var/tmp, /root, the current folder)")
+    p.add_argument("--runs", default=None, help="runs_root (default WORK/runs), e.g. on a tmpfs")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--phases", default=",".join(ALL_PHASES))
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small-samples", type=int, default=64, help="second cache size, for host memory")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--target-samples", type=int, default=64, help="target calibration samples (GPTQ/NVFP4)")
+    p.add_argument("--quant-variants", default="quantize-drafter[nvfp4],quantize-drafter[w4a16],quantize-target[w4a16]",
+                   help="which quantize runs the quant phase makes, in order")
     p.add_argument("--nproc", type=int, default=2, help="processes for the `dist` phase (torchrun)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-reps", type=int, default=3)
@@ -57,7 +60,7 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         self.work = pick_work_dir(args.work)
         self.models = self.work / "models"
-        self.runs = self.work / "runs"
+        self.runs = Path(args.runs) if args.runs else self.work / "runs"
         self.results_path = self.out / "results.json"
         self.results = json.loads(self.results_path.read_text()) if self.results_path.is_file() else {}
         self.results.setdefault("env", report.environment(self.work))
@@ -156,6 +159,11 @@ class Bench:
         if stock_bench.is_file() and self._cache_done("bench"):
             self.record("cache_bench", run_cache_bench(self, aux))
 
+    def cachebench(self) -> None:
+        """Only helper C's side-by-side (bench/cache_bench.py: stock vs capture vs stage)."""
+        self.build()
+        self.record("cache_bench", run_cache_bench(self, [i + 1 for i in self.shapes.zlab_layer_ids]))
+
     def quant(self) -> None:
         if not self._cache_done("bench"):
             self.cache()
@@ -171,6 +179,8 @@ class Bench:
              ["target_quant=w4a16", f"target_quant.num_samples={self.args.target_samples}",
               f"target_quant.max_seq_len={self.args.seq_len}"]),
         ]
+        wanted = [v.strip() for v in self.args.quant_variants.split(",") if v.strip()]
+        variants = sorted((v for v in variants if v[0] in wanted), key=lambda v: wanted.index(v[0]))
         for key, stage, extra in variants:
             if key in self.results["phases"] and self.results["phases"][key].get("rc") == 0:
                 continue
@@ -278,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     print(f"[bench] work dir {bench.work} ({shutil.disk_usage(bench.work).free / 2**30:.0f} GiB free)", flush=True)
     for phase in [p.strip() for p in args.phases.split(",") if p.strip()]:
-        if phase not in {*ALL_PHASES, "dist"}:
-            raise SystemExit(f"unknown phase {phase!r}; choose from {', '.join([*ALL_PHASES, 'dist'])}")
+        if phase not in {*ALL_PHASES, "dist", "cachebench"}:
+            raise SystemExit(f"unknown phase {phase!r}; choose from {', '.join([*ALL_PHASES, 'dist', 'cachebench'])}")
         t0 = time.perf_counter()
         try:
             getattr(bench, phase)()

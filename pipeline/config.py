@@ -115,6 +115,7 @@ class EvalConfig:
     limit: int | None = None  # prompts per subset, for quick runs
     variants: list[str] = field(default_factory=list)  # drafter variants; empty = every one in the run
     target_variant: str = "bf16"
+    include_source: bool = False  # also evaluate drafter.path as variant "source" (e.g. fp32, before bf16 rounding)
 
 
 @dataclass

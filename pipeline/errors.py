@@ -7,6 +7,10 @@ class SpecquantError(Exception):
     """An error caused by the user's input or environment, printed as one line without a traceback."""
 
 
+class DiskFullError(SpecquantError, OSError):
+    """The disk (or quota, or file-size limit) ran out while writing a file; still an OSError for callers."""
+
+
 def bad_value(field: str, value: object, problem: str, fix: str) -> SpecquantError:
     """Build the house error sentence: `field` = value: problem; fix."""
     shown = repr(value)

@@ -19,14 +19,18 @@ from pipeline.io import atomic_write_json, atomic_write_text, dumps_json, hash_t
 from pipeline.rundir import RunDir
 
 REFERENCE = "bf16"
+SOURCE = "source"
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _drafter_dirs(cfg, rd: RunDir) -> dict[str, Path]:
     """{variant: checkpoint dir}: the run's drafters, the bf16 reference falling back to drafter.path."""
     found = {v: rd.drafter(v) for v in rd.drafter_variants()}
-    if REFERENCE not in found and Path(cfg.drafter.path).is_dir():
-        found[REFERENCE] = Path(cfg.drafter.path)
+    source = Path(cfg.drafter.path)
+    if REFERENCE not in found and source.is_dir():  # no quantize-drafter run yet: the given drafter is the reference
+        found[REFERENCE] = source
+    elif cfg.eval.include_source and source.is_dir() and source.resolve() != found[REFERENCE].resolve():
+        found[SOURCE] = source  # the drafter as given, to compare with its own tau measurement
     wanted = list(cfg.eval.variants or [])
     unknown = [v for v in wanted if v not in found]
     if unknown:
@@ -36,7 +40,8 @@ def _drafter_dirs(cfg, rd: RunDir) -> dict[str, Path]:
     if not chosen:
         raise bad_value("run_dir", str(rd.root), "it holds no drafter checkpoint to evaluate",
                         "run `make quantize-drafter` first")
-    order = ([REFERENCE] if REFERENCE in chosen else []) + sorted(v for v in chosen if v != REFERENCE)
+    first = [v for v in (SOURCE, REFERENCE) if v in chosen]
+    order = first + sorted(v for v in chosen if v not in first)
     return {v: found[v] for v in order}
 
 
@@ -101,6 +106,22 @@ def subset_stats(results: list, block_size: int) -> dict[str, Any]:
             "position_acceptance": [round(a / d, 6) if d else 0.0 for a, d in zip(accepted, drafted)],
             "tau_histogram": {str(k): taus.count(k) for k in range(1, block_size + 1)},
             "generated_tokens": sum(len(r.output_ids) for r in results)}
+
+
+def tau_table(results: dict) -> list[dict]:
+    """Flat rows {variant, subset, tau, relative_to_bf16} (what the model card reads); subset "all" included."""
+    from pipeline.evaluation.report import rel_change
+
+    ref = results["variants"].get(REFERENCE)
+    rows = []
+    for v in results["variant_order"]:
+        d = results["variants"][v]
+        for s, st in [*d["subsets"].items(), ("all", d["overall"])]:
+            base = (ref["overall"] if s == "all" else ref["subsets"][s])["tau"] if ref else None
+            change = rel_change(st["tau"], base) if base is not None and v != REFERENCE else None
+            rows.append({"variant": v, "subset": s, "tau": st["tau"],
+                         "relative_to_bf16": None if change is None else round(change, 6)})
+    return rows
 
 
 def _merge(per_subset: dict[str, list], block_size: int) -> dict:
@@ -244,6 +265,7 @@ def run(cfg) -> dict:
         "subsets": [{"name": s.name, "source": s.source, "num_prompts": len(s.prompts),
                      "prompt_tokens": sum(len(p) for p in s.prompts)} for s in subsets],
     }
+    results["table"] = tau_table(results)
     written = _write_outputs(rd.eval, results, timings, subsets)
     lossless = all(n == 0 for d in variants.values() for n in d["lossless_mismatches"].values())
     return {"output": str(rd.eval), "files": written, "lossless": lossless,

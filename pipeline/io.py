@@ -7,6 +7,7 @@ file in the destination directory, is fsynced, then renamed over the target.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -15,10 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pipeline.errors import bad_value
+from pipeline.errors import DiskFullError, bad_value
 
 TMP_PREFIX = ".tmp-specquant-"
 _CHUNK = 1 << 20
+# out of space, out of quota, or over a file-size limit: the user's fix is the same (more room, re-run)
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def _read_umask() -> int:
@@ -44,23 +47,57 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def disk_full(path: str | os.PathLike, exc: OSError) -> DiskFullError:
+    """The one-sentence error for a write that ran out of space (names the file, says the fix)."""
+    err = DiskFullError(f"no space left to write {path} ({os.strerror(exc.errno)}); free some space or move "
+                        "runs_root to a larger disk, then re-run the same command (finished files are kept).")
+    err.errno = exc.errno
+    return err
+
+
+class _GuardedFile:
+    """The temp file's handle; a write that runs out of space raises `DiskFullError` naming `path`
+    (also when the write happens on another thread, as the cache's shard writer does)."""
+
+    def __init__(self, fh: BinaryIO, path: Path):
+        self._fh, self._path = fh, path
+
+    def write(self, data) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            if exc.errno in _DISK_FULL and not isinstance(exc, DiskFullError):
+                raise disk_full(self._path, exc) from None
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fh, name)
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]:
-    """Open a temp file beside `path`; on clean exit fsync and rename it over `path`."""
+    """Open a temp file beside `path`; on clean exit fsync and rename it over `path`.
+
+    Running out of space anywhere (mkdir, the temp file, a write, flush, fsync) raises
+    `DiskFullError` naming `path`; the temp file is removed and `path` is left as it was."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
         os.fchmod(fd, _default_mode())
         with os.fdopen(fd, mode) as fh:
-            yield fh
+            yield _GuardedFile(fh, path)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    except BaseException as exc:
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL and not isinstance(exc, DiskFullError):
+            raise disk_full(path, exc) from None
         raise
 
 

@@ -269,6 +269,10 @@ def push(cfg, folder: Path, files: dict[str, dict], repo_id: str, tag: str, toke
     remote = remote_files(api, repo_id, head, token)
     changed = [rel for rel, e in files.items() if not same_as_remote(folder / rel, e["sha256"], remote.get(rel))]
     stale = sorted(set(remote) - set(files) - {".gitattributes"})
+    tags = {t.name: t.target_commit for t in api.list_repo_refs(repo_id, token=token).tags}
+    if tag in tags and (changed or stale or tags[tag] != head):  # checked before committing anything
+        raise bad_value("publish.tag", tag, f"the tag already points to commit {tags[tag][:12]} of {repo_id}, "
+                        "which is not this folder's content", "choose another publish.tag (or leave it unset)")
     commit, status = head, "no changes"
     if changed or stale:
         ops = [CommitOperationAdd(rel, str(folder / rel)) for rel in changed] + [
@@ -277,10 +281,6 @@ def push(cfg, folder: Path, files: dict[str, dict], repo_id: str, tag: str, toke
                                  commit_description=f"Published by `python -m pipeline publish` (tag {tag}).",
                                  token=token, revision="main", parent_commit=head)
         commit, status = info.oid, "pushed"
-    tags = {t.name: t.target_commit for t in api.list_repo_refs(repo_id, token=token).tags}
-    if tags.get(tag) not in (None, commit):
-        raise bad_value("publish.tag", tag, f"the tag already points to commit {tags[tag][:12]} of {repo_id}, "
-                        f"not to {commit[:12]}", "choose another publish.tag")
     if tag not in tags:
         api.create_tag(repo_id, tag=tag, revision=commit, token=token, tag_message=f"specquant run {cfg.run_name}")
     problems = compare_remote(folder, files, remote_files(api, repo_id, commit, token))
@@ -306,7 +306,10 @@ def _push_or_explain(cfg, folder, files, repo_id, tag, token) -> dict[str, Any]:
             raise bad_value("publish.token_env", cfg.publish.token_env, f"the Hub refused the token for {where} "
                             f"(HTTP {code})", "use a token with write access to that namespace") from None
         reason = scrub(str(exc).splitlines()[0])
-    except (httpx.HTTPError, RuntimeError, OSError, ValueError) as exc:
+    except ValueError as exc:  # e.g. the Hub's validate-yaml refused the card's front matter
+        raise SpecquantError(scrub(f"the Hub refused {where}: {str(exc).splitlines()[0]} "
+                                   f"{' '.join(str(exc).splitlines()[1:3])}".rstrip() + "; fix it and re-run publish.")) from None
+    except (httpx.HTTPError, RuntimeError, OSError) as exc:
         reason = scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     raise SpecquantError(f"publishing {where} was interrupted ({reason}); nothing partial is visible on the Hub, "
                          "and re-running `python -m pipeline publish` with the same settings completes it.")

@@ -11,6 +11,7 @@ reload and check both against the held-apart samples.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -72,16 +73,22 @@ def load_working_drafter(cfg, dconf):
 
 
 def write_reference(cfg, rd: RunDir, model) -> Path:
-    """drafter/bf16/: the unquantized drafter in speculators format, in bfloat16 (what vLLM serves)."""
+    """drafter/bf16/: the unquantized drafter in speculators format, in bfloat16 (what vLLM serves).
+
+    Rebuilt every run and swapped in only when its bytes differ, so a reference left by another
+    drafter is never reused and an up-to-date one is not touched.
+    """
     from pipeline.models.formats import save_speculators
 
     out = rd.drafter(REFERENCE)
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
     ref = load_working_drafter(cfg, model.config).to("cpu", torch.bfloat16)
     ref.config.dtype = torch.bfloat16
-    with export.atomic_dir(out) as tmp:
-        save_speculators(ref, tmp)
+    with tempfile.TemporaryDirectory(prefix="specquant-bf16-") as fresh:
+        save_speculators(ref, fresh)
+        if export.output_hashes(Path(fresh)) != (export.output_hashes(out) if out.is_dir() else None):
+            with export.atomic_dir(out) as tmp:
+                for f in sorted(Path(fresh).iterdir()):
+                    shutil.copyfile(f, tmp / f.name)
     return out
 
 

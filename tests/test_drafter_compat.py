@@ -89,6 +89,10 @@ def test_head_dims_consistent():
     fails("head_dim", drafter(head_dim=15))
 
 
+def test_sliding_window_layers_refused():
+    fails("drafter.layer_types", drafter(layer_types=["sliding_attention", "full_attention"]))
+
+
 def test_block_size_at_least_two():
     fails("block_size", drafter(block_size=1))
 

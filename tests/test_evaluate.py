@@ -313,6 +313,10 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     for s in ("chat", "math", "code"):
         assert res["variants"]["bf16"]["subsets"][s]["tau"] == pytest.approx(ref["sets"][s]["mean_tau"], abs=1e-4)
         assert res["variants"]["bf16"]["subsets"][s]["steps"] == ref["sets"][s]["steps"]
+    from pipeline.modelcard import acceptance_table
+
+    table = acceptance_table(res, "nvfp4")  # the model card reads the flat rows of results.json
+    assert table and "| chat |" in table and f"{res['variants']['nvfp4']['subsets']['chat']['tau']:.3f}" in table
     report = (ev / "report.md").read_text()
     assert "| subset | `bf16` | `nvfp4` | `nvfp4-nocalib` | `nvfp4a16` | `w4a16` |" in report
     assert "## Calibrated vs calibration-free" in report and "| nvfp4 | `nvfp4` | `nvfp4-nocalib` | chat |" in report
@@ -361,11 +365,15 @@ def test_quantized_target_is_dequantized_and_still_lossless(world):
     assert quant.weight.dtype == torch.float32 and quant.weight.shape == dense.weight.shape
     err = ((quant.weight - dense.weight).norm() / dense.weight.norm()).item()
     assert 1e-3 < err < 0.3  # int4 group-128 rounding, not a different model
-    cfg = compose_for(world, "eval.limit=1", "eval.target_variant=w4a16", "eval.variants=[bf16,nvfp4]",
-                      f"runs_root={world['root'] / 'runs-qt'}")
+    source = world["root"] / "source-drafter"  # the configured drafter, outside the run (include_source)
+    shutil.copytree(world["run"] / "drafter" / "bf16", source)
+    cfg = compose_for(world, "eval.limit=1", "eval.target_variant=w4a16", "eval.variants=[source,bf16,nvfp4]",
+                      f"runs_root={world['root'] / 'runs-qt'}", f"drafter.path={source}", "eval.include_source=true")
     shutil.copytree(world["run"] / "drafter", world["root"] / "runs-qt" / "tiny-eval" / "drafter")
     shutil.copytree(world["run"] / "target", world["root"] / "runs-qt" / "tiny-eval" / "target")
     out = evaluate.run(cfg)
     res = json.loads((world["root"] / "runs-qt" / "tiny-eval" / "eval" / "results.json").read_text())
-    assert out["lossless"] and res["target"]["variant"] == "w4a16" and res["variant_order"] == ["bf16", "nvfp4"]
+    assert out["lossless"] and res["target"]["variant"] == "w4a16"
+    assert res["variant_order"] == ["source", "bf16", "nvfp4"] and res["variants"]["source"]["path"] == str(source)
+    assert out["tau"]["source"] == out["tau"]["bf16"]  # identical weights, identical acceptance
     assert res["target"]["path"].endswith("target/w4a16") and "model.safetensors" in res["target"]["files"]

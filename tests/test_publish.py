@@ -222,6 +222,10 @@ def test_push_download_verify_then_no_second_commit(run_root, hub, tmp_path):
     # a changed run (new eval report, manifests re-written) -> exactly one new commit, only changed files sent
     (run_root / "tiny" / "eval" / "report.md").write_text("# Acceptance, revised\n")
     remanifest(run_root)
+    with pytest.raises(SpecquantError, match="publish.tag"):  # a fixed tag already on other content
+        publish.run(push_cfg(run_root, hub.url, f"publish.tag={out['tag']}"))
+    with hub_online():
+        assert HfApi(endpoint=hub.url).repo_info(repo, revision="main", token=TOKEN).sha == out["commit"]
     third = publish.run(push_cfg(run_root, hub.url))["variants"]["nvfp4"]
     rec3 = json.loads((run_root / "tiny" / "publish" / "nvfp4.json").read_text())
     assert third["status"] == "pushed" and third["commit"] != out["commit"]
@@ -258,7 +262,7 @@ def _one_sentence(msg: str, *needles: str) -> None:
 
 @pytest.mark.faults("bad-input")
 @pytest.mark.parametrize("case", ["missing token", "unreachable endpoint", "invalid repo id", "no repo id",
-                                  "bad tag", "unknown variant"])
+                                  "bad tag", "unknown variant", "symlink out of the run", "pickle weights"])
 def test_bad_publish_inputs_one_sentence_nothing_pushed(case, run_root, hub, tmp_path, monkeypatch):
     """Bad publish settings: one sentence naming the field, before anything is written or pushed."""
     from pipeline import publish
@@ -270,10 +274,18 @@ def test_bad_publish_inputs_one_sentence_nothing_pushed(case, run_root, hub, tmp
         "no repo id": (push_cfg(run_root, hub.url, "publish.namespace=null"), "publish.repo_id"),
         "bad tag": (push_cfg(run_root, hub.url, "publish.tag='v 1/x'"), "publish.tag"),
         "unknown variant": (push_cfg(run_root, hub.url, "publish.variants=[w8a8]"), "publish.variants"),
+        "symlink out of the run": (push_cfg(run_root, hub.url), "publish"),
+        "pickle weights": (push_cfg(run_root, hub.url), "publish"),
     }
     cfg, field = cfgs[case]
+    ckpt = run_root / "tiny" / "drafter" / "nvfp4"
     if case == "missing token":
         monkeypatch.delenv("HF_TOKEN")
+    elif case == "symlink out of the run":
+        (tmp_path / "secret.json").write_text("{}")
+        (ckpt / "generation_config.json").symlink_to(tmp_path / "secret.json")
+    elif case == "pickle weights":
+        (ckpt / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")
     with pytest.raises(SpecquantError) as err:
         publish.run(cfg)
     _one_sentence(str(err.value), f"`{field}`")

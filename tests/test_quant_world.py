@@ -40,23 +40,37 @@ def write_blend(data_dir: Path, num_samples: int = 30, seq_len: int = 40, seed: 
     return path
 
 
-def world_cfg(runs_root: Path, *overrides: str):
-    return compose([f"runs_root={runs_root}", "run_name=qw", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
+def world_cfg(runs_root: Path, *overrides: str, target: Path = TARGET):
+    return compose([f"runs_root={runs_root}", "run_name=qw", f"target.path={target}", f"target.tokenizer={target}",
                     f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32",
                     "quant.num_samples=12", "quant.heldout_samples=12", "quant.anchors_per_sequence=8",
                     "quant.max_seq_len=64", "target_quant.num_samples=4", "target_quant.max_seq_len=64",
                     *overrides])
 
 
-def build_world(runs_root: Path, blend_seed: int = 0, num_samples: int = 30) -> Path:
+def build_world(runs_root: Path, blend_seed: int = 0, num_samples: int = 30, target: Path = TARGET) -> Path:
     """Blend + cache under runs_root/qw; returns the run directory."""
     from pipeline import cache
 
-    cfg = world_cfg(runs_root)
+    cfg = world_cfg(runs_root, target=target)
     run_dir = Path(cfg.run_dir)
     write_blend(run_dir / "data", num_samples=num_samples, seed=blend_seed)
     cache.run(cfg)
     return run_dir
+
+
+def massive_activation_target(out: Path, factor: float = 1e4) -> Path:
+    """The fixture target with layer 0's down_proj scaled: its residual stream (and so every cached
+    hidden state after it) reaches ~3e4, like the massive activations of real LLMs' hidden states."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(TARGET, out)
+    state = load_file(str(out / "model.safetensors"))
+    state["model.layers.0.mlp.down_proj.weight"] *= factor
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def test_world_builds_a_cache_the_drafter_can_read(tmp_path):

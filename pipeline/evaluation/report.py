@@ -90,6 +90,9 @@ def render_report(results: dict) -> str:
         out.append(f"| `{v}` | {d.get('scheme') or ('none' if not q.get('quantized') else 'unknown')} "
                    f"| {d.get('calibration') or 'n/a'} | {'yes' if q.get('activations_quantized') else 'no'} "
                    f"| {', '.join(f'`{i}`' for i in q.get('ignore', [])) or '-'} |")
+    if "source" in results["variants"]:
+        out += ["", f"`source` is the drafter as configured (`{results['variants']['source']['path']}`), before the "
+                "bf16 rounding of the `bf16` reference checkpoint."]
     out += ["", "Quantized drafters run as their checkpoints specify: weights dequantized from the "
             "compressed-tensors tensors, and for W4A4 schemes every quantized Linear's input fake-quantized "
             "at run time (per token, groups of 16, FP8 block scales from the calibrated global scale), as vLLM does.",

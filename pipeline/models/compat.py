@@ -50,6 +50,10 @@ def _check_shapes(d, err) -> None:
                   "fix the drafter config's head counts")
     if not hd or hd % 2:
         raise err("head_dim", hd, "RoPE needs an even, positive head dimension", "fix the drafter config's head_dim")
+    sliding = [i for i, t in enumerate(getattr(d, "layer_types", None) or []) if t != "full_attention"]
+    if sliding:
+        raise err("drafter.layer_types", d.layer_types, f"layers {sliding} use sliding-window attention, which this "
+                  "drafter implementation does not support", "use a drafter with full-attention layers only")
 
 
 def _check_hidden(d, t, err) -> None:

@@ -38,10 +38,11 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
 def set_fixed_activation_scales(model, amax: float) -> dict:
     """Calibration-free NVFP4: every quantized Linear gets the same input_global_scale, no data.
 
-    This is what data-free drafter PTQ does (NVIDIA Model-Optimizer's calibration-free path): the
-    per-tensor activation scale is a constant; only the per-16 FP8 block scales adapt at run time.
-    With amax = 448*6 = 2688 the global scale is 1.0 (compressed-tensors' own fallback), i.e. block
-    scales are stored in FP8 without any tensor-wide rescaling.
+    This is NVIDIA Model-Optimizer's calibration-free drafter PTQ (examples/speculative_decoding/
+    scripts/quantize_drafter.py, PR #2027): a fixed activation `input_scale` of 1.0 in its amax/2688
+    convention, i.e. amax = 448*6 = 2688 and a compressed-tensors input_global_scale of 1.0. Only the
+    per-16 FP8 block scales adapt at run time, so blocks whose absmax exceeds 2688 are clipped and
+    blocks below ~2688/28672 fall into FP8 subnormals; calibration only helps outside that window.
     """
     value = fixed_input_global_scale(amax)
     n = 0

@@ -32,9 +32,9 @@ ARCH = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "n
         "num_key_value_heads": 2, "head_dim": 64}
 AUX_LAYER_IDS = [1, 3]  # HF output_hidden_states indices (= z-lab target_layer_ids [0, 2]) of the 4-layer target
 BLOCK_SIZE = 8
-TRAIN = {"steps": 900, "seqs_per_step": 8, "anchors_per_step": 96, "lr": 3e-3, "warmup_steps": 60,
+TRAIN = {"steps": 900, "seqs_per_step": 2, "anchors_per_step": 64, "lr": 3e-3, "warmup_steps": 60,
          "weight_decay": 0.01, "gamma": 7.0, "threads": 2}
-GEN = {"max_new_tokens": 120, "batch_size": 48}
+GEN = {"max_new_tokens": 120, "batch_size": 128}
 EVAL = {"max_new_tokens": 120, "block_size": BLOCK_SIZE}
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "assets" / "tiny"
 
@@ -82,16 +82,24 @@ def greedy_sequences(target, tok, prompts: list[str]) -> list[tuple[list[int], i
 
 
 @torch.no_grad()
-def cache_samples(target, seqs: list[tuple[list[int], int]]) -> list[dict]:
-    """Cache-reader-shaped samples: input_ids, loss_mask (1 on the reply), hidden_states [T, n_aux, H]."""
+def cache_samples(target, seqs: list[tuple[list[int], int]], batch_size: int = 32) -> list[dict]:
+    """Cache-reader-shaped samples: input_ids, loss_mask (1 on the reply), hidden_states [T, n_aux, H].
+
+    Batched with right padding: under the causal mask real tokens never see the pads after them."""
     samples = []
-    for ids, plen in tqdm(seqs, desc="target hidden states", unit="seq"):
-        x = torch.tensor([ids])
+    pad = target.config.pad_token_id
+    for s in tqdm(range(0, len(seqs), batch_size), desc="target hidden states", unit="batch"):
+        chunk = seqs[s:s + batch_size]
+        width = max(len(ids) for ids, _ in chunk)
+        x = torch.full((len(chunk), width), pad, dtype=torch.long)
+        for r, (ids, _) in enumerate(chunk):
+            x[r, :len(ids)] = torch.tensor(ids)
         hs = target(input_ids=x, output_hidden_states=True).hidden_states
-        aux = torch.stack([hs[m][0] for m in AUX_LAYER_IDS], dim=1)
-        mask = torch.zeros(len(ids), dtype=torch.long)
-        mask[plen:] = 1
-        samples.append({"input_ids": x[0], "loss_mask": mask, "hidden_states": aux.float()})
+        for r, (ids, plen) in enumerate(chunk):
+            aux = torch.stack([hs[m][r, :len(ids)] for m in AUX_LAYER_IDS], dim=1)
+            mask = torch.zeros(len(ids), dtype=torch.long)
+            mask[plen:] = 1
+            samples.append({"input_ids": torch.tensor(ids), "loss_mask": mask, "hidden_states": aux.float().clone()})
     return samples
 
 

@@ -7,7 +7,7 @@ from pipeline.tiny.corpus import read_jsonl
 v, loss_on = sys.argv[1], sys.argv[2]
 root = f"tw{v}{loss_on}"
 t.TRAIN["loss_on"] = loss_on
-t0 = time.time(); r = t.main(root, 0, steps=int(v)); w = time.time() - t0
+t0 = time.time(); r = t.main(root, 0, steps=int(v)) if v != "0" else {"final_loss": 0, "samples": 0}; w = time.time() - t0
 tok = AutoTokenizer.from_pretrained(f"{root}/target")
 m = AutoModelForCausalLM.from_pretrained(f"{root}/target", dtype=torch.float32)
 score = {}
