@@ -156,8 +156,10 @@ def run(cfg) -> dict:
         "observer_kwargs": dict(q.observer_kwargs or {}), "algorithm": q.algorithm,
         "group_size": recipes.group_size(q), "ignore": ignore, "calibration": q.calibration,
         "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
-        "seeds": {"seed": seed, "split": seed, "anchors": seed,
-                  "heldout_anchors": seed + cache_batches.HELDOUT_SEED_OFFSET, "torch_manual_seed": seed},
+        "seeds": {"seed": seed, "split_permutation": seed, "torch_manual_seed": seed,
+                  "anchors": f"{seed} * {cache_batches.SAMPLE_SEED_STRIDE} + cache index",
+                  "heldout_anchors": f"{seed + cache_batches.HELDOUT_SEED_OFFSET} * "
+                                     f"{cache_batches.SAMPLE_SEED_STRIDE} + cache index"},
         "num_calibration_samples": len(batches or []),
         "num_calibration_anchors": cache_batches.count_anchors(batches or []),
         "num_calibration_tokens": cache_batches.count_tokens(batches or []),

@@ -117,7 +117,7 @@ def check_target(cfg, out: Path, q, device: str | torch.device = "cpu") -> dict:
     model = checks.load_dequantized(_load_dense(cfg, device), out)
     reference = _load_dense(cfg, device)
     errors = checks.weight_errors(model, reference)
-    return {"kind": "target", "variant": q.name, "checkpoint": str(out), "scheme": q.scheme,
+    return {"kind": "target", "variant": q.name, "checkpoint": f"target/{q.name}", "scheme": q.scheme,
             "reloaded": True, "weight_error": errors, "weight_error_summary": checks.summarize(errors)}
 
 

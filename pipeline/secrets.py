@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 
 _TOKEN_ENVS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "SPECQUANT_HF_TOKEN")
 _known: set[str] = set()
+# `publish.token=hf_...` on a command line (argv, overrides, the captured command) even before any
+# stage has read the token; `token_env=HF_TOKEN` names a variable, not a secret, and is kept
+_TOKEN_ARG = re.compile(r"(?<![A-Za-z0-9])(token=)([^\s'\",\]}]+)")
+_SECRET_KEYS = frozenset({"token", "hf_token"})  # config keys whose string value is a secret
 
 
 def remember(secret: str | None) -> None:
@@ -21,7 +26,12 @@ def scrub(text: str) -> str:
             secrets.add(v)
     for s in sorted(secrets, key=len, reverse=True):
         text = text.replace(s, "***")
-    return text
+    return _TOKEN_ARG.sub(_mask_token_arg, text)
+
+
+def _mask_token_arg(m: re.Match) -> str:
+    value = m.group(2)
+    return m.group(1) + (value if value in ("null", "None", "***") else "***")
 
 
 def scrub_obj(obj):
@@ -29,7 +39,8 @@ def scrub_obj(obj):
     if isinstance(obj, str):
         return scrub(obj)
     if isinstance(obj, dict):
-        return {scrub_obj(k): scrub_obj(v) for k, v in obj.items()}
+        return {scrub_obj(k): "***" if k in _SECRET_KEYS and isinstance(v, str) and v else scrub_obj(v)
+                for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [scrub_obj(v) for v in obj]
     return obj

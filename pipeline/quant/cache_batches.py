@@ -12,6 +12,7 @@ import torch
 from pipeline.errors import bad_value
 
 HELDOUT_SEED_OFFSET = 1_000_003  # held-apart anchors come from their own stream
+SAMPLE_SEED_STRIDE = 1_000_003  # anchor generator of cache sample i: seed * stride + i
 
 
 def split_indices(num_cached: int, num_calib: int, num_heldout: int, seed: int, need_calib: bool,
@@ -58,7 +59,7 @@ class DrafterBatches:
         from pipeline.models.calibration import build_calibration_batch
 
         i = self.indices[j]
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        gen = torch.Generator().manual_seed(self.seed * SAMPLE_SEED_STRIDE + i)
         sample = _truncate(self.reader[i], self.max_seq_len)
         batch = build_calibration_batch([sample], self.anchors, self.block_size, self.mask_token_id, gen)
         self.built[j] = (int(batch["anchor_valid"].sum()), int(batch["input_ids"].numel()))

@@ -3,7 +3,8 @@
 `served` runs the quantized drafter with compressed-tensors' emulation enabled (NVFP4 W4A4
 activations quantized per 16 values with the stored input_global_scale), the numerics vLLM
 serves; `weights_only` disables activation quantization. Rows are the draft slots (1..block-1)
-of held-apart anchored blocks where the loss mask is 1.
+of held-apart anchored blocks where the loss mask is 1. `agreement_length` is tau measured against
+the bf16 drafter instead of the target: 1 + the leading run of draft slots whose argmax matches.
 """
 
 from __future__ import annotations
@@ -23,10 +24,18 @@ def _rows_mask(batch: dict, block_size: int) -> torch.Tensor:
 class _Agreement:
     """Running KL sum and top-1 matches, so no vocabulary-wide logits are kept across batches."""
 
-    def __init__(self):
+    def __init__(self, block_size: int):
+        self.block_size = block_size
         self.kl, self.top1, self.rows = 0.0, 0, 0
+        self.run_sum, self.blocks = 0.0, 0.0
 
     def add(self, ref: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        from pipeline.models.calibration import block_metrics
+
+        # leading run of draft slots that match the bf16 drafter's argmax, +1 (tau against bf16)
+        blocks = block_metrics(logits, ref, mask.float(), self.block_size)
+        self.run_sum += blocks["eal_sum"]
+        self.blocks += blocks["eal_total"]
         m = mask.reshape(-1) > 0
         v = ref.shape[-1]
         r, q = ref.reshape(-1, v)[m].float(), logits.reshape(-1, v)[m].float()
@@ -38,7 +47,8 @@ class _Agreement:
     def result(self) -> dict:
         n = self.rows
         return {"kl": self.kl / n if n else float("nan"), "top1_agreement": self.top1 / n if n else float("nan"),
-                "rows": n}
+                "rows": n, "agreement_length": self.run_sum / self.blocks if self.blocks else float("nan"),
+                "blocks": int(self.blocks)}
 
 
 @torch.no_grad()
@@ -47,7 +57,7 @@ def compare(reference, quantized, batches, block_size: int) -> dict[str, dict]:
     from compressed_tensors.quantization import disable_quantization, enable_quantization
 
     device = next(reference.parameters()).device
-    served, weights_only = _Agreement(), _Agreement()
+    served, weights_only = _Agreement(block_size), _Agreement(block_size)
     for batch in batches:
         mask = _rows_mask(batch, block_size).to(device)
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -74,7 +84,8 @@ def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf) -> dict:
                                          int(dconf.mask_token_id), int(q.max_seq_len),
                                          int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET)
     metrics = compare(reference, quantized, held, dconf.block_size) if len(held) else {}
-    report = {"kind": "drafter", "variant": q.name, "checkpoint": str(out), "reference": str(ref_dir),
+    # paths relative to the run directory, so the report is byte-identical wherever the run lives
+    report = {"kind": "drafter", "variant": q.name, "checkpoint": f"drafter/{q.name}", "reference": "drafter/bf16",
               "scheme": q.scheme, "observer": q.observer, "calibration": q.calibration, "reloaded": True,
               "heldout_samples": len(held_idx), "heldout_anchors": cache_batches.count_anchors(held),
               "weight_error": errors, "weight_error_summary": checks.summarize(errors), **metrics}

@@ -1,0 +1,288 @@
+"""Stages under faults: quantize-drafter killed with SIGKILL, a full disk under the cache stage,
+and flipped bytes in a real run (cache shard, checkpoint, manifest, provenance) caught by the reader
+or `python -m pipeline verify`.
+
+The cache stage's own kill tests are in tests/test_cache_faults.py; publish's in
+tests/test_publish_faults.py; verify's per-file flips on a hand-built run in tests/test_verify.py.
+Here everything runs on one real run of the fixture world (tests/fixtures/dflash target + drafter):
+data -> cache -> quantize-drafter (nvfp4, a subprocess: the uninterrupted reference) -> manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.io import TMP_PREFIX, hash_tree, read_json
+from tests.conftest import REPO
+
+QUANT = ["quant=nvfp4", "quant.num_samples=6", "quant.heldout_samples=4", "quant.anchors_per_sequence=8",
+         "quant.max_seq_len=64"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+PARTIAL = ".partial-"  # pipeline.quant.export.PARTIAL_PREFIX
+
+# `python -c KILLPOINT_MAIN <stage> [overrides]`: the real entry point, with one function wrapped so
+# that its n-th call writes a marker file and hangs - a precise place for the test to SIGKILL.
+KILLPOINT_MAIN = r"""
+import functools, importlib, os, sys, time
+target, nth, marker = os.environ["SPECQUANT_TEST_KILLPOINT"].split("|")
+modname, qual = target.split(":")
+owner = importlib.import_module(modname)
+*path, name = qual.split(".")
+for p in path:
+    owner = getattr(owner, p)
+original, calls = getattr(owner, name), [0]
+@functools.wraps(original)
+def hooked(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == int(nth):
+        with open(marker, "w") as fh:
+            fh.write(str(os.getpid()))
+        while True:
+            time.sleep(60)
+    return original(*args, **kwargs)
+setattr(owner, name, hooked)
+from pipeline.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def overrides(runs_root: Path, *extra: str) -> list[str]:
+    from tests.test_quant_world import DRAFTER, TARGET
+
+    return [f"runs_root={runs_root}", "run_name=qw", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
+            f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32", *QUANT, *extra]
+
+
+def quantize_cli(runs_root: Path, tmpdir: Path, killpoint: str | None = None) -> subprocess.Popen:
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    env = {**ENV, "TMPDIR": str(tmpdir), **({"SPECQUANT_TEST_KILLPOINT": killpoint} if killpoint else {})}
+    argv = [sys.executable, "-c", KILLPOINT_MAIN] if killpoint else [sys.executable, "-m", "pipeline"]
+    return subprocess.Popen([*argv, "quantize-drafter", *overrides(runs_root)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def outputs(run: Path) -> dict[str, str]:
+    """sha256 of everything quantize-drafter writes (its stage record aside: it holds wall times)."""
+    return {f"{d}/{k}": v["sha256"] for d in ("drafter", "checks") if (run / d).is_dir()
+            for k, v in hash_tree(run / d).items()}
+
+
+def leftovers(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.name.startswith((TMP_PREFIX, PARTIAL)))
+
+
+# ---------------------------------------------------------------- one real run, shared
+_RUN: dict = {}
+
+
+def tiny_run(tmp_path_factory) -> dict:
+    """Built once per test process: `template` (data + cache), `reference` (+ quantize-drafter nvfp4
+    as a subprocess, + manifest) and `outputs` (the reference's quantize-drafter file hashes)."""
+    if _RUN:
+        return _RUN
+    import torch
+
+    from pipeline import manifest
+    from pipeline.config import compose
+    from pipeline.stage import run_stage
+    from tests.test_quant_world import write_blend
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("tiny_run")
+    template = root / "template"
+    write_blend(template / "qw" / "data", num_samples=16)
+    ov = overrides(template, "cache.samples_per_shard=4")
+    run_stage("cache", "pipeline.cache", compose(ov), ov)
+    reference = root / "reference"
+    shutil.copytree(template, reference)
+    proc = quantize_cli(reference, root / "tmp")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    _RUN.update(template=template / "qw", reference=reference / "qw", outputs=outputs(reference / "qw"))
+    manifest.run(compose(overrides(reference)))
+    return _RUN
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    return tiny_run(tmp_path_factory)
+
+
+# ---------------------------------------------------------------- SIGKILL of quantize-drafter
+KILLPOINTS = {
+    # the bf16 reference checkpoint is complete in drafter/.partial-bf16-<pid>/, not yet renamed
+    "saving_bf16_reference": "pipeline.quant.export:_fsync_tree|1",
+    # oneshot is calibrating: the third calibration forward of the drafter
+    "during_oneshot": "pipeline.models.dflash:DFlashDrafter.forward|3",
+    # the compressed checkpoint is written in drafter/.partial-nvfp4-<pid>/, its config not yet rewritten
+    "saving_quantized_checkpoint": "pipeline.quant.export:rewrite_config|1",
+}
+
+
+@pytest.mark.faults("kill")
+@pytest.mark.parametrize("point", list(KILLPOINTS))
+def test_quantize_drafter_sigkill_then_rerun(point, run, tmp_path):
+    """quantize-drafter SIGKILLed at this point, then re-run: its files equal an uninterrupted run's sha256s, no temp or partial dir left."""
+    runs = tmp_path / "runs"
+    shutil.copytree(run["template"], runs / "qw")
+    marker = tmp_path / "reached"
+    proc = quantize_cli(runs, tmp_path / "tmp", f"{KILLPOINTS[point]}|{marker}")
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert proc.poll() is None, f"exited before the kill point: {proc.stderr.read()[-3000:]}"
+        assert time.time() < deadline, "never reached the kill point"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    qw = runs / "qw"
+    assert not (qw / "drafter" / "nvfp4").exists(), "a variant dir is visible before it is complete"
+    assert not (qw / "stages" / "quantize-drafter-nvfp4.json").exists()
+    if point != "during_oneshot":
+        assert leftovers(qw), "the kill should leave the partial checkpoint dir the next run must clean"
+
+    again = quantize_cli(runs, tmp_path / "tmp")
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert outputs(qw) == run["outputs"]
+    assert leftovers(qw) == []
+    assert (qw / "stages" / "quantize-drafter-nvfp4.json").is_file()
+    _TMPDIR_LEFT[point] = sorted(p.name for p in (tmp_path / "tmp").glob("specquant-*"))
+
+
+_TMPDIR_LEFT: dict[str, list[str]] = {}  # per kill point: what the killed run left in $TMPDIR
+
+
+@pytest.mark.faults("kill")
+@pytest.mark.xfail(strict=True, reason="quantize_drafter.py works in tempfile.TemporaryDirectory (specquant-bf16-*, "
+                   "specquant-drafter-*) under $TMPDIR; a SIGKILL leaves them (the bf16 one holds a whole "
+                   "checkpoint) and no re-run removes them")
+def test_killed_quantize_drafter_leaves_nothing_in_tmpdir():
+    """After the SIGKILLs above and their re-runs, nothing the stage created is left in $TMPDIR either."""
+    if not _TMPDIR_LEFT:
+        pytest.skip("runs after test_quantize_drafter_sigkill_then_rerun")
+    assert {k: v for k, v in _TMPDIR_LEFT.items() if v} == {}
+
+
+# ---------------------------------------------------------------- a full disk under the cache stage
+@contextlib.contextmanager
+def small_disk(path: Path, size_kb: int):
+    """A tmpfs of `size_kb` at path (root, where mount works); yields a function that grows it, or
+    None where tmpfs cannot be mounted (the caller then limits the file size instead)."""
+    path.mkdir(parents=True)
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)],
+                        capture_output=True).returncode == 0 if os.geteuid() == 0 else False
+
+    def grow(mb: int = 64) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={mb}m", str(path)], check=True)
+
+    try:
+        yield grow if ok else None
+    finally:
+        if ok:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _limit_file_size(nbytes: int):
+    def preexec() -> None:  # over the limit, write() fails with EFBIG instead of the process dying
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return preexec
+
+
+@pytest.mark.faults("disk_full")
+def test_cache_stage_on_a_full_disk_then_resume(tmp_path):
+    """The disk fills during the cache stage: one `error:` line naming the file; finished shards stay; a re-run with space completes with the same content hash."""
+    from tests.test_cache import run_cache, stage_overrides, write_data
+
+    write_data(tmp_path / "ref", n=10)
+    ref = run_cache(tmp_path / "ref")
+    with small_disk(tmp_path / "disk", 72) as grow:
+        run_dir = tmp_path / "disk" / "run"
+        write_data(run_dir, n=10)
+        cmd = [sys.executable, "-m", "pipeline", "cache", *stage_overrides(run_dir)]
+        preexec = None if grow else _limit_file_size(16 * 1024)
+        full = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+                              preexec_fn=preexec)
+        errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
+        assert full.returncode == 2, full.stderr[-3000:]
+        assert "Traceback" not in full.stderr and len(errors) == 1, full.stderr[-3000:]
+        assert str(run_dir / "cache" / "shard-") in errors[0] and "no space left" in errors[0], errors[0]
+        cache = run_dir / "cache"
+        assert not (cache / "index.json").exists() and leftovers(run_dir) == []
+        finished = sorted(p.name for p in cache.glob("shard-*.json"))
+        assert len(finished) < ref["num_shards"]
+
+        if grow:
+            grow()
+        again = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        index = read_json(cache / "index.json")
+        assert index["content_hash"] == ref["content_hash"]
+        record = read_json(run_dir / "stages" / "cache.json")
+        assert record["result"]["shards_written"] == ref["num_shards"] - len(finished)  # finished work was kept
+        assert leftovers(run_dir) == []
+
+
+# ---------------------------------------------------------------- flipped bytes in a real run
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _copy(run: dict, tmp_path: Path) -> Path:
+    dst = tmp_path / "runs" / "qw"
+    shutil.copytree(run["reference"], dst)
+    return dst
+
+
+TAMPERED = {
+    "cache_shard": "cache/shard-00001.safetensors",
+    "checkpoint": "drafter/nvfp4/model.safetensors",
+    "calibration_manifest": "calibration_manifest.json",
+    "quant_run_manifest": "quant_run_manifest.json",
+    "provenance_commands": "provenance/commands.sh",
+    "provenance_attestation": "provenance/attestation.intoto.json",
+}
+
+
+@pytest.mark.faults("tamper")
+@pytest.mark.parametrize("what", list(TAMPERED))
+def test_verify_names_a_flipped_byte_in_a_real_run(what, run, tmp_path, capsys):
+    """One byte flipped in this file of a real pipeline run: `python -m pipeline verify` fails naming it."""
+    from pipeline.__main__ import main
+
+    qw = _copy(run, tmp_path)
+    assert main(["verify", str(qw)]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    _flip(qw / TAMPERED[what])
+    assert main(["verify", str(qw)]) == 1
+    out = capsys.readouterr().out
+    assert f"verify: {TAMPERED[what]}:" in out and "FAILED" in out, out
+
+
+@pytest.mark.faults("tamper")
+def test_flipped_shard_stops_the_next_stage_naming_it(run, tmp_path, capsys):
+    """A flipped byte in a cache shard: quantize-drafter (the cache's reader) stops with one line naming the shard, writing no variant."""
+    from pipeline.__main__ import main
+
+    qw = _copy(run, tmp_path)
+    for shard in sorted((qw / "cache").glob("shard-*.safetensors")):
+        _flip(shard)
+    rc = main(["quantize-drafter", *overrides(tmp_path / "runs", "quant.name=nvfp4-again")])
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert rc == 2 and len(errors) == 1, err[-3000:]
+    assert "shard-0000" in errors[0] and "sha256" in errors[0], errors[0]
+    assert not (qw / "drafter" / "nvfp4-again").exists() and leftovers(qw) == []
