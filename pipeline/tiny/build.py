@@ -77,6 +77,9 @@ def render_readme(root: Path) -> str:
         f"- training: seed={rep['seed']}, {train}; AdamW, warmup + cosine, on CPU",
         f"- data: {rep['num_sequences']} chat-templated conversations, {rep['num_tokens']:,} tokens",
         f"- loss: {rep['first_loss']} at the first step -> {rep['final_loss']} (mean of the last 20 steps)", "",
+        "The target learns the reply templates of each subset but often swaps the names, numbers and",
+        "function names it should copy from the prompt: its outputs look like the corpus, they are not",
+        "meant to be right.", "",
         "## Greedy samples on held-apart prompts", "",
         "Prompt rendered with the chat template and its generation prompt; greedy decoding, "
         "up to 120 new tokens.", "",
