@@ -104,6 +104,7 @@ class Case:
     cli: bool = False
     xfail: str | None = None
     env: dict[str, str | None] = field(default_factory=dict)
+    what: str = ""  # one sentence for docs/reliability.md (WHAT below)
 
 
 def _data(sources: str, *extra: str) -> Callable[[Path, World], list[str]]:
@@ -329,6 +330,50 @@ CASES = [
          ("cache.shard_size",)),
 ]
 
+# what each case tries, in one sentence (the reliability report's "what is tried and checked")
+WHAT = {
+    "malformed_jsonl_rows": "data: a JSONL source whose every line is broken JSON (via the CLI).",
+    "json_file_not_json": "data: a .json source that is not valid JSON.",
+    "non_utf8_rows": "data: a JSONL source in latin-1, not UTF-8.",
+    "no_assistant_turn": "data: conversations with no assistant turn.",
+    "empty_turn": "data: an assistant turn that is only whitespace.",
+    "oversized_turn": "data: turns longer than data.max_turn_chars.",
+    "openai_format_on_sharegpt_rows": "data: format=openai declared on ShareGPT rows.",
+    "unknown_chat_format": "data: a chat format name that does not exist (alpaca).",
+    "csv_source": "data: a .csv file offered as a source.",
+    "data_source_path_missing": "data: a source path that does not exist.",
+    "tokenizer_without_chat_template": "data: a tokenizer without a chat template.",
+    "tokenizer_path_missing": "data: a tokenizer path that does not exist.",
+    "drafter_fc_width_mismatch": "cache: a drafter whose fc expects another target hidden size (32 vs 64).",
+    "aux_layer_ids_beyond_target_depth": "cache: drafter aux layer ids beyond the target's 6 layers.",
+    "drafter_without_mask_token": "cache: a drafter config without mask_token_id.",
+    "mismatched_vocabularies": "cache: a drafter vocabulary (256) unlike the target's (128).",
+    "block_size_below_2": "cache: a drafter with block_size 1.",
+    "drafter_format_mismatch": "cache: drafter.format=zlab on a speculators checkpoint.",
+    "cache_before_data": "cache: run before the data stage has written data/.",
+    "symlink_escaping_run_dir": "cache: a symlink in the run directory pointing outside it (via the CLI).",
+    "trust_remote_code_required_but_off": "cache: a target that needs custom code while trust_remote_code is off.",
+    "truncated_target_safetensors": "cache: a target whose model.safetensors is truncated.",
+    "pickle_target_weights": "cache: a target with only pytorch_model.bin (a pickle): refused, never unpickled.",
+    "unknown_scheme": "quantize-drafter: an unknown scheme (via the CLI).",
+    "unknown_observer": "quantize-drafter: an observer llm-compressor does not register.",
+    "group_size_not_dividing_a_layer": "quantize-drafter: a W4A16 group size (48) that divides no layer width.",
+    "nvfp4_group_size_not_16": "quantize-drafter: NVFP4 with group size 32.",
+    "gptq_without_calibration": "quantize-drafter: GPTQ with calibration=none.",
+    "quantize_drafter_before_cache": "quantize-drafter: run before the cache stage (via the CLI).",
+    "truncated_drafter_checkpoint": "quantize-drafter: a drafter whose model.safetensors is truncated.",
+    "pickle_drafter_weights": "quantize-drafter: a drafter with only pytorch_model.bin: refused, never unpickled.",
+    "mask_token_not_in_tokenizer": "evaluate: a drafter.mask_token the tokenizer does not have.",
+    "repo_id_invalid_characters": "publish: a repo id with a space and '!' (via the CLI).",
+    "missing_token_for_push": "publish: a real push with HF_TOKEN unset.",
+    "unreachable_endpoint": "publish: a real push to an endpoint where nothing listens.",
+    "publish_before_quantize": "publish: a run with no quantized drafter.",
+    "override_wrong_type": "overrides: a string for an integer key (via the CLI).",
+    "override_unknown_key": "overrides: an unknown key added with +.",
+}
+for _c in CASES:
+    _c.what = WHAT[_c.id]
+
 
 def listing(root: Path) -> list[tuple[str, int, int]]:
     """Every entry under root (symlinks not followed): (relative path, size, mtime_ns)."""
@@ -391,6 +436,6 @@ def test_bad_input(case: Case, world: World, tmp_path: Path, capsys, monkeypatch
 def test_table_has_every_required_mistake():
     """The table covers the mistakes issue 10 lists (>= 25 cases, a CLI subset, every stage's entry point)."""
     ids = {c.id for c in CASES}
-    assert len(CASES) >= 25 and len(ids) == len(CASES)
+    assert len(CASES) >= 25 and len(ids) == len(CASES) and ids == set(WHAT)
     assert sum(c.cli for c in CASES) >= 5
     assert {c.stage for c in CASES} >= {"data", "cache", "quantize-drafter", "evaluate", "publish"}

@@ -27,6 +27,7 @@ def test_oneshot_basic_pipeline_calibrates_drafter(tmp_path):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)
     m = load_drafter(FIX / "zlab" / "checkpoint", target=FIX / "target")
     save_native(m, tmp_path / "bf16")  # oneshot re-reads the config from name_or_path via AutoConfig
     m.config.name_or_path = str(tmp_path / "bf16")

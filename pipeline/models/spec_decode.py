@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--limit", type=int, default=None, help="prompts per file")
     ap.add_argument("--check-lossless", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 reproduces the shipped tau.json)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.models.compat import check_compatible

@@ -1,6 +1,6 @@
 """Train the tiny world's DFlash drafter on the tiny target's own hidden states and greedy replies.
 
-Recipe (CPU, 2 threads, fixed step count so the same seed gives the same bytes):
+Recipe (CPU, 1 thread, fixed step count so the same seed gives the same bytes):
 1. prompts = every corpus conversation up to each assistant turn, chat-templated with the
    generation prompt; the target's greedy continuation of each is generated (batched, left pad);
 2. one target forward per sequence gives the aux hidden states (HF indices `AUX_LAYER_IDS`);
@@ -33,7 +33,9 @@ ARCH = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "n
 AUX_LAYER_IDS = [1, 3]  # HF output_hidden_states indices (= z-lab target_layer_ids [0, 2]) of the 4-layer target
 BLOCK_SIZE = 8
 TRAIN = {"steps": 900, "seqs_per_step": 2, "anchors_per_step": 64, "lr": 3e-3, "warmup_steps": 60,
-         "weight_decay": 0.01, "gamma": 7.0, "threads": 2}
+         "weight_decay": 0.01, "gamma": 7.0,
+         # one thread: on the shared 2-core machine two OpenMP threads ran 10x slower (oversubscribed)
+         "threads": 1}
 GEN = {"max_new_tokens": 120, "batch_size": 128}
 EVAL = {"max_new_tokens": 120, "block_size": BLOCK_SIZE}
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "assets" / "tiny"
