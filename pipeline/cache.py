@@ -34,6 +34,7 @@ from pipeline.cache_store import (
 )
 from pipeline.errors import bad_value
 from pipeline.io import confine, dumps_json, read_json, remove_stale_temps, sha256_file
+from pipeline.loading import check_safetensors_dir, target_config
 from pipeline.rundir import RunDir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -224,13 +225,14 @@ def load_target(cfg, device: torch.device):
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
+    from pipeline.loading import from_pretrained_safe
+
     # the base model is loaded without lm_head on purpose: silence the "UNEXPECTED lm_head" report
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model = AutoModel.from_pretrained(
-            cfg.target.path, revision=cfg.target.revision, dtype=_DTYPES[cfg.target.dtype],
-            attn_implementation=cfg.target.attn_implementation, trust_remote_code=bool(cfg.target.trust_remote_code),
+        model = from_pretrained_safe(
+            AutoModel, cfg.target, dtype=_DTYPES[cfg.target.dtype], attn_implementation=cfg.target.attn_implementation,
             **({"device_map": str(device)} if device.type == "cuda" else {}))
     finally:
         hf_logging.set_verbosity(level)
@@ -322,10 +324,8 @@ def run(cfg) -> dict:
     if not samples:
         raise bad_value("data", str(rd.data), "it holds no samples", "re-run `make data` with a non-empty blend")
     data_meta = read_json(rd.data / "meta.json", "data/meta.json")
-    from transformers import AutoConfig
-
-    tconf = AutoConfig.from_pretrained(cfg.target.path, revision=cfg.target.revision,
-                                       trust_remote_code=bool(cfg.target.trust_remote_code)).get_text_config()
+    tconf = target_config(cfg.target).get_text_config()
+    check_safetensors_dir(cfg.target.path, "target.path")  # refuse pickles / truncated files before any work
     field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
     aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field)
     if not cfg.cache.get("aux_layer_ids"):

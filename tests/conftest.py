@@ -73,6 +73,11 @@ def pytest_runtest_makereport(item, call):
     if not out or marker is None or (rep.when != "call" and rep.passed):
         return
     doc = (item.function.__doc__ or item.name).strip().splitlines()[0]
+    # a parametrized case object may carry its own sentence (e.g. the bad-input table's `what`)
+    for value in getattr(getattr(item, "callspec", None), "params", {}).values():
+        if isinstance(getattr(value, "what", None), str) and value.what:
+            doc = value.what
+            break
     params = getattr(getattr(item, "callspec", None), "id", None)
     with open(out, "a", encoding="utf-8") as fh:
         fh.write(json.dumps({"nodeid": item.nodeid, "kind": marker.args[0] if marker.args else "fault",

@@ -286,17 +286,11 @@ CASES = [
     Case("symlink_escaping_run_dir", "cache", _symlink_escape, ("run_dir/data/notes.txt", "outside the run directory"),
          cli=True),
     cache_case("trust_remote_code_required_but_off", target=_remote_code_target,
-               needles=("trust_remote_code",),
-               xfail="cache.run calls AutoConfig.from_pretrained unguarded: transformers' ValueError 'The repository "
-                     "... contains custom code which must be executed ...' escapes as a traceback"),
+               needles=("trust_remote_code",)),
     cache_case("truncated_target_safetensors", target=lambda c: _truncated(TARGET, c / "target"),
-               needles=("target.path", "model.safetensors"),
-               xfail="cache.load_target lets safetensors' SafetensorError ('incomplete metadata, file not fully "
-                     "covered') escape as a traceback, after creating cache/"),
+               needles=("target.path", "model.safetensors")),
     cache_case("pickle_target_weights", target=lambda c: _pickle_only(TARGET, c / "target"),
-               needles=("target.path", "pytorch_model.bin"),
-               xfail="cache.load_target calls from_pretrained without use_safetensors=True, so transformers "
-                     "torch.load()s pytorch_model.bin (a plain state-dict pickle is accepted and cached)"),
+               needles=("target.path", "pytorch_model.bin")),
     # ---- quantize-drafter: settings checked on a weightless drafter
     quant_case("unknown_scheme", "quant.scheme=int3", needles=("quant.scheme", "int3", "nvfp4"), cli=True),
     quant_case("unknown_observer", "quant.observer=minmaxx", needles=("quant.observer", "minmaxx")),
