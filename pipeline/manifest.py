@@ -229,8 +229,11 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
                       calib: dict) -> dict:
     name = f"quantize-{kind}-{variant}"
     rec = records.get(name)
+    qcfg = (((rec or {}).get("resolved_config") or {}).get("quant" if kind == "drafter" else "target_quant"))
+    if rec is None:  # a by-product (e.g. drafter/bf16, the reference a quantize stage writes): credit that stage
+        name, rec = next(((n, r) for n, r in records.items() if str((r.get("result") or {}).get("reference", ""))
+                          .rstrip("/").endswith(f"{kind}/{variant}")), (name, None))
     cfg = (rec or {}).get("resolved_config") or {}
-    qcfg = cfg.get("quant" if kind == "drafter" else "target_quant")
     rel = f"{kind}/{variant}"
     conf = _read(rd.root / rel / "config.json") or {}
     qconf = conf.get("quantization_config")
@@ -241,7 +244,8 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
         text = (rd.root / rel / "recipe.yaml").read_text(encoding="utf-8")
         recipe = {"file": f"{rel}/recipe.yaml", "sha256": tree[f"{rel}/recipe.yaml"]["sha256"], "text": text,
                   "parsed": yaml.safe_load(text)}
-    res, q = (rec or {}).get("result") or {}, qcfg or {}
+    res = ((rec or {}).get("result") or {}) if qcfg is not None else {}
+    q = qcfg or {}
     # the stage's result holds the effective values (e.g. q/k/v added to ignore); the config is the fallback
     scheme = res.get("scheme") or q.get("scheme") or (f"compressed-tensors:{qconf.get('format')}" if qconf
                                                        else "unquantized")
@@ -259,7 +263,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
                    "target": inputs.checkpoint(cfg.get("target")),
                    "calibration_cache": ({"content_sha256": cache.get("content_sha256"),
                                           "index_sha256": cache.get("index_sha256")}
-                                         if kind == "drafter" and cache and (qcfg or {}).get("calibration") != "none"
+                                         if kind == "drafter" and cache and qcfg and qcfg.get("calibration") != "none"
                                          else None)},
         "files": {r[len(rel) + 1:]: e for r, e in tree.items() if r.startswith(rel + "/")},
         "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"], "report": _read(rd.root / check_rel)}

@@ -257,7 +257,7 @@ def eval_commands_sh(eval_record: dict | None, eval_cfg: dict, vllm_commands: st
     lines = ["#!/usr/bin/env bash", "# Per-subset evaluation commands of this run (run from the specquant checkout).",
              "# Each is the captured evaluate command restricted to one prompt set.", "set -euo pipefail", ""]
     if eval_record is None:
-        lines.append("# (the evaluate stage has not run in this run; overrides are the manifest stage's)")
+        lines.append("# (the evaluate stage has not run in this run: these use the configured prompt sets, no overrides)")
     for ps in eval_cfg.get("prompt_sets") or []:
         ordered = {"name": ps.get("name"), **ps}  # name first, for the reader
         fields = ",".join(f"{k}:{_hydra_value(v)}" for k, v in ordered.items() if v is not None)

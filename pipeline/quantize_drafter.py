@@ -10,6 +10,7 @@ reload and check both against the held-apart samples.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tempfile
@@ -72,7 +73,7 @@ def load_working_drafter(cfg, dconf):
     return model
 
 
-def write_reference(cfg, rd: RunDir, model) -> Path:
+def write_reference(rd: RunDir, model) -> Path:
     """drafter/bf16/: the unquantized drafter in speculators format, in bfloat16 (what vLLM serves).
 
     Rebuilt every run and swapped in only when its bytes differ, so a reference left by another
@@ -81,7 +82,7 @@ def write_reference(cfg, rd: RunDir, model) -> Path:
     from pipeline.models.formats import save_speculators
 
     out = rd.drafter(REFERENCE)
-    ref = load_working_drafter(cfg, model.config).to("cpu", torch.bfloat16)
+    ref = copy.deepcopy(model).to("cpu", torch.bfloat16)  # the loaded weights, before any quantization
     ref.config.dtype = torch.bfloat16
     with tempfile.TemporaryDirectory(prefix="specquant-bf16-") as fresh:
         save_speculators(ref, fresh)
@@ -131,7 +132,7 @@ def run(cfg) -> dict:
     clock = _Clock()
     seed_everything(seed)
     model = load_working_drafter(cfg, dconf)
-    reference = write_reference(cfg, rd, model)
+    reference = write_reference(rd, model)
     clock.lap("load_s")
     batches = None
     if need_data:

@@ -87,7 +87,7 @@ def _quantize(cfg) -> dict:
     atomic_write_json(out / "config.json", conf)
     atomic_write_text(out / "recipe.yaml", RECIPE)
     atomic_write_json(root / "checks" / f"drafter-{cfg.quant.name}.json", {"kl_vs_bf16": 0.01})
-    return {"output": str(out), "scheme": cfg.quant.scheme, "calibration_seed": 7, "group_size": 16,
+    return {"output": str(out), "reference": str(root / "drafter" / "bf16"), "scheme": cfg.quant.scheme, "calibration_seed": 7, "group_size": 16,
             "ignore": ["lm_head", *cfg.quant.ignore], "seeds": {"anchors": 11}}
 
 
@@ -170,7 +170,10 @@ def test_quant_run_manifest_fields(run):
     assert ck["files"] == {f: {"sha256": sha256_file(out / f), "bytes": (out / f).stat().st_size}
                            for f in ("config.json", "model.safetensors", "recipe.yaml")}
     assert ck["checks"]["report"] == {"kl_vs_bf16": 0.01}
-    assert by[("drafter", "bf16")]["scheme"] == "unquantized"
+    bf16 = by[("drafter", "bf16")]
+    assert bf16["scheme"] == "unquantized" and bf16["quant_config"] is None and bf16["ignore"] is None
+    assert bf16["stage"]["record"] == "stages/quantize-drafter-nvfp4.json"  # the stage that wrote it
+    assert bf16["inputs"]["drafter"] == ck["inputs"]["drafter"] and bf16["inputs"]["calibration_cache"] is None
     env = q["environment"]
     assert {"torch", "transformers", "llmcompressor", "compressed-tensors", "specquant"} <= set(env["versions"])
     assert set(env["git"]) >= {"commit", "dirty"} and env["device"]["machine"]

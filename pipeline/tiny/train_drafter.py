@@ -32,7 +32,7 @@ ARCH = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "n
         "num_key_value_heads": 2, "head_dim": 64}
 AUX_LAYER_IDS = [1, 3]  # HF output_hidden_states indices (= z-lab target_layer_ids [0, 2]) of the 4-layer target
 BLOCK_SIZE = 8
-TRAIN = {"steps": 900, "seqs_per_step": 2, "anchors_per_step": 64, "lr": 3e-3, "warmup_steps": 60,
+TRAIN = {"steps": 1800, "seqs_per_step": 2, "anchors_per_step": 64, "lr": 3e-3, "warmup_steps": 60,
          "weight_decay": 0.01, "gamma": 7.0,
          # one thread: on the shared 2-core machine two OpenMP threads ran 10x slower (oversubscribed)
          "threads": 1}
