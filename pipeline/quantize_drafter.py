@@ -73,6 +73,13 @@ def load_working_drafter(cfg, dconf):
     return model
 
 
+def work_root(rd: RunDir) -> Path:
+    """Scratch space inside the run dir (not $TMPDIR), so a killed run's leftovers are removed by the next."""
+    root = rd.root / ".work"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def write_reference(rd: RunDir, model) -> Path:
     """drafter/bf16/: the unquantized drafter in speculators format, in bfloat16 (what vLLM serves).
 
@@ -84,7 +91,7 @@ def write_reference(rd: RunDir, model) -> Path:
     out = rd.drafter(REFERENCE)
     ref = copy.deepcopy(model).to("cpu", torch.bfloat16)  # the loaded weights, before any quantization
     ref.config.dtype = torch.bfloat16
-    with tempfile.TemporaryDirectory(prefix="specquant-bf16-") as fresh:
+    with tempfile.TemporaryDirectory(prefix=export.PARTIAL_PREFIX + "bf16-", dir=work_root(rd)) as fresh:
         save_speculators(ref, fresh)
         if export.output_hashes(Path(fresh)) != (export.output_hashes(out) if out.is_dir() else None):
             with export.atomic_dir(out) as tmp:
@@ -122,6 +129,7 @@ def run(cfg) -> dict:
     q, ignore, dconf = validate(cfg)
     rd = RunDir.from_cfg(cfg)
     index = check_cache(rd, dconf)
+    export.remove_partials(rd.root / ".work")  # scratch left by a killed run
     need_data = recipes.needs_data(q)
     seed = int(cfg.seed)
     calib_idx, held_idx = cache_batches.split_indices(int(index["num_samples"]), int(q.num_samples),
@@ -139,7 +147,7 @@ def run(cfg) -> dict:
         batches = cache_batches.drafter_batches(reader, calib_idx, int(q.anchors_per_sequence), dconf.block_size,
                                                 int(dconf.mask_token_id), int(q.max_seq_len), seed)
     out = rd.drafter(q.name)
-    with tempfile.TemporaryDirectory(prefix="specquant-drafter-") as work:
+    with tempfile.TemporaryDirectory(prefix=export.PARTIAL_PREFIX + "drafter-", dir=work_root(rd)) as work:
         _write_native_config(model, Path(work))
         calibrate.run_oneshot(model, q, ignore, batches, seed)
         clock.lap("oneshot_s")

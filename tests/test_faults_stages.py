@@ -164,9 +164,6 @@ _TMPDIR_LEFT: dict[str, list[str]] = {}  # per kill point: what the killed run l
 
 
 @pytest.mark.faults("kill")
-@pytest.mark.xfail(strict=True, reason="quantize_drafter.py works in tempfile.TemporaryDirectory (specquant-bf16-*, "
-                   "specquant-drafter-*) under $TMPDIR; a SIGKILL leaves them (the bf16 one holds a whole "
-                   "checkpoint) and no re-run removes them")
 def test_killed_quantize_drafter_leaves_nothing_in_tmpdir():
     """After the SIGKILLs above and their re-runs, nothing the stage created is left in $TMPDIR either."""
     if not _TMPDIR_LEFT:
