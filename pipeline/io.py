@@ -178,8 +178,7 @@ def hash_tree(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[st
 def confine(path: str | os.PathLike, root: str | os.PathLike, field: str) -> Path:
     """Resolve `path` (symlinks included) and refuse it unless it lies inside `root`."""
     root_r = Path(root).resolve()
-    p = Path(path)
-    resolved = (p if p.is_absolute() else root_r / p).resolve()
+    resolved = Path(path).resolve()  # relative paths are relative to the working directory, like `root`
     if resolved != root_r and root_r not in resolved.parents:
         raise bad_value(field, str(path), f"it resolves to {resolved}, outside the run directory {root_r}",
                         "use a path inside the run directory and remove symlinks that point out of it")

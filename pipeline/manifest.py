@@ -117,8 +117,26 @@ def _source_section(source: dict, records: dict) -> dict:
             "git": {k: source["git"][k] for k in ("commit", "dirty")}, "stages_ran_this_source": match}
 
 
+TIMING_KEYS = ("timings", "seconds", "tokens_per_s")
+
+
+def _is_timing(key: str) -> bool:
+    """Wall-clock values a stage reports in its result (they differ run to run, so they live in `timing`)."""
+    return key in TIMING_KEYS or key.endswith(("_s", "_seconds", "_per_s"))
+
+
+def _untimed(result: Any) -> Any:
+    return {k: v for k, v in result.items() if not _is_timing(k)} if isinstance(result, dict) else result
+
+
 def _timing(records: dict[str, dict]) -> dict:
-    return {n: {"started_utc": r.get("started_utc"), "wall_time_s": r.get("wall_time_s")} for n, r in records.items()}
+    out = {}
+    for n, r in records.items():
+        out[n] = {"started_utc": r.get("started_utc"), "wall_time_s": r.get("wall_time_s")}
+        res = r.get("result") if isinstance(r.get("result"), dict) else {}
+        if any(_is_timing(k) for k in res):
+            out[n]["result"] = {k: v for k, v in res.items() if _is_timing(k)}
+    return out
 
 
 # ---------------------------------------------------------------- calibration manifest
@@ -268,7 +286,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
         "files": {r[len(rel) + 1:]: e for r, e in tree.items() if r.startswith(rel + "/")},
         "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"], "report": _read(rd.root / check_rel)}
                    if check_rel in tree else None),
-        "stage": ({**_stage_summary(name, rec), "result": rec.get("result")} if rec else None),
+        "stage": ({**_stage_summary(name, rec), "result": _untimed(rec.get("result"))} if rec else None),
     }
 
 

@@ -60,6 +60,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
 
 @pytest.mark.faults("tamper")
 def test_flipped_byte_names_the_shard(tmp_path):
+    """A flipped byte in one cache shard is reported as that shard's hash mismatch; other shards stay readable."""
     from pipeline.cache import CacheReader
     from pipeline.errors import SpecquantError
 
@@ -81,6 +82,7 @@ def test_flipped_byte_names_the_shard(tmp_path):
 
 @pytest.mark.faults("bad_input")
 def test_aux_id_beyond_depth_fails_before_loading_weights(tmp_path):
+    """An aux layer id beyond the target's depth fails in one sentence before any weight is loaded."""
     from pipeline import cache
     from pipeline.errors import SpecquantError
 
@@ -104,6 +106,7 @@ def test_aux_id_beyond_depth_fails_before_loading_weights(tmp_path):
 
 @pytest.mark.faults("bad_input")
 def test_cli_reports_bad_layer_in_one_line(tmp_path):
+    """Through the CLI, a bad aux layer id is one stderr line with exit code 2."""
     write_data(tmp_path, n=3)
     out = subprocess.run([sys.executable, "-m", "pipeline", "cache",
                           *stage_overrides(tmp_path, "cache.aux_layer_ids=[0,7]")],

@@ -54,29 +54,35 @@ def test_the_fixture_pair_is_compatible():
     check_compatible(drafter(), TARGET, tokenizer(128), "<|MASK|>")
 
 
+@pytest.mark.faults("bad_input")
 def test_fc_input_width_must_match_target_hidden_size():
     msg = fails("drafter.target_hidden_size", drafter(target_hidden_size=48))
     assert "2 x 48" in msg and "64" in msg
 
 
+@pytest.mark.faults("bad_input")
 def test_drafter_hidden_size_must_match_borrowed_embedding():
     fails("drafter.hidden_size", drafter(hidden_size=96, target_hidden_size=64))
 
 
+@pytest.mark.faults("bad_input")
 def test_vocab_size_and_tokenizer():
     fails("drafter.vocab_size", drafter(vocab_size=256, mask_token_id=255))
     fails("target.tokenizer", drafter(), tok=tokenizer(300))
 
 
 @pytest.mark.parametrize("ids", [[2, 6], [0, 2], [2, 9], []])
+@pytest.mark.faults("bad_input")
 def test_aux_layer_ids_within_target_depth(ids):
     fails("drafter.aux_layer_ids", drafter(aux_layer_ids=ids))
 
 
+@pytest.mark.faults("bad_input")
 def test_target_depth_recorded_by_drafter():
     fails("drafter.num_target_layers", drafter(num_target_layers=36))
 
 
+@pytest.mark.faults("bad_input")
 def test_mask_token_present_in_tokenizer():
     fails("drafter.mask_token_id", drafter(mask_token_id=128))
     fails("drafter.mask_token_id", drafter(mask_token_id=120), tok=tokenizer(100, mask=None))
@@ -84,19 +90,23 @@ def test_mask_token_present_in_tokenizer():
     fails("drafter.mask_token", drafter(), tok=tokenizer(128, mask=None), mask_token="<|MASK|>")
 
 
+@pytest.mark.faults("bad_input")
 def test_head_dims_consistent():
     fails("num_attention_heads", drafter(num_attention_heads=3))
     fails("head_dim", drafter(head_dim=15))
 
 
+@pytest.mark.faults("bad_input")
 def test_sliding_window_layers_refused():
     fails("drafter.layer_types", drafter(layer_types=["sliding_attention", "full_attention"]))
 
 
+@pytest.mark.faults("bad_input")
 def test_block_size_at_least_two():
     fails("block_size", drafter(block_size=1))
 
 
+@pytest.mark.faults("bad_input")
 def test_gemma_drafter_on_qwen_target_cli(tmp_path):
     """A new user pairs a 256k-vocabulary drafter of another hidden size with a Qwen3-8B-shaped target."""
     gemma = DFlashConfig(vocab_size=262144, hidden_size=2560, intermediate_size=10240, num_hidden_layers=5,

@@ -113,6 +113,7 @@ def test_target_weights_never_saved(tmp_path):
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in m.state_dict().items())
 
 
+@pytest.mark.faults("bad_input")
 def test_convert_cli_and_its_errors(tmp_path, capsys):
     assert pipeline_main(["convert", "--to", "speculators", "--verifier", "target", str(ZLAB), str(tmp_path / "s")]) == 0
     assert read(tmp_path / "s")["aux_hidden_state_layer_ids"] == [2, 4]

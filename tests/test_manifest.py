@@ -88,7 +88,8 @@ def _quantize(cfg) -> dict:
     atomic_write_text(out / "recipe.yaml", RECIPE)
     atomic_write_json(root / "checks" / f"drafter-{cfg.quant.name}.json", {"kl_vs_bf16": 0.01})
     return {"output": str(out), "reference": str(root / "drafter" / "bf16"), "scheme": cfg.quant.scheme, "calibration_seed": 7, "group_size": 16,
-            "ignore": ["lm_head", *cfg.quant.ignore], "seeds": {"anchors": 11}}
+            "ignore": ["lm_head", *cfg.quant.ignore], "seeds": {"anchors": 11},
+            "timings": {"oneshot_s": 1.5}, "load_s": 0.25}
 
 
 def build_run(tmp_path: Path, monkeypatch, stages=("data", "cache", "quantize-drafter")) -> tuple[Path, list[str]]:
@@ -179,6 +180,9 @@ def test_quant_run_manifest_fields(run):
     assert set(env["git"]) >= {"commit", "dirty"} and env["device"]["machine"]
     assert ck["stage"]["git"]["commit"] == env["git"]["commit"]
     assert all(isinstance(t["wall_time_s"], float) for t in q["timing"].values())
+    # a stage's own timings move out of its result into the timing section
+    assert "timings" not in ck["stage"]["result"] and "load_s" not in ck["stage"]["result"]
+    assert q["timing"]["quantize-drafter-nvfp4"]["result"] == {"timings": {"oneshot_s": 1.5}, "load_s": 0.25}
     assert q["not_run"] == ["quantize-target", "evaluate"]
 
 

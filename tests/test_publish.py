@@ -260,9 +260,10 @@ def _one_sentence(msg: str, *needles: str) -> None:
         assert n in msg, (n, msg)
 
 
-@pytest.mark.faults("bad-input")
+@pytest.mark.faults("bad_input")
 @pytest.mark.parametrize("case", ["missing token", "unreachable endpoint", "invalid repo id", "no repo id",
                                   "bad tag", "unknown variant", "symlink out of the run", "pickle weights"])
+@pytest.mark.faults("bad_input")
 def test_bad_publish_inputs_one_sentence_nothing_pushed(case, run_root, hub, tmp_path, monkeypatch):
     """Bad publish settings: one sentence naming the field, before anything is written or pushed."""
     from pipeline import publish
@@ -292,7 +293,7 @@ def test_bad_publish_inputs_one_sentence_nothing_pushed(case, run_root, hub, tmp
     assert repos_on(tmp_path / "hub") == [] and not (run_root / "tiny" / "publish").exists()
 
 
-@pytest.mark.faults("security")
+@pytest.mark.faults("secret")
 def test_planted_token_never_written_or_printed(run_root, hub, tmp_path, capfd, caplog, monkeypatch):
     """A planted HF token is used for the push, yet appears in no file, record, log or output."""
     from pipeline.stage import run_stage
@@ -315,6 +316,7 @@ def test_planted_token_never_written_or_printed(run_root, hub, tmp_path, capfd, 
     assert (run_root / "tiny" / "stages" / "publish.json").is_file()
 
 
+@pytest.mark.faults("secret")
 def test_tokens_in_env_are_forwarded_only_to_the_endpoint(run_root, hub, tmp_path, monkeypatch):
     """The server sees the token (401 otherwise): a wrong one is refused with one sentence."""
     from pipeline import publish

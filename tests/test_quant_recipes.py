@@ -37,6 +37,7 @@ def _fails(cfg, stage=quantize_drafter) -> str:
     ("quant.algorithm=awq", "`quant.algorithm` = 'awq'", "rtn, gptq"),
     ("quant.group_size=32", "`quant.group_size` = 32", "set it to 16"),
 ])
+@pytest.mark.faults("bad_input")
 def test_bad_settings_fail_before_loading_weights(tmp_path, broken_drafter, override, field, words):
     cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", override)
     msg = _fails(cfg)
@@ -44,6 +45,7 @@ def test_bad_settings_fail_before_loading_weights(tmp_path, broken_drafter, over
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+@pytest.mark.faults("bad_input")
 def test_group_size_that_does_not_divide_a_layer_fails_before_loading(tmp_path, broken_drafter):
     # the fixture drafter's o_proj reads 4 heads x 16 = 64 features; int4 groups of 128 cannot tile it
     cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", "quant=w4a16", "quant.group_size=128")
@@ -52,12 +54,14 @@ def test_group_size_that_does_not_divide_a_layer_fails_before_loading(tmp_path, 
     assert "e.g. 64" in msg
 
 
+@pytest.mark.faults("bad_input")
 def test_target_group_size_is_checked_from_config_alone(tmp_path):
     cfg = world_cfg(tmp_path / "runs", "target_quant=w4a16", "target_quant.group_size=48")
     msg = _fails(cfg, quantize_target)
     assert msg.startswith("`target_quant.group_size` = 48: it does not divide the in-features 64")
 
 
+@pytest.mark.faults("bad_input")
 def test_gptq_without_calibration_data_is_refused(tmp_path, broken_drafter):
     cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", "quant=w4a16", "quant.algorithm=gptq",
                     "quant.calibration=none")

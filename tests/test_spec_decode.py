@@ -90,6 +90,7 @@ def test_random_drafter_is_lossless_and_stops(target, drafter):
         assert cut[-1] == stop and len(cut) <= len(ids) + 6
 
 
+@pytest.mark.faults("bad_input")
 def test_block_size_override_checked(target, drafter):
     from pipeline.errors import SpecquantError
 

@@ -113,6 +113,7 @@ def test_target_continues_held_apart_prompt_like_the_corpus(target, subset):
     assert corpus.KEYWORDS[subset] in reply, reply
 
 
+@pytest.mark.faults("bad_input")
 def test_build_rejects_a_bad_seed_before_writing(tmp_path, capsys):
     assert build.main(["--seed", "-1", "--skip-train", "--root", str(tmp_path / "w")]) == 2
     assert "`seed` = -1" in capsys.readouterr().err
