@@ -51,6 +51,10 @@ evaluate: setup
 publish: setup
 	$(PYTHON) -m pipeline publish $(ARGS)
 
+# run the tiny pipeline twice from scratch and compare every output's sha256 (pipeline/repro.py)
+repro-check: setup
+	$(PYTHON) -m pipeline.repro --quants "$(DRAFTER_QUANTS)" $(ARGS)
+
 verify: setup
 	$(PYTHON) -m pipeline verify $(if $(RUN),$(RUN),runs/tiny)
 

@@ -325,11 +325,11 @@ def run(cfg) -> dict:
         raise bad_value("data", str(rd.data), "it holds no samples", "re-run `make data` with a non-empty blend")
     data_meta = read_json(rd.data / "meta.json", "data/meta.json")
     tconf = target_config(cfg.target).get_text_config()
-    check_safetensors_dir(cfg.target.path, "target.path")  # refuse pickles / truncated files before any work
     field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
     aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field)
     if not cfg.cache.get("aux_layer_ids"):
         _check_drafter(cfg, tconf)
+    check_safetensors_dir(cfg.target.path, "target.path")  # refuse pickles / truncated files before any work
     layout = Layout(tuple(aux), int(tconf.hidden_size), cfg.cache.storage_dtype)
     files_sha, _ = target_files_sha256(cfg)
     # what the cached values depend on (paths are not: a moved target or run dir reuses the cache)

@@ -120,6 +120,8 @@ def _sources(rd: RunDir, variant: str) -> dict[str, Path]:
             out[rel] = p
     for p in [rd.eval / n for n in EVAL_FILES] + sorted(rd.eval.glob("*.png")):
         out[f"eval/{p.name}"] = p
+    for p in sorted((rd.eval / "prompts").glob("*.jsonl")):  # read by eval/vllm_commands.sh
+        out[f"eval/prompts/{p.name}"] = p
     out[f"checks/drafter-{variant}.json"] = rd.checks / f"drafter-{variant}.json"
     kept = {}
     for rel, p in out.items():

@@ -83,6 +83,9 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
                                  "see the open issues for its status.") from None
         raise
     RunDir.from_cfg(cfg).check_confined()
+    from pipeline.provenance import source_tree_sha256
+
+    source_sha256 = source_tree_sha256()  # the code that is about to run, for the manifests
     started = time.time()
     result = mod.run(cfg) or {}
     wall = time.time() - started
@@ -102,6 +105,7 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
             "seed": int(cfg.seed),
             "versions": package_versions(),
             "git": git_state(),
+            "source_sha256": source_sha256,
             "device": device_info(),
             "result": result,
         }

@@ -24,6 +24,8 @@ from pipeline import provenance as prov
 from pipeline.errors import bad_value
 from pipeline.io import dumps_json
 
+HF_LOCAL_DIR_CACHE = ".cache/huggingface/"
+
 
 def _load(path: Path, rel: str, problems: list[str]) -> Any:
     try:
@@ -106,7 +108,8 @@ def verify_dir(path: str | Path) -> list[str]:
             return rel == prov.FILE_LIST or prov.is_late(rel)
     else:
         def skip(rel):
-            return rel == prov.FILE_LIST
+            # `hf download --local-dir` keeps its own metadata in .cache/huggingface/ inside the folder
+            return rel == prov.FILE_LIST or rel.startswith(HF_LOCAL_DIR_CACHE)
     present = prov.list_files(folder, skip)
     temps = [p.relative_to(folder).as_posix() for p in folder.rglob(prov.TMP_PREFIX + "*")
              if not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]

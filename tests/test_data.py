@@ -178,6 +178,7 @@ def test_config_tree_composes_every_experiment():
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     real = compose(["experiment=qwen3-8b-dflash-nvfp4"])
     assert real.target.path == "Qwen/Qwen3-8B" and real.drafter.path == "z-lab/Qwen3-8B-DFlash-b16"
-    assert real.data.num_samples == 2027 and real.data.max_seq_len == 2048 and real.seed == 0
+    assert real.quant.num_samples == 2027 and real.data.max_seq_len == 2048
+    assert real.data.num_samples == 2027 + real.quant.heldout_samples and real.seed == 0
     assert real.quant.scheme == "nvfp4" and real.quant.observer == "nvfp4_expanded_mse"
     assert (REPO / "conf" / "experiment" / "tiny.yaml").is_file()

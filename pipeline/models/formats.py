@@ -120,13 +120,17 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_tensors(path: Path, keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path, keys: set[str] | None = None, field: str = "drafter.path") -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(path):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                if keys is None or k in keys:
-                    out[k] = fh.get_tensor(k)
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    if keys is None or k in keys:
+                        out[k] = fh.get_tensor(k)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types on truncated files
+            raise bad_value(field, str(f), f"the safetensors file is unreadable ({str(exc).splitlines()[0]})",
+                            "re-download or re-save the checkpoint") from None
     return out
 
 
@@ -140,7 +144,7 @@ def target_head_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not p.is_dir():
         raise bad_value("target.path", str(target), "it is not a local directory",
                         "download the target first or pass a loaded model")
-    t = read_tensors(p, names)
+    t = read_tensors(p, names, field="target.path")
     if "model.embed_tokens.weight" not in t:
         raise bad_value("target.path", str(target), "its weights have no `model.embed_tokens.weight`",
                         "point it at a Qwen3-style causal LM checkpoint")
