@@ -56,7 +56,7 @@ repro-check: setup
 	$(PYTHON) -m pipeline.repro --quants "$(DRAFTER_QUANTS)" $(ARGS)
 
 verify: setup
-	$(PYTHON) -m pipeline verify $(if $(RUN),$(RUN),runs/tiny)
+	$(PYTHON) -m pipeline verify $(if $(RUN),$(RUN),$$($(PYTHON) -m pipeline run-dir $(ARGS)))
 
 all: setup
 	$(MAKE) data ARGS="$(ARGS)"
@@ -66,8 +66,8 @@ all: setup
 	$(MAKE) evaluate ARGS="$(ARGS)"
 	$(MAKE) manifest ARGS="$(ARGS)"
 	$(MAKE) publish ARGS="$(ARGS)"
-	$(PYTHON) -m pipeline verify runs/tiny
-	@echo "specquant: all stages done; outputs are in $(CURDIR)/runs/tiny (eval/report.md, drafter/, target/, provenance/)"
+	@run_dir=$$($(PYTHON) -m pipeline run-dir $(ARGS)) && $(PYTHON) -m pipeline verify $$run_dir && \
+	echo "specquant: all stages done; outputs are in $$run_dir (eval/report.md, drafter/, target/, provenance/)"
 
 test: setup
 	$(PYTHON) -m pytest -q -x --durations=15 $(PYTEST_ARGS)

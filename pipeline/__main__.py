@@ -28,7 +28,8 @@ COMMANDS = {
 USAGE = (
     "usage: python -m pipeline <stage> [key=value ...]\n"
     f"  stages:   {', '.join(STAGES)}\n"
-    f"  commands: {', '.join(COMMANDS)} (see `python -m pipeline <command> --help`)"
+    f"  commands: {', '.join(COMMANDS)} (see `python -m pipeline <command> --help`), "
+    "run-dir [key=value ...] (print where outputs land)"
 )
 
 
@@ -36,13 +37,17 @@ def _compose_or_exit(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.config import compose, unknown_keys
+    from pipeline.config import bad_names, compose, unknown_keys
 
     try:
         cfg = compose(overrides)
         # resolve every interpolation now so type errors surface before work starts
         from omegaconf import OmegaConf
 
+        for key, value in bad_names(cfg):
+            print(f"error: invalid configuration: `{key}` = {value!r} becomes a directory name; use letters, "
+                  "digits, '.', '_' and '-' only (no '/' or '..').", file=sys.stderr)
+            raise SystemExit(2)
         extra = unknown_keys(cfg)
         if extra:
             print(f"error: invalid configuration: unknown key `{extra[0]}`; remove it or fix its spelling "
@@ -78,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         except SpecquantError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if name == "run-dir":  # where a configuration's outputs land (used by `make all`)
+        print(_compose_or_exit(rest).run_dir)
+        return 0
     if name not in STAGES:
         print(f"error: unknown stage {name!r}; choose one of {', '.join([*STAGES, *COMMANDS])}.", file=sys.stderr)
         return 2

@@ -167,6 +167,24 @@ def compose(overrides: list[str] | None = None, config_dir: str | Path | None = 
         return hydra_compose(config_name="config", overrides=list(overrides or []))
 
 
+NAME_FIELDS = ("run_name", "quant.name", "target_quant.name")
+_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+def bad_names(cfg) -> list[tuple[str, str]]:
+    """Names that become directories must stay one plain path segment (no `/`, no `..`)."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    out = []
+    for key in NAME_FIELDS:
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, str) or not re.match(_NAME_RE, value):
+            out.append((key, value))
+    return out
+
+
 def unknown_keys(node: Any, schema: type = None, prefix: str = "") -> list[str]:
     """Keys present in a composed config but absent from its dataclass schema (catches `+key=...`)."""
     import dataclasses

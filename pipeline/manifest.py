@@ -75,7 +75,7 @@ class Inputs:
             from huggingface_hub import snapshot_download
 
             snap = Path(snapshot_download(path, revision=revision, local_files_only=True))
-            ref["files"] = prov.hash_files(snap, prov.list_files(snap), desc=f"hashing {path}")
+            ref["files"] = prov.hash_files(snap, prov.list_files(snap, follow_links=True), desc=f"hashing {path}")
         except Exception:  # noqa: BLE001 - not in the cache: the repo id + revision is the reference
             pass
         return ref

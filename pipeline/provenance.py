@@ -43,7 +43,7 @@ from pipeline.io import (
     sha256_bytes,
     sha256_file,
 )
-from pipeline.secrets import scrub, scrub_obj
+from pipeline.secrets import scrub_obj, scrub_values
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FILE_LIST = "provenance/files.sha256.json"
@@ -62,12 +62,14 @@ def is_late(rel: str) -> bool:
     return any(rel == p or rel.startswith(p) for p in LATE_OUTPUTS)
 
 
-def list_files(root: Path, skip=lambda rel: False) -> list[str]:
-    """Every regular file under root (relative posix paths, sorted), symlinks and temp files left out."""
+def list_files(root: Path, skip=lambda rel: False, follow_links: bool = False) -> list[str]:
+    """Every regular file under root (relative posix paths, sorted), symlinks and temp files left out.
+
+    `follow_links=True` is for Hub cache snapshots only, whose files are symlinks into `blobs/`."""
     out = []
     for p in sorted(Path(root).rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if p.is_symlink() or not p.is_file() or p.name.startswith(TMP_PREFIX) or skip(rel):
+        if (p.is_symlink() and not follow_links) or not p.is_file() or p.name.startswith(TMP_PREFIX) or skip(rel):
             continue
         out.append(rel)
     return out
@@ -201,7 +203,7 @@ def write_source_snapshot(dest: Path, info: dict[str, Any]) -> dict[str, Any]:
     for rel, data in info["_blobs"].items():
         entry = dict(info["files"][rel])
         try:
-            clean = scrub(data.decode("utf-8")).encode("utf-8")
+            clean = scrub_values(data.decode("utf-8")).encode("utf-8")
         except UnicodeDecodeError:
             clean = data
         if clean != data:  # a secret in a source file is never copied out
@@ -209,7 +211,7 @@ def write_source_snapshot(dest: Path, info: dict[str, Any]) -> dict[str, Any]:
         atomic_write_bytes(dest / rel, clean)
         files[rel] = entry
     if info["git"]["diff"]:
-        atomic_write_text(dest / "git.diff", scrub(info["_diff"]))
+        atomic_write_text(dest / "git.diff", scrub_values(info["_diff"]))
     public = {"git": info["git"], "files": files, "tree_sha256": info["tree_sha256"]}
     atomic_write_json(dest / "SOURCE.json", public)
     return public

@@ -83,9 +83,13 @@ class RunDir:
                     confine(p, self.root, field=f"run_dir/{p.relative_to(self.root).as_posix()}")
 
     def drafter_variants(self) -> list[str]:
-        d = self.root / "drafter"
-        return sorted(p.name for p in d.iterdir() if (p / "config.json").is_file()) if d.is_dir() else []
+        return self._variants(self.root / "drafter")
 
     def target_variants(self) -> list[str]:
-        d = self.root / "target"
-        return sorted(p.name for p in d.iterdir() if (p / "config.json").is_file()) if d.is_dir() else []
+        return self._variants(self.root / "target")
+
+    @staticmethod
+    def _variants(d: Path) -> list[str]:
+        # `.partial-*` folders are checkpoints a killed run left half-written
+        return sorted(p.name for p in d.iterdir()
+                      if not p.name.startswith(".") and (p / "config.json").is_file()) if d.is_dir() else []

@@ -18,6 +18,18 @@ def remember(secret: str | None) -> None:
         _known.add(secret)
 
 
+def scrub_values(text: str) -> str:
+    """Replace only the known secret values (remembered tokens, token env vars): safe for source code."""
+    secrets = set(_known)
+    for env in _TOKEN_ENVS:
+        v = os.environ.get(env)
+        if v and len(v) >= 4:
+            secrets.add(v)
+    for s in sorted(secrets, key=len, reverse=True):
+        text = text.replace(s, "***")
+    return text
+
+
 def scrub(text: str) -> str:
     secrets = set(_known)
     for env in _TOKEN_ENVS:

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from pipeline.errors import SpecquantError
-from pipeline.io import atomic_write_json
+from pipeline.io import atomic_write_json, remove_stale_temps
 from pipeline.rundir import RunDir
 from pipeline.secrets import scrub, scrub_obj
 
@@ -82,7 +82,10 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
             raise SpecquantError(f"stage `{stage}` is not built yet ({module} is missing); "
                                  "see the open issues for its status.") from None
         raise
-    RunDir.from_cfg(cfg).check_confined()
+    rd = RunDir.from_cfg(cfg)
+    rd.check_confined()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under torchrun the cache stage cleans up after its barrier
+        remove_stale_temps(rd.root)
     from pipeline.provenance import source_tree_sha256
 
     source_sha256 = source_tree_sha256()  # the code that is about to run, for the manifests

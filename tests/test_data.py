@@ -160,7 +160,8 @@ def test_tampered_samples_are_refused(tmp_path, chat_tokenizer, sources):
 
 
 @pytest.mark.parametrize("override,key", [("seed=abc", "seed"), ("data.num_samples=many", "data.num_samples"),
-                                          ("+quant.bogus=1", "quant.bogus"), ("data.max_seq_lenn=3", "data.max_seq_lenn")])
+                                          ("+quant.bogus=1", "quant.bogus"), ("data.max_seq_lenn=3", "data.max_seq_lenn"),
+                                          ("quant.name=../escape", "quant.name")])
 @pytest.mark.faults("bad_input")
 def test_bad_override_fails_fast_with_one_line(override, key):
     """A wrong type or unknown key in an override fails in < 5 s with one line naming the key."""

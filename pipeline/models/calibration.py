@@ -10,8 +10,6 @@ Unused anchor slots are padded like speculators pads them: position 0, `anchor_v
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -174,6 +172,3 @@ def block_metrics(logits, targets, mask, block_size: int) -> dict[str, float]:
     out["eal_total"] = float(has.sum())
     return out
 
-
-def expected_acceptance(metrics: dict[str, float]) -> float:
-    return metrics["eal_sum"] / metrics["eal_total"] if metrics["eal_total"] else math.nan
