@@ -335,6 +335,7 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     assert before == {f: (ev / f).read_bytes() for f in before}
 
 
+@pytest.mark.faults("bad_input")
 def test_evaluate_refuses_unknown_variant_before_work(world, tmp_path):
     from pipeline import evaluate
     from pipeline.errors import SpecquantError
@@ -345,6 +346,7 @@ def test_evaluate_refuses_unknown_variant_before_work(world, tmp_path):
     assert not (tmp_path / "tiny-eval" / "eval").exists()
 
 
+@pytest.mark.faults("bad_input")
 def test_cli_unknown_variant_is_one_line_exit_2(world, tmp_path):
     from tests.conftest import run_cli
 

@@ -64,6 +64,7 @@ def test_same_prompt_ids_as_the_drafter_loop(tmp_path, tok):
     ({"name": "x", "path": "{jsonl}", "field": "question"}, "eval.prompt_sets[0].field"),
     ({"name": "x y", "path": "{jsonl}"}, "eval.prompt_sets[0].name"),
 ])
+@pytest.mark.faults("bad_input")
 def test_bad_prompt_sets_name_the_field(tmp_path, tok, entry, field):
     from pipeline.errors import SpecquantError
     from pipeline.evaluation.prompts import load_prompt_sets

@@ -253,6 +253,7 @@ def test_eval_commands_compose_per_subset(run):
     assert names == ["chat", "math", "code"]
 
 
+@pytest.mark.faults("secret")
 def test_planted_token_never_written(run):
     hits = [p for p in [run / "calibration_manifest.json", run / "quant_run_manifest.json",
                         *(run / "provenance").rglob("*")]
@@ -287,6 +288,7 @@ def test_degrades_when_stages_missing(tmp_path, monkeypatch):
     assert "vllm serve" not in (rd / "provenance" / "vllm_serve.sh").read_text().split("case")[1].split("*)")[0]
 
 
+@pytest.mark.faults("tamper")
 def test_corrupt_shard_refused_before_writing(tmp_path, monkeypatch):
     rd, ov = build_run(tmp_path, monkeypatch, stages=("data", "cache"))
     shard = rd / "cache" / "shard-00000.safetensors"
@@ -298,6 +300,7 @@ def test_corrupt_shard_refused_before_writing(tmp_path, monkeypatch):
     assert not (rd / "calibration_manifest.json").exists() and not (rd / "provenance").exists()
 
 
+@pytest.mark.faults("bad_input")
 def test_missing_run_dir_is_one_sentence(tmp_path):
     with pytest.raises(SpecquantError, match=r"`run_dir` = .*does not exist"):
         manifest.run(compose([f"runs_root={tmp_path}", "run_name=nothing"]))

@@ -58,12 +58,14 @@ FLIPS = ["cache/shard-00000.safetensors", "cache/index.json", "data/samples.json
 
 @pytest.mark.parametrize("rel", FLIPS)
 @pytest.mark.parametrize("where", [0.0, 0.5, 0.999])
+@pytest.mark.faults("tamper")
 def test_one_flipped_byte_is_named(run, rel, where):
     _flip(run / rel, where)
     problems = verify.verify_dir(run)
     assert problems and any(p.startswith(f"{rel}:") for p in problems), problems
 
 
+@pytest.mark.faults("tamper")
 def test_cli_fails_naming_the_file(run):
     _flip(run / "drafter/nvfp4/model.safetensors")
     out = subprocess.run([sys.executable, "-m", "pipeline", "verify", str(run)], cwd=REPO, capture_output=True, text=True)
@@ -71,6 +73,7 @@ def test_cli_fails_naming_the_file(run):
     assert "verify: drafter/nvfp4/model.safetensors: changed" in out.stdout and "FAILED" in out.stdout
 
 
+@pytest.mark.faults("tamper")
 def test_extra_missing_and_temp_files(run):
     (run / "drafter/nvfp4/extra.bin").write_bytes(b"x")
     (run / "cache/shard-00000.safetensors").unlink()
@@ -83,6 +86,7 @@ def test_extra_missing_and_temp_files(run):
     assert any(p.startswith("drafter/nvfp4/escape.safetensors: extra symbolic link") for p in problems)
 
 
+@pytest.mark.faults("tamper")
 def test_record_edited_consistently_is_caught_by_other_records(run):
     """Re-writing the list so it agrees with a changed shard still fails: the manifests and statement disagree."""
     _flip(run / "cache/shard-00000.safetensors")
@@ -117,6 +121,7 @@ def _publish(run: Path) -> Path:
     return pub
 
 
+@pytest.mark.faults("tamper")
 def test_published_folder(run):
     pub = _publish(run)
     assert verify.verify_dir(pub) == []
@@ -126,6 +131,7 @@ def test_published_folder(run):
     assert any(p.startswith("publish/nvfp4/model.safetensors: changed") for p in verify.verify_dir(run))
 
 
+@pytest.mark.faults("tamper")
 def test_published_file_that_differs_from_the_run_is_named(run):
     pub = _publish(run)
     _flip(pub / "recipe.yaml")
@@ -142,6 +148,7 @@ def test_missing_list_and_not_a_dir(tmp_path):
     assert verify.verify_dir(tmp_path / "x")[0].startswith("provenance/files.sha256.json: missing")
 
 
+@pytest.mark.faults("bad_input")
 def test_cli_on_a_missing_path_is_one_sentence(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipeline", "verify", str(tmp_path / "nope")], cwd=REPO,
                          capture_output=True, text=True)
