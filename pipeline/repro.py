@@ -45,7 +45,7 @@ TIMING_FIELDS = {"calibration_manifest.json": [("timing",)], "quant_run_manifest
                  "provenance/attestation.intoto.json": [("predicate", "runDetails", "metadata", "startedOn"),
                                                         ("predicate", "runDetails", "metadata", "finishedOn")]}
 # fields that name the machine or the commit rather than the computation: dropped only against the reference
-MACHINE_FIELDS = [("environment",), ("stages",), ("checkpoints", "*", "stage")]
+MACHINE_FIELDS = [("environment",), ("stages",), ("checkpoints", "*", "stage"), ("source",)]
 REFERENCE_PARTS = ("data/", "cache/", "drafter/", "target/", "checks/", "eval/")
 STAGES = ("data", "cache", "quantize-drafter", "quantize-target", "evaluate", "manifest", "publish")
 
