@@ -31,14 +31,8 @@ def scrub_values(text: str) -> str:
 
 
 def scrub(text: str) -> str:
-    secrets = set(_known)
-    for env in _TOKEN_ENVS:
-        v = os.environ.get(env)
-        if v and len(v) >= 4:
-            secrets.add(v)
-    for s in sorted(secrets, key=len, reverse=True):
-        text = text.replace(s, "***")
-    return _TOKEN_ARG.sub(_mask_token_arg, text)
+    """scrub_values, then mask any `token=<value>` on a command line (for logs, argv and configs)."""
+    return _TOKEN_ARG.sub(_mask_token_arg, scrub_values(text))
 
 
 def _mask_token_arg(m: re.Match) -> str:
