@@ -30,10 +30,9 @@ from pipeline.cache_store import (
     pack_batches,
     plan_shards,
     read_sidecar,
-    sha256_text,
 )
 from pipeline.errors import bad_value
-from pipeline.io import confine, dumps_json, read_json, remove_stale_temps, sha256_file
+from pipeline.io import confine, dumps_json, read_json, remove_stale_temps, sha256_file, sha256_text
 from pipeline.loading import check_safetensors_dir, target_config
 from pipeline.rundir import RunDir
 

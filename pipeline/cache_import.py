@@ -26,10 +26,9 @@ from pipeline.cache_store import (
     clear_stale,
     encode_hidden,
     plan_shards,
-    sha256_text,
 )
 from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import dumps_json, remove_stale_temps, sha256_bytes
+from pipeline.io import dumps_json, remove_stale_temps, sha256_bytes, sha256_text
 
 _HS_RE = re.compile(r"^hs_(\d+)\.safetensors$")
 

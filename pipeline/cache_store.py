@@ -28,7 +28,15 @@ from typing import Any
 import torch
 
 from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import HashingWriter, atomic_open, atomic_write_json, dumps_json, read_json, sha256_file
+from pipeline.io import (
+    HashingWriter,
+    atomic_open,
+    atomic_write_json,
+    dumps_json,
+    read_json,
+    sha256_file,
+    sha256_text,
+)
 
 FORMAT = "specquant-cache"
 FORMAT_VERSION = 1
@@ -46,10 +54,6 @@ def shard_file(k: int) -> str:
 
 def sidecar_file(k: int) -> str:
     return f"shard-{k:05d}.json"
-
-
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)

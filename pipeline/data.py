@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import atomic_open, atomic_write_json, dumps_json, read_json, sha256_file
+from pipeline.io import HashingWriter, atomic_open, atomic_write_json, dumps_json, read_json, sha256_file
 from pipeline.rundir import RunDir
 
 ROLE_ALIASES = {
@@ -276,7 +276,8 @@ def run(cfg) -> dict:
     rd = RunDir.from_cfg(cfg)
     samples, counts, tok = build_blend(cfg)
     out = rd.data
-    with atomic_open(out / "samples.jsonl") as fh:
+    with atomic_open(out / "samples.jsonl") as raw:
+        fh = HashingWriter(raw)
         for s in samples:
             fh.write((json.dumps(s, sort_keys=True, separators=(",", ":")) + "\n").encode())
     meta = {
@@ -286,7 +287,7 @@ def run(cfg) -> dict:
         "num_samples": len(samples),
         "num_tokens": sum(len(s["input_ids"]) for s in samples),
         "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
-        "samples_sha256": sha256_file(out / "samples.jsonl"),
+        "samples_sha256": fh.hexdigest(),
         "tokenizer": {"name_or_path": cfg.target.tokenizer or cfg.target.path, "revision": cfg.target.revision,
                       "sha256": tokenizer_sha256(tok), "vocab_size": len(tok)},
         "sources": [{"name": s.name, "path": s.path, "hub_id": s.hub_id, "revision": s.revision,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import bad_value
-from pipeline.io import atomic_write_json, atomic_write_text, dumps_json, hash_tree
+from pipeline.io import atomic_write_json, atomic_write_text, dumps_json, hash_tree, sha256_text
 from pipeline.rundir import RunDir
 
 REFERENCE = "bf16"
@@ -189,6 +189,9 @@ def _write_outputs(out: Path, results: dict, timings: dict, subsets) -> list[str
     from pipeline.evaluation import plots, report
 
     prompt_files = {}
+    for stale in sorted((out / "prompts").glob("*.jsonl")):
+        if stale.stem not in {s.name for s in subsets}:
+            stale.unlink()
     for s in subsets:
         rel = f"prompts/{s.name}.jsonl"
         atomic_write_text(out / rel, "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in s.texts))
@@ -271,10 +274,4 @@ def run(cfg) -> dict:
     return {"output": str(rd.eval), "files": written, "lossless": lossless,
             "tau": {v: {s: d["subsets"][s]["tau"] for s in d["subsets"]} | {"all": d["overall"]["tau"]}
                     for v, d in variants.items()},
-            "timings": timings, "results_sha256": _sha(dumps_json(results))}
-
-
-def _sha(text: str) -> str:
-    from pipeline.io import sha256_bytes
-
-    return sha256_bytes(text.encode("utf-8"))
+            "timings": timings, "results_sha256": sha256_text(dumps_json(results))}

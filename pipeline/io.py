@@ -153,6 +153,10 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_text(text: str) -> str:
+    return sha256_bytes(text.encode("utf-8"))
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
