@@ -40,7 +40,11 @@ quantize-drafter: setup
 	$(PYTHON) -m pipeline quantize-drafter $(ARGS)
 
 quantize-target: setup
+ifeq ($(NPROC),1)
 	$(PYTHON) -m pipeline quantize-target $(ARGS)
+else
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m pipeline quantize-target $(ARGS)
+endif
 
 manifest: setup
 	$(PYTHON) -m pipeline manifest $(ARGS)

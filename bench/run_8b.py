@@ -2,7 +2,8 @@
 
     python -m bench.run_8b --out OUT [--phases build,data,cache,profile,quant,stock,manifest]
     python -m bench.run_8b --out OUT --tiny --device cpu          # smoke test on a CPU
-    python -m bench.run_8b --out OUT --phases build,data,dist --nproc 2   # one vs N GPUs
+    python -m bench.run_8b --out OUT --phases build,data,dist --nproc 2   # cache: one vs N GPUs
+    python -m bench.run_8b --out OUT --phases build,data,disttarget --nproc 2  # GPTQ target: one vs N
 
 Every stage runs as `python -m bench.probe ... <stage> <overrides>` (= `python -m pipeline <stage>`
 plus wall time and peak GPU / host memory), in a work directory on the machine's local disk.
@@ -211,6 +212,52 @@ class Bench:
         rec = self.stage("manifest", "manifest", "bench")
         self.record("manifest", rec)
 
+    def disttarget(self) -> None:
+        """quantize-target GPTQ W4A16 on 1 process then N (torchrun, llm-compressor's distributed
+        oneshot): wall time, memory, and whether the checkpoints are identical."""
+        self.data()
+        extra = ["target_quant=w4a16", "target_quant.algorithm=gptq", "target_quant.calibration=cache",
+                 "target_quant.pipeline=sequential", f"target_quant.num_samples={self.args.target_samples}",
+                 f"target_quant.max_seq_len={self.args.seq_len}"]
+        recs = {}
+        for nproc in (1, self.args.nproc):
+            key = f"quantize-target[gptq,n{nproc}]"
+            if key in self.results["phases"] and self.results["phases"][key].get("rc") == 0:
+                recs[nproc] = self.results["phases"][key]
+                continue
+            run = f"bench-gptq-n{nproc}"
+            shutil.rmtree(self.runs / run, ignore_errors=True)
+            shutil.copytree(self.runs / "bench" / "data", self.runs / run / "data")
+            rec = self.stage(f"quantize-target-gptq-n{nproc}", "quantize-target", run, extra, nproc=nproc)
+            out_dir = self.runs / run / "target" / "w4a16"
+            rec["output_bytes"] = dir_bytes(out_dir) if out_dir.is_dir() else None
+            result = (rec.get("stage_record") or {}).get("result") or {}
+            rec["outputs"] = result.get("outputs")
+            rec["tokens"] = result.get("num_calibration_tokens")
+            rec["weight_error"] = (result.get("check") or {}).get("weight_error")
+            self.record(key, rec)
+            recs[nproc] = rec
+        one, many = recs.get(1, {}), recs.get(self.args.nproc, {})
+        w1 = (one.get("stage_record") or {}).get("wall_time_s")
+        wn = (many.get("stage_record") or {}).get("wall_time_s")
+        t1 = ((one.get("stage_record") or {}).get("result") or {}).get("timings") or {}
+        tn = ((many.get("stage_record") or {}).get("result") or {}).get("timings") or {}
+        summary = {"wall_1": w1, f"wall_{self.args.nproc}": wn,
+                   "speedup_wall": round(w1 / wn, 3) if w1 and wn else None,
+                   "oneshot_1": t1.get("oneshot_s"), f"oneshot_{self.args.nproc}": tn.get("oneshot_s"),
+                   "speedup_oneshot": round(t1["oneshot_s"] / tn["oneshot_s"], 3)
+                   if t1.get("oneshot_s") and tn.get("oneshot_s") else None,
+                   "weight_error_1": one.get("weight_error"), f"weight_error_{self.args.nproc}": many.get("weight_error"),
+                   "identical_outputs": bool(one.get("outputs")) and one.get("outputs") == many.get("outputs"),
+                   "differing_files": sorted(k for k in (one.get("outputs") or {})
+                                             if (one.get("outputs") or {}).get(k) != (many.get("outputs") or {}).get(k))}
+        if not summary["identical_outputs"] and one.get("outputs") and many.get("outputs"):
+            summary["weight_diff"] = compare_checkpoints(self.runs / "bench-gptq-n1" / "target" / "w4a16",
+                                                         self.runs / f"bench-gptq-n{self.args.nproc}" / "target" / "w4a16")
+        self.record(f"quantize-target[gptq,1-vs-{self.args.nproc}]", summary)
+        for nproc in (1, self.args.nproc):
+            shutil.rmtree(self.runs / f"bench-gptq-n{nproc}" / "target", ignore_errors=True)
+
     def dist(self) -> None:
         """Cache with 1 process then with N (torchrun): throughput and content hash, same machine."""
         self.data()
@@ -233,6 +280,23 @@ class Bench:
         rec["scaling_efficiency"] = round(rec["speedup"] / self.args.nproc, 3) if rec["speedup"] else None
         self.record(f"cache[{name}]", rec)
         shutil.rmtree(self.runs / name / "cache", ignore_errors=True)  # disk for the later phases
+
+
+def compare_checkpoints(a: Path, b: Path) -> dict:
+    """How far two compressed checkpoints of the same model differ, tensor by tensor (the stages
+    write one model.safetensors)."""
+    from safetensors import safe_open
+
+    out = {"tensors": 0, "differing": 0, "max_frac_elements_differing": 0.0}
+    with safe_open(str(a / "model.safetensors"), "pt") as ha, safe_open(str(b / "model.safetensors"), "pt") as hb:
+        for key in ha.keys():
+            x, y = ha.get_tensor(key), hb.get_tensor(key)
+            out["tensors"] += 1
+            if x.shape != y.shape or not bool((x == y).all()):
+                out["differing"] += 1
+                frac = float((x != y).float().mean()) if x.shape == y.shape else 1.0
+                out["max_frac_elements_differing"] = max(out["max_frac_elements_differing"], round(frac, 6))
+    return out
 
 
 def stage_file(stage: str, extra: list[str]) -> str:
@@ -288,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     print(f"[bench] work dir {bench.work} ({shutil.disk_usage(bench.work).free / 2**30:.0f} GiB free)", flush=True)
     for phase in [p.strip() for p in args.phases.split(",") if p.strip()]:
-        if phase not in {*ALL_PHASES, "dist", "cachebench"}:
-            raise SystemExit(f"unknown phase {phase!r}; choose from {', '.join([*ALL_PHASES, 'dist', 'cachebench'])}")
+        extra_phases = ["dist", "disttarget", "cachebench"]
+        if phase not in {*ALL_PHASES, *extra_phases}:
+            raise SystemExit(f"unknown phase {phase!r}; choose from {', '.join([*ALL_PHASES, *extra_phases])}")
         t0 = time.perf_counter()
         try:
             getattr(bench, phase)()

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from pipeline.cache_store import (
-    BackgroundWriter,
     CacheReader,
     Layout,
     build_index,
@@ -31,9 +30,10 @@ from pipeline.cache_store import (
     plan_shards,
     read_sidecar,
 )
+from pipeline.cache_writer import BackgroundWriter
 from pipeline.errors import bad_value
-from pipeline.io import confine, dumps_json, read_json, remove_stale_temps, sha256_file, sha256_text
-from pipeline.loading import check_safetensors_dir, target_config
+from pipeline.io import confine, dumps_json, read_json, remove_stale_temps, sha256_text
+from pipeline.loading import check_safetensors_dir, checkpoint_hashes, local_snapshot, target_config
 from pipeline.rundir import RunDir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,20 +130,19 @@ def _check_drafter(cfg, target_config) -> None:
     check_compatible(load_drafter_config(cfg.drafter.path, cfg.drafter.format), target_config)
 
 
-def target_files_sha256(cfg) -> tuple[str, Path]:
-    """sha256 over the target's files (name + content hash); follows the Hub cache's symlinks."""
-    path = Path(cfg.target.path)
-    if not path.is_dir():
-        from huggingface_hub import snapshot_download
-
+def target_files_sha256(cfg) -> str:
+    """One sha256 over the target's weight + config files (names and contents; `checkpoint_hashes`),
+    from a local directory or the Hub cache's snapshot of target.revision. Download metadata such as
+    `.cache/huggingface/` does not count, so a re-downloaded target reuses its cache."""
+    files = checkpoint_hashes(cfg.target.path, cfg.target.revision)
+    if not files:
         try:
-            path = Path(snapshot_download(cfg.target.path, revision=cfg.target.revision, local_files_only=True))
-        except Exception as exc:  # noqa: BLE001 - any failure means the same thing to the user
-            raise bad_value("target.path", cfg.target.path, f"it is neither a directory nor a cached Hub repo ({exc})",
-                            "download it first or give a local directory") from None
-    lines = [f"{p.relative_to(path).as_posix()} {sha256_file(p)}" for p in sorted(path.rglob("*"))
-             if p.is_file() and not p.name.startswith(".")]
-    return sha256_text("\n".join(lines)), path
+            local_snapshot(cfg.target.path, cfg.target.revision)
+            why = "it holds no weight or config files"
+        except LookupError as exc:
+            why = str(exc)
+        raise bad_value("target.path", cfg.target.path, why, "download it first or give a local directory")
+    return sha256_text(dumps_json({rel: e["sha256"] for rel, e in files.items()}))
 
 
 def _check_cfg(cfg) -> None:
@@ -330,7 +329,7 @@ def run(cfg) -> dict:
         _check_drafter(cfg, tconf)
     check_safetensors_dir(cfg.target.path, "target.path")  # refuse pickles / truncated files before any work
     layout = Layout(tuple(aux), int(tconf.hidden_size), cfg.cache.storage_dtype)
-    files_sha, _ = target_files_sha256(cfg)
+    files_sha = target_files_sha256(cfg)
     # what the cached values depend on (paths are not: a moved target or run dir reuses the cache)
     inputs = {"format_version": 1, "aux_layer_ids": aux, "storage_dtype": layout.storage_dtype,
               "target": {"files_sha256": files_sha, "dtype": cfg.target.dtype,

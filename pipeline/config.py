@@ -94,6 +94,13 @@ class QuantConfig:
     # calibration=none with activation quantization: the fixed activation absmax behind the constant
     # NVFP4 input_global_scale (448*6 = 2688 gives 1.0, compressed-tensors' uncalibrated fallback)
     fixed_activation_amax: float = 2688.0
+    # calibration=cache with activation quantization: how input_global_scale is chosen. minmax =
+    # llm-compressor's static_minmax (448*6 / calibration absmax); mse = per layer, the candidate with
+    # the least layer-output error of activation QDQ on the calibration batches, among the fixed scale,
+    # the minmax scale and minmax * each multiplier (pipeline/quant/act_scale.py)
+    activation_scale: str = "minmax"  # minmax | mse
+    activation_scale_multipliers: list[float] = field(default_factory=lambda: [
+        0.25, 0.315, 0.397, 0.5, 0.63, 0.794, 1.26, 1.587, 2.0, 2.52, 3.175, 4.0])
     device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N - where calibration runs
 
 

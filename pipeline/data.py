@@ -8,7 +8,6 @@ seeded, weighted blend. Writes `data/samples.jsonl`, `data/counts.json`, `data/m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections import Counter
@@ -16,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import HashingWriter, atomic_open, atomic_write_json, dumps_json, read_json, sha256_file
+from pipeline.io import (
+    HashingWriter,
+    atomic_open,
+    atomic_write_json,
+    dumps_json,
+    read_json,
+    sha256_bytes,
+    sha256_file,
+)
 from pipeline.rundir import RunDir
 
 ROLE_ALIASES = {
@@ -246,17 +253,26 @@ def _take_from_source(src, idx: int, want: int, tok, cfg, rng: random.Random) ->
     return kept, counts
 
 
-def tokenizer_sha256(tok) -> str:
-    import tempfile
+def tokenizer_hashes(name_or_path: str | Path, revision: str | None = None) -> dict[str, Any]:
+    """{"files": {name: sha256}, "sha256": digest} of the tokenizer's own files as they are on disk
+    (those of `TOKENIZER_FILES` present in the directory, or in the Hub cache's snapshot of
+    `revision`; never re-saved, never downloaded). digest = sha256 of the canonical JSON of "files";
+    both are None when the files cannot be found locally."""
+    from pipeline.loading import local_snapshot
+    from pipeline.quant.export import TOKENIZER_FILES
 
-    with tempfile.TemporaryDirectory() as d:
-        tok.save_pretrained(d)
-        h = hashlib.sha256()
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            p = Path(d) / name
-            if p.is_file():
-                h.update(name.encode() + b"\0" + p.read_bytes())
-        return h.hexdigest()
+    try:
+        root = local_snapshot(name_or_path, revision, partial_ok=True)
+    except LookupError:
+        return {"files": None, "sha256": None}
+    files = {n: sha256_file(root / n) for n in sorted(TOKENIZER_FILES) if (root / n).is_file()}
+    return {"files": files or None, "sha256": sha256_bytes(dumps_json(files).encode()) if files else None}
+
+
+def tokenizer_sha256(tok_or_path, revision: str | None = None) -> str | None:
+    """The digest of `tokenizer_hashes` for a tokenizer directory / Hub id, or a loaded tokenizer
+    (its `name_or_path`)."""
+    return tokenizer_hashes(getattr(tok_or_path, "name_or_path", tok_or_path), revision)["sha256"]
 
 
 def build_blend(cfg) -> tuple[list[dict], dict, Any]:
@@ -289,7 +305,8 @@ def run(cfg) -> dict:
         "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
         "samples_sha256": fh.hexdigest(),
         "tokenizer": {"name_or_path": cfg.target.tokenizer or cfg.target.path, "revision": cfg.target.revision,
-                      "sha256": tokenizer_sha256(tok), "vocab_size": len(tok)},
+                      **tokenizer_hashes(cfg.target.tokenizer or cfg.target.path, cfg.target.revision),
+                      "vocab_size": len(tok)},
         "sources": [{"name": s.name, "path": s.path, "hub_id": s.hub_id, "revision": s.revision,
                      "split": s.split, "format": s.format, "weight": s.weight} for s in cfg.data.sources],
         "blend_name": cfg.data.name,

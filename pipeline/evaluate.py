@@ -74,9 +74,11 @@ def _variant_meta(rd: RunDir, variant: str, summary: dict) -> dict[str, Any]:
     record = rd.stages / f"quantize-drafter-{variant}.json"
     if record.is_file():
         quant = json.loads(record.read_text(encoding="utf-8")).get("resolved_config", {}).get("quant", {})
-        return {"scheme": quant.get("scheme"), "calibration": quant.get("calibration")}
+        cal = quant.get("calibration")
+        method = quant.get("activation_scale") if cal == "cache" and q.get("activations_quantized") else None
+        return {"scheme": quant.get("scheme"), "calibration": cal, "activation_scale": method}
     calibration = "none" if "nocalib" in variant else ("cache" if q.get("activations_quantized") else None)
-    return {"scheme": _scheme_of(q), "calibration": calibration}
+    return {"scheme": _scheme_of(q), "calibration": calibration, "activation_scale": None}
 
 
 def _stop_ids(tokenizer, target) -> list[int]:
@@ -122,6 +124,29 @@ def tau_table(results: dict) -> list[dict]:
             rows.append({"variant": v, "subset": s, "tau": st["tau"],
                          "relative_to_bf16": None if change is None else round(change, 6)})
     return rows
+
+
+def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: int) -> list[dict]:
+    """Calibrated vs calibration-free variant of one scheme, paired: top-1 agreement with bf16 on the
+    same held-apart rows (from both drafter checks, exact McNemar test) and tau over the same prompts
+    (paired bootstrap, seeded)."""
+    from pipeline.evaluation.report import calibration_pairs
+    from pipeline.quant import paired
+
+    out = []
+    for cal, free in calibration_pairs(results):
+        checks = {v: rd.checks / f"drafter-{v}.json" for v in (cal, free)}
+        reports = {v: json.loads(p.read_text(encoding="utf-8")) for v, p in checks.items() if p.is_file()}
+        top1 = paired.paired_top1(reports[cal], reports[free]) if len(reports) == 2 else None
+        tau = paired.bootstrap_ratio_difference(per_prompt[cal], per_prompt[free], seed)
+        out.append({"calibrated": cal, "calibration_free": free, "scheme": results["variants"][cal]["scheme"],
+                    "activation_scale": results["variants"][cal].get("activation_scale"),
+                    "top1_heldout": top1, "kl_heldout": {v: (r.get("served") or {}).get("kl")
+                                                         for v, r in reports.items()},
+                    "tau": {"calibrated": results["variants"][cal]["overall"]["tau"],
+                            "calibration_free": results["variants"][free]["overall"]["tau"],
+                            "paired_bootstrap": tau}})
+    return out
 
 
 def _merge(per_subset: dict[str, list], block_size: int) -> dict:
@@ -245,6 +270,7 @@ def run(cfg) -> dict:
     stop, max_new = _stop_ids(tokenizer, target), int(cfg.eval.max_new_tokens)
     greedy, target_s = _greedy_reference(target, subsets, max_new, stop, device)
 
+    per_prompt: dict[str, list[tuple[float, int]]] = {}
     variants, timings = {}, {"device": device, "target_only_s": {k: round(v, 4) for k, v in target_s.items()},
                              "speculative_s": {}, "speedup": {}}
     for v, path in drafters.items():
@@ -252,6 +278,8 @@ def run(cfg) -> dict:
         runs, spec_s, mismatches = _evaluate_variant(target, drafter, subsets, max_new, stop, device, greedy,
                                                      f"evaluate {v}")
         del drafter
+        per_prompt[v] = [(float(sum(r.acceptance_lengths)), len(r.acceptance_lengths))
+                         for rs in runs.values() for r in rs]
         variants[v] = {"path": str(path), "files": _tree(path), **summary, **_variant_meta(rd, v, summary),
                        "subsets": {s: subset_stats(rs, block_size) for s, rs in runs.items()},
                        "overall": _merge(runs, block_size), "lossless_mismatches": mismatches}
@@ -269,6 +297,7 @@ def run(cfg) -> dict:
                      "prompt_tokens": sum(len(p) for p in s.prompts)} for s in subsets],
     }
     results["table"] = tau_table(results)
+    results["calibration_comparison"] = calibration_comparison(rd, results, per_prompt, int(cfg.seed))
     written = _write_outputs(rd.eval, results, timings, subsets)
     lossless = all(n == 0 for d in variants.values() for n in d["lossless_mismatches"].values())
     return {"output": str(rd.eval), "files": written, "lossless": lossless,

@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,10 @@ from typing import Any, BinaryIO
 from pipeline.errors import DiskFullError, bad_value
 
 TMP_PREFIX = ".tmp-specquant-"
+PARTIAL_PREFIX = ".partial-"  # a whole directory being assembled by `atomic_dir`
+# `hf download --local-dir` keeps its own download metadata here; it changes whenever the files are
+# re-downloaded, so no file list, verification or input hash counts it (see `in_hf_local_cache`)
+HF_LOCAL_DIR_CACHE = ".cache/huggingface/"
 _CHUNK = 1 << 20
 # out of space, out of quota, or over a file-size limit: the user's fix is the same (more room, re-run)
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -165,18 +170,47 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def hash_tree(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
-    """{relative posix path: {"sha256", "bytes"}} for every regular file under root, sorted."""
+def in_hf_local_cache(rel: str) -> bool:
+    """True for a relative posix path inside the Hub client's `.cache/huggingface/` folder."""
+    return rel == HF_LOCAL_DIR_CACHE.rstrip("/") or rel.startswith(HF_LOCAL_DIR_CACHE)
+
+
+def list_files(root: str | os.PathLike, skip=lambda rel: False, follow_links: bool = False) -> list[str]:
+    """Every regular file under root (relative posix paths, sorted), symlinks and temp files left out.
+
+    `follow_links=True` is for inputs such as Hub cache snapshots, whose files are symlinks into `blobs/`."""
     root = Path(root)
-    out: dict[str, dict[str, Any]] = {}
+    out = []
     for p in sorted(root.rglob("*")):
-        if not p.is_file() or p.is_symlink():
-            continue
         rel = p.relative_to(root).as_posix()
-        if p.name.startswith(TMP_PREFIX) or any(rel == e or rel.startswith(e.rstrip("/") + "/") for e in exclude):
+        if (p.is_symlink() and not follow_links) or not p.is_file() or p.name.startswith(TMP_PREFIX) or skip(rel):
             continue
-        out[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        out.append(rel)
     return out
+
+
+def hash_files(root: str | os.PathLike, rels: list[str], desc: str = "hashing") -> dict[str, dict[str, Any]]:
+    """{rel: {"sha256", "bytes"}} for the given files under root, in the given order (progress bar when large)."""
+    from tqdm import tqdm
+
+    root = Path(root)
+    total = sum((root / r).stat().st_size for r in rels)
+    out = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < (64 << 20)) as bar:
+        for rel in rels:
+            p = root / rel
+            out[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            bar.update(out[rel]["bytes"])
+    return out
+
+
+def hash_tree(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """{relative posix path: {"sha256", "bytes"}} for every regular file under root, sorted
+    (`list_files` + `hash_files`; `exclude` names files or folders to leave out)."""
+    def skip(rel: str) -> bool:
+        return any(rel == e or rel.startswith(e.rstrip("/") + "/") for e in exclude)
+
+    return hash_files(root, list_files(root, skip))
 
 
 def confine(path: str | os.PathLike, root: str | os.PathLike, field: str) -> Path:
@@ -199,3 +233,50 @@ def remove_stale_temps(directory: str | os.PathLike) -> int:
                 p.unlink()
                 n += 1
     return n
+
+
+# ---------------------------------------------------------------- whole directories
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(root)
+
+
+def remove_partials(parent: str | os.PathLike) -> None:
+    """Delete the `.partial-*` directories a killed `atomic_dir` left in `parent`."""
+    parent = Path(parent)
+    if parent.is_dir():
+        for p in parent.iterdir():
+            if p.name.startswith(PARTIAL_PREFIX) and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty sibling directory; on clean exit (every file fsynced) it replaces `final` in one
+    rename, so `final` is never seen half-written. A killed run leaves only a `.partial-*` sibling,
+    which the next `atomic_dir` in the same parent removes."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_partials(final.parent)
+    tmp = final.parent / f"{PARTIAL_PREFIX}{final.name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        old = None
+        if final.exists():
+            old = final.parent / f"{PARTIAL_PREFIX}{final.name}-old-{os.getpid()}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

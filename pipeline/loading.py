@@ -9,10 +9,13 @@ instead of failing deep inside transformers. `trust_remote_code` stays off unles
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import bad_value
+from pipeline.io import hash_files, in_hf_local_cache, list_files
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+CONFIG_FILES = ("config.json",)  # with the weights, what decides a checkpoint's outputs
 
 
 def check_safetensors_dir(path: str | Path, field: str) -> list[Path]:
@@ -65,3 +68,45 @@ def from_pretrained_safe(auto_cls, target_cfg, **kwargs):
     check_safetensors_dir(target_cfg.path, "target.path")
     return auto_cls.from_pretrained(target_cfg.path, revision=target_cfg.revision, use_safetensors=True,
                                     trust_remote_code=bool(target_cfg.trust_remote_code), **kwargs)
+
+
+# ---------------------------------------------------------------- input hashes
+def local_snapshot(path: str | Path, revision: str | None = None, partial_ok: bool = False) -> Path:
+    """A local directory as it is; a Hub repo id at `revision` (None = main) -> its snapshot folder in
+    the local Hub cache. Offline only: nothing is ever downloaded. Raises LookupError (with the reason)
+    when `path` is neither. `partial_ok` accepts a snapshot the Hub client knows to be incomplete
+    (e.g. only the tokenizer files of a repo were fetched)."""
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError
+
+    try:
+        return Path(snapshot_download(str(path), revision=revision, local_files_only=True))
+    except IncompleteSnapshotError as exc:
+        if partial_ok:
+            return Path(exc.snapshot_path)
+        raise LookupError(str(exc).splitlines()[0]) from None
+    except Exception as exc:  # noqa: BLE001 - not a repo id, or not in the cache: the same to the caller
+        raise LookupError(f"it is neither a directory nor a cached Hub repo ({str(exc).splitlines()[0]})") from None
+
+
+def is_checkpoint_file(rel: str, weights_only: bool = False) -> bool:
+    """The files that decide a checkpoint's outputs: top-level `*.safetensors` (+ their index) and
+    config.json (`weights_only` leaves the config out). Never the Hub client's own metadata."""
+    if "/" in rel or in_hf_local_cache(rel):
+        return False
+    return rel.endswith((".safetensors", ".safetensors.index.json")) or (not weights_only and rel in CONFIG_FILES)
+
+
+def checkpoint_hashes(path: str | Path, revision: str | None = None,
+                      weights_only: bool = False) -> dict[str, dict[str, Any]] | None:
+    """{file: {"sha256", "bytes"}} of a model directory's weight + config files, sorted, or None when
+    `path` is neither a directory nor a Hub repo already in the local cache (nothing is downloaded).
+    Symlinks are followed: a Hub snapshot's files are links into its blobs."""
+    try:
+        root = local_snapshot(path, revision)
+    except LookupError:
+        return None
+    rels = list_files(root, lambda rel: not is_checkpoint_file(rel, weights_only), follow_links=True)
+    return hash_files(root, rels, desc=f"hashing {path}")

@@ -20,8 +20,6 @@ from pipeline.secrets import scrub, scrub_obj
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "manifests"
 OWN_OUTPUTS = ("calibration_manifest.json", "quant_run_manifest.json", "provenance/")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
 def validate(doc: dict, schema_name: str) -> None:
@@ -66,19 +64,14 @@ class Inputs:
 
     @staticmethod
     def _checkpoint(path: str, revision: str | None) -> dict:
+        """Weight + config files (`pipeline.loading.checkpoint_hashes`) of a local directory, or of a Hub
+        repo already in the local cache; otherwise the repo id + revision is the reference."""
+        from pipeline.loading import checkpoint_hashes
+
         local = _local(path)
         if local is not None and local.is_dir():
-            files = prov.hash_files(local, prov.list_files(local), desc=f"hashing {path}")
-            return {"local_path": path, "repo_id": None, "revision": None, "files": files}
-        ref = {"local_path": None, "repo_id": path, "revision": revision, "files": None}
-        try:  # files already in the local Hub cache are hashed; nothing is downloaded
-            from huggingface_hub import snapshot_download
-
-            snap = Path(snapshot_download(path, revision=revision, local_files_only=True))
-            ref["files"] = prov.hash_files(snap, prov.list_files(snap, follow_links=True), desc=f"hashing {path}")
-        except Exception:  # noqa: BLE001 - not in the cache: the repo id + revision is the reference
-            pass
-        return ref
+            return {"local_path": path, "repo_id": None, "revision": None, "files": checkpoint_hashes(local)}
+        return {"local_path": None, "repo_id": path, "revision": revision, "files": checkpoint_hashes(path, revision)}
 
     def dependencies(self, sources: list[dict]) -> list[dict]:
         deps = []
@@ -156,6 +149,10 @@ def _counts(counts: Any) -> dict | None:
 
 
 def _tokenizer(meta: dict, data_cfg: dict) -> dict:
+    """The tokenizer the data stage used: its file hashes as data/meta.json records them
+    (`pipeline.data.tokenizer_hashes`), else hashed now from the configured path."""
+    from pipeline.data import tokenizer_hashes
+
     tok = meta.get("tokenizer")
     if isinstance(tok, dict) and (tok.get("sha256") or tok.get("files")):
         files = tok.get("files")
@@ -165,9 +162,8 @@ def _tokenizer(meta: dict, data_cfg: dict) -> dict:
     target = data_cfg.get("target") or {}
     path = (tok if isinstance(tok, str) else None) or target.get("tokenizer") or target.get("path")
     local = _local(path)
-    files = ({f: sha256_file(local / f) for f in TOKENIZER_FILES if (local / f).is_file()}
-             if local and local.is_dir() else None)
-    return {"path": path, "sha256": sha256_bytes(dumps_json(files).encode()) if files else None, "files": files}
+    hashes = tokenizer_hashes(local) if local and local.is_dir() else {"files": None, "sha256": None}
+    return {"path": path, **hashes}
 
 
 def _sources(meta: dict, data_cfg: dict) -> list[dict]:

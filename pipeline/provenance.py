@@ -32,14 +32,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from pipeline.io import (
+from pipeline.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFIX: the file list rule's pieces, used as prov.*
     TMP_PREFIX,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
     dumps_json,
+    hash_files,
+    list_files,
     sha256_bytes,
     sha256_file,
 )
@@ -60,30 +60,6 @@ BUILDER_ID = "https://github.com/specquant/specquant/pipeline"
 # ---------------------------------------------------------------- file lists and hashing
 def is_late(rel: str) -> bool:
     return any(rel == p or rel.startswith(p) for p in LATE_OUTPUTS)
-
-
-def list_files(root: Path, skip=lambda rel: False, follow_links: bool = False) -> list[str]:
-    """Every regular file under root (relative posix paths, sorted), symlinks and temp files left out.
-
-    `follow_links=True` is for Hub cache snapshots only, whose files are symlinks into `blobs/`."""
-    out = []
-    for p in sorted(Path(root).rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if (p.is_symlink() and not follow_links) or not p.is_file() or p.name.startswith(TMP_PREFIX) or skip(rel):
-            continue
-        out.append(rel)
-    return out
-
-
-def hash_files(root: Path, rels: list[str], desc: str = "hashing") -> dict[str, dict[str, Any]]:
-    total = sum((root / r).stat().st_size for r in rels)
-    out = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < (64 << 20)) as bar:
-        for rel in rels:
-            p = root / rel
-            out[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-            bar.update(out[rel]["bytes"])
-    return out
 
 
 def files_sha256_of(doc: dict[str, Any]) -> str:
@@ -182,18 +158,36 @@ def source_tree_sha256() -> str:
     return sha256_bytes(dumps_json({r: sha256_file(REPO_ROOT / r) for r in source_files()}).encode())
 
 
+def git_state(with_diff: bool = False) -> dict[str, Any]:
+    """The checkout's commit and whether the source that runs differs from it (read-only git commands).
+
+    Only SOURCE_PATHS count (pipeline/, conf/, pyproject.toml; never runs/, tests/, docs/). "dirty" means
+    the working tree of those paths differs from HEAD (`git diff HEAD`: staged or not, deletions included)
+    or holds untracked files that are not git-ignored; a change staged and then undone in the working tree
+    does not count, since the working tree's bytes are what runs. Not a git checkout (or no git):
+    commit and dirty are None. `with_diff` adds the diff text under "_diff" (for provenance/source/git.diff).
+    """
+    commit = (_git("rev-parse", "HEAD") or "").strip() or None
+    if commit is None:
+        return {"commit": None, "dirty": None, "untracked": [], **({"_diff": ""} if with_diff else {})}
+    changed = (_git("diff", "HEAD", "--name-only", "--", *SOURCE_PATHS) or "").split()
+    untracked = sorted((_git("ls-files", "-o", "--exclude-standard", "--", *SOURCE_PATHS) or "").split())
+    out = {"commit": commit, "dirty": bool(changed or untracked), "untracked": untracked}
+    if with_diff:
+        out["_diff"] = (_git("diff", "HEAD", "--", *SOURCE_PATHS) or "") if changed else ""
+    return out
+
+
 def source_info() -> dict[str, Any]:
-    """The source files' bytes and sha256, the git commit, dirty flag and diff (read-only git commands)."""
+    """The source files' bytes and sha256, and `git_state` (commit, dirty flag, untracked files, diff)."""
     files, blobs = {}, {}
     for rel in source_files():
         data = (REPO_ROOT / rel).read_bytes()
         files[rel], blobs[rel] = {"sha256": sha256_bytes(data)}, data
-    commit = (_git("rev-parse", "HEAD") or "").strip() or None
-    diff = (_git("diff", "HEAD", "--", *SOURCE_PATHS) or "") if commit else ""
-    untracked = sorted((_git("ls-files", "-o", "--exclude-standard", "--", *SOURCE_PATHS) or "").split())
-    dirty = bool(diff.strip() or untracked) if commit else None
+    state = git_state(with_diff=True)
+    diff = state.pop("_diff")
     tree = sha256_bytes(dumps_json({r: e["sha256"] for r, e in files.items()}).encode())
-    return {"git": {"commit": commit, "dirty": dirty, "untracked": untracked, "diff": "git.diff" if diff.strip() else None},
+    return {"git": {**state, "diff": "git.diff" if diff.strip() else None},
             "files": files, "tree_sha256": tree, "_blobs": blobs, "_diff": diff}
 
 

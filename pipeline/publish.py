@@ -28,7 +28,7 @@ from tqdm import tqdm
 from pipeline import modelcard
 from pipeline import provenance as prov
 from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import TMP_PREFIX, atomic_write_json, confine, sha256_file
+from pipeline.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine, sha256_file
 from pipeline.rundir import RunDir
 from pipeline.secrets import remember, scrub, scrub_obj
 
@@ -192,27 +192,21 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path) -> dict
 
 
 def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Path]) -> Path:
-    """Build publish/<variant>/ in a temp folder, then swap it in (never half-assembled)."""
+    """Build publish/<variant>/ beside it, then swap it in (`atomic_dir`: never half-assembled)."""
     dest = rd.publish / variant
-    tmp = rd.publish / f"{TMP_PREFIX}{variant}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     total = sum(p.stat().st_size for p in sources.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {variant}", disable=total < (64 << 20)) as bar:
+    with atomic_dir(dest) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {variant}",
+                                       disable=total < (64 << 20)) as bar:
         for rel, src in sources.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, tmp / rel)
             bar.update(src.stat().st_size)
-    card = modelcard.render(card_info(cfg, rd, variant, repo_id, tmp))
-    (tmp / "README.md").write_text(scrub(card), encoding="utf-8")
-    # the statement cannot name itself, so its copy carries no origin
-    origins = {rel: src.relative_to(rd.root.resolve()).as_posix() for rel, src in sources.items()
-               if rel != prov.ATTESTATION}
-    prov.write_file_list(tmp, kind="published", origins=origins)
-    old = rd.publish / f"{TMP_PREFIX}old-{variant}-{os.getpid()}"
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
+        card = modelcard.render(card_info(cfg, rd, variant, repo_id, tmp))
+        (tmp / "README.md").write_text(scrub(card), encoding="utf-8")
+        # the statement cannot name itself, so its copy carries no origin
+        origins = {rel: src.relative_to(rd.root.resolve()).as_posix() for rel, src in sources.items()
+                   if rel != prov.ATTESTATION}
+        prov.write_file_list(tmp, kind="published", origins=origins)
     return dest
 
 
@@ -334,7 +328,8 @@ def run(cfg) -> dict:
     sources = {v: _sources(rd, v) for v in variants}
     # publish/ is about to be rebuilt, so a stale assembled folder there is no reason to refuse
     _refuse_unless_verified(rd.root, "run_dir", ignore_prefix="publish/")
-    for p in rd.publish.glob(TMP_PREFIX + "*") if rd.publish.is_dir() else []:  # left by a killed assemble
+    # temp files of a killed write (a killed assemble's .partial-* folder is removed by atomic_dir)
+    for p in rd.publish.glob(TMP_PREFIX + "*") if rd.publish.is_dir() else []:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     out: dict[str, Any] = {}
     for v in variants:

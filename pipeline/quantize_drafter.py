@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import bad_value
-from pipeline.io import atomic_write_json, read_json, sha256_file
+from pipeline.io import atomic_write_json, read_json
+from pipeline.loading import checkpoint_hashes
 from pipeline.quant import cache_batches, calibrate, drafter_checks, export, recipes
 from pipeline.rundir import RunDir
 from pipeline.seeding import seed_everything
@@ -151,14 +152,14 @@ def run(cfg) -> dict:
         _write_native_config(model, Path(work))
         calibrate.run_oneshot(model, q, ignore, batches, seed)
         clock.lap("oneshot_s")
-        baseline = None
-        if calibrate.quantizes_activations(q) and q.calibration == "none":
-            baseline = calibrate.set_fixed_activation_scales(model, float(q.fixed_activation_amax))
+        baseline, search, minmax_scales = calibrate.activation_scales(model, q, batches)
+        if search is not None:
+            clock.lap("scale_search_s")
         scales = calibrate.input_global_scales(model)
         write_quantized(model, out)
         clock.lap("write_s")
     del model
-    report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf)
+    report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf, search)
     clock.lap("check_s")
     return {
         "output": str(out), "reference": str(reference), "scheme": q.scheme, "observer": q.observer,
@@ -174,11 +175,14 @@ def run(cfg) -> dict:
         "num_calibration_tokens": cache_batches.count_tokens(batches or []),
         "heldout_sample_ids": [reader.index["samples"][i]["id"] for i in held_idx],
         "calibration_free": baseline, "input_global_scales": scales,
+        "activation_scale": q.activation_scale if minmax_scales else None, "minmax_input_global_scales": minmax_scales,
+        "activation_scale_search": search,
         "inputs": {"drafter": _dir_hashes(Path(cfg.drafter.path)),
                    "cache_content_hash": index.get("content_hash"),
                    "target_head": _dir_hashes(Path(cfg.target.path), only_weights=True)},
         "outputs": export.output_hashes(out),
-        "check": {k: report[k] for k in ("weight_error_summary", "served", "weights_only") if k in report},
+        "check": {k: report[k] for k in ("weight_error_summary", "served", "weights_only", "activation_error_summary")
+                  if k in report},
         "timings": clock.laps, "device": str(recipes.resolve_device(q.device)),
     }
 
@@ -199,8 +203,8 @@ class _Clock:
         self._t = t
 
 
-def _dir_hashes(path: Path, only_weights: bool = False) -> dict[str, str]:
-    if not path.is_dir():
-        return {}
-    return {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()
-            and (p.suffix == ".safetensors" or (p.name == "config.json" and not only_weights))}
+def _dir_hashes(path: Path | str, only_weights: bool = False, revision: str | None = None) -> dict[str, str]:
+    """{file: sha256} of a checkpoint's weight (+ config) files, from a directory or the local Hub cache's
+    snapshot of `revision`; {} when it is neither (`pipeline.loading.checkpoint_hashes`)."""
+    files = checkpoint_hashes(path, revision, weights_only=only_weights) or {}
+    return {rel: e["sha256"] for rel, e in files.items()}

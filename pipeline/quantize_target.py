@@ -7,11 +7,13 @@ checkpoint with the tokenizer to runs/<name>/target/<target_quant.name>/.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 
+from pipeline import distributed
 from pipeline.errors import bad_value
 from pipeline.io import sha256_file
 from pipeline.quant import calibrate, checks, export, recipes
@@ -58,6 +60,11 @@ def run(cfg) -> dict:
     ignore = recipes.resolve_ignore(q)
     config = target_config(cfg)
     recipes.validate_group_size(q, FIELD, target_linears(config, ignore))
+    _, world, _ = distributed.rank_world()
+    if world > 1 and not recipes.needs_data(q):
+        raise bad_value(f"{FIELD}.algorithm", q.algorithm,
+                        f"a data-free recipe has no calibration forward to spread over {world} processes",
+                        "run it without torchrun, or use algorithm=gptq / an activation-quantized scheme")
     rd = RunDir.from_cfg(cfg)
     samples_sha = None
     batches = None
@@ -67,13 +74,20 @@ def run(cfg) -> dict:
         samples = load_samples(rd.data)
         samples_sha = sha256_file(rd.data / "samples.jsonl")
         batches = calibration_batches(samples, int(q.num_samples), int(q.max_seq_len), int(cfg.seed))
+        if len(batches) < world:
+            raise bad_value(f"{FIELD}.num_samples", len(batches), f"{world} processes need at least one sample each",
+                            f"use at least {world} calibration samples or fewer processes")
 
     seed_everything(int(cfg.seed))
     started = time.perf_counter()
-    device = recipes.resolve_device(q.device)
-    model = _load_dense(cfg, device)
+    device = distributed.rank_device(recipes.resolve_device(q.device))
+    group = distributed.Group("auto", device)
+    model = _load_dense(cfg, device) if world == 1 else _load_shared(cfg, device)
     timings = {"load_s": round(time.perf_counter() - started, 3)}
-    calibrate.run_oneshot(model, q, ignore, batches, int(cfg.seed))
+    # data-parallel calibration: each rank runs its own share of the same seeded sample order;
+    # llm-compressor reduces GPTQ Hessians and activation statistics across ranks
+    share = [batches[i] for i in distributed.partition(len(batches), group.rank, world)] if batches else None
+    calibrate.run_oneshot(model, q, ignore, share, int(cfg.seed))
     timings["oneshot_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
     baseline = None
     if calibrate.quantizes_activations(q) and q.calibration == "none":
@@ -81,10 +95,19 @@ def run(cfg) -> dict:
     scales = calibrate.input_global_scales(model)
 
     out = rd.target(q.name)
-    with export.atomic_dir(out) as tmp:
-        written = export.save_compressed(model, tmp)
-        export.copy_tokenizer(cfg.target.tokenizer or cfg.target.path, tmp)
-        export.rewrite_config(tmp, written)
+    if world == 1:
+        with export.atomic_dir(out) as tmp:
+            _write(cfg, model, tmp)
+    else:
+        # compressing is collective (every rank compresses its share of modules); rank 0 writes
+        with contextlib.ExitStack() as stack:
+            tmp = stack.enter_context(export.atomic_dir(out)) if group.is_main else None
+            tmp = Path(group.broadcast(str(tmp) if tmp else None))
+            _write(cfg, model, tmp, main=group.is_main)
+            group.barrier()
+        group.close()
+        if not group.is_main:
+            return {}
     del model
     timings["write_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
     report = check_target(cfg, out, q, device)
@@ -93,7 +116,7 @@ def run(cfg) -> dict:
     return {
         "output": str(out), "scheme": q.scheme, "observer": q.observer, "algorithm": q.algorithm,
         "group_size": recipes.group_size(q), "ignore": ignore, "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
-        "seed": int(cfg.seed), "calibration": q.calibration,
+        "seed": int(cfg.seed), "calibration": q.calibration, "world_size": world,
         "num_calibration_samples": len(batches or []),
         "num_calibration_tokens": int(sum(b["input_ids"].numel() for b in batches or [])),
         "calibration_free": baseline, "input_global_scales": scales,
@@ -104,12 +127,42 @@ def run(cfg) -> dict:
     }
 
 
+def _write(cfg, model, tmp: Path, main: bool = True) -> None:
+    written = export.save_compressed(model, tmp, writer=main)
+    if main:
+        export.copy_tokenizer(cfg.target.tokenizer or cfg.target.path, tmp)
+        export.rewrite_config(tmp, written)
+
+
 def _load_dense(cfg, device: str | torch.device = "cpu"):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(cfg.target.path, revision=cfg.target.revision,
                                                 dtype=DTYPES.get(cfg.target.dtype, torch.float32),
                                                 trust_remote_code=bool(cfg.target.trust_remote_code)).to(device).eval()
+
+
+def _load_shared(cfg, device: torch.device):
+    """Under torchrun: rank 0 reads the weights once into shared CPU memory, the other ranks map them
+    (compressed-tensors' offloading); calibration onloads one layer at a time to each rank's GPU."""
+    from compressed_tensors.offload import load_offloaded_model
+    from transformers import AutoModelForCausalLM
+
+    # on a CPU-only host the loader's memory probe asks for an accelerator: name the CPU budget
+    placement = {"device_map": "auto_offload"} if device.type == "cuda" else {
+        "device_map": "cpu", "max_memory": {"cpu": _shared_memory_bytes()}}
+    with load_offloaded_model():
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.target.path, revision=cfg.target.revision, dtype=DTYPES.get(cfg.target.dtype, torch.float32),
+            trust_remote_code=bool(cfg.target.trust_remote_code), **placement)
+    return model.eval()
+
+
+def _shared_memory_bytes() -> int:
+    import shutil
+
+    shm = Path("/dev/shm")
+    return shutil.disk_usage(shm).free if shm.is_dir() else 8 * 2**30
 
 
 def check_target(cfg, out: Path, q, device: str | torch.device = "cpu") -> dict:
@@ -121,8 +174,10 @@ def check_target(cfg, out: Path, q, device: str | torch.device = "cpu") -> dict:
             "reloaded": True, "weight_error": errors, "weight_error_summary": checks.summarize(errors)}
 
 
-def _input_hashes(path: Path) -> dict[str, str]:
-    if not path.is_dir():
-        return {}
-    return {p.name: sha256_file(p) for p in sorted(path.iterdir())
-            if p.is_file() and (p.suffix == ".safetensors" or p.name == "config.json")}
+def _input_hashes(path: Path | str, revision: str | None = None) -> dict[str, str]:
+    """{file: sha256} of the target's weight + config files, from a directory or the local Hub cache's
+    snapshot of `revision`; {} when it is neither (`pipeline.loading.checkpoint_hashes`)."""
+    from pipeline.loading import checkpoint_hashes
+
+    files = checkpoint_hashes(path, revision) or {}
+    return {rel: e["sha256"] for rel, e in files.items()}

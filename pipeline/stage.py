@@ -9,7 +9,6 @@ import platform
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -33,18 +32,12 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def git_state(repo: Path | None = None) -> dict[str, Any]:
-    import subprocess
+def git_state() -> dict[str, Any]:
+    """{"commit", "dirty"} of this checkout; the rule for "dirty" is `pipeline.provenance.git_state`'s."""
+    from pipeline.provenance import git_state as _state
 
-    repo = repo or Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                                check=True, timeout=10).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--", "pipeline", "conf", "pyproject.toml"],
-                                cwd=repo, capture_output=True, text=True, check=True, timeout=10).stdout
-        return {"commit": commit, "dirty": bool(status.strip())}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+    state = _state()
+    return {"commit": state["commit"], "dirty": state["dirty"]}
 
 
 def device_info() -> dict[str, Any]:

@@ -22,9 +22,7 @@ from typing import Any
 
 from pipeline import provenance as prov
 from pipeline.errors import bad_value
-from pipeline.io import dumps_json
-
-HF_LOCAL_DIR_CACHE = ".cache/huggingface/"
+from pipeline.io import dumps_json, in_hf_local_cache
 
 
 def _load(path: Path, rel: str, problems: list[str]) -> Any:
@@ -108,8 +106,8 @@ def verify_dir(path: str | Path) -> list[str]:
             return rel == prov.FILE_LIST or prov.is_late(rel)
     else:
         def skip(rel):
-            # `hf download --local-dir` keeps its own metadata in .cache/huggingface/ inside the folder
-            return rel == prov.FILE_LIST or rel.startswith(HF_LOCAL_DIR_CACHE)
+            # a published folder fetched with `hf download --local-dir` holds the client's own metadata
+            return rel == prov.FILE_LIST or in_hf_local_cache(rel)
     present = prov.list_files(folder, skip)
     temps = [p.relative_to(folder).as_posix() for p in folder.rglob(prov.TMP_PREFIX + "*")
              if not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]

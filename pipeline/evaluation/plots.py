@@ -1,35 +1,22 @@
 """PNG plots for the evaluation report (and later the model card).
 
-Rendered with matplotlib's Agg backend and no timestamp metadata, so the same results give the
-same bytes.
+Saved with `pipeline.plotting.save_png` (Agg backend, no version or timestamp metadata), so the
+same results give the same bytes.
 """
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-from pipeline.io import atomic_write_bytes
+from pipeline.plotting import pyplot, save_png
 
-_META = {"Software": None}
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-_DASHES = ("-", "--", "-.", ":")  # no version/date in the PNG: same results -> same bytes
-
-
-def _save(fig, path: Path) -> Path:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, metadata=_META, bbox_inches="tight")
-    atomic_write_bytes(path, buf.getvalue())
-    return path
+_DASHES = ("-", "--", "-.", ":")
 
 
 def tau_bars(results: dict, path: Path) -> Path:
     """Grouped bars: acceptance length tau per subset (groups) and drafter variant (bars)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     variants = list(results["variant_order"])
     subsets = [s["name"] for s in results["subsets"]]
     width = 0.8 / max(len(variants), 1)
@@ -50,19 +37,12 @@ def tau_bars(results: dict, path: Path) -> Path:
     ax.legend(title="drafter variant", fontsize=8, title_fontsize=8, loc="upper left",
               bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return save_png(fig, path, dpi=120, tight=True)
 
 
 def acceptance_curves(results: dict, path: Path) -> Path:
     """Per-position acceptance: P(draft position k accepted) for k = 1..block_size-1, one panel per subset."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     variants = list(results["variant_order"])
     subsets = [s["name"] for s in results["subsets"]]
     positions = list(range(1, results["block_size"]))
@@ -85,7 +65,4 @@ def acceptance_curves(results: dict, path: Path) -> Path:
     fig.suptitle(f"Per-position acceptance rate: {results['drafter']['name']} drafter variants "
                  f"(target {results['target']['variant']}, greedy)")
     fig.tight_layout()
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return save_png(fig, path, dpi=120, tight=True)

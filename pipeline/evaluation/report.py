@@ -52,6 +52,38 @@ def _stats(results: dict, variant: str, subset: str) -> dict:
     return d["overall"] if subset == "all" else d["subsets"][subset]
 
 
+def _calibration_label(d: dict) -> str:
+    cal = d.get("calibration") or "n/a"
+    return f"{cal} ({d['activation_scale']} activation scales)" if d.get("activation_scale") else cal
+
+
+def _p(x: float) -> str:
+    return f"{x:.3g}" if x >= 1e-3 else f"{x:.1e}"
+
+
+def _paired_section(rows: list[dict]) -> list[str]:
+    """Calibrated vs calibration-free with their uncertainty: paired top-1 (McNemar) and tau (bootstrap)."""
+    if not rows:
+        return []
+    out = ["## Calibrated vs calibration-free, paired (is the difference more than noise?)", "",
+           "Top-1 agreement with the bf16 drafter on the same held-apart rows of the quantize-drafter checks "
+           "(served numerics): rows where only one variant agrees decide, exact two-sided McNemar p-value. "
+           "τ: the same evaluation prompts for both, 95% paired-bootstrap interval of the difference "
+           "(resampling prompts).", "",
+           "| calibrated | calibration-free | rows | top-1 calibrated | top-1 calibration-free | only calibrated "
+           "| only calibration-free | McNemar p | τ calibrated | τ calibration-free | Δτ [95% CI] |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, tau = r.get("top1_heldout"), r["tau"]
+        b = tau["paired_bootstrap"]
+        top = (f"{t['rows']} | {t['top1_a']:.4f} | {t['top1_b']:.4f} | {t['only_a']} | {t['only_b']} "
+               f"| {_p(t['mcnemar_p'])}") if t else "n/a | n/a | n/a | n/a | n/a | n/a"
+        out.append(f"| `{r['calibrated']}` | `{r['calibration_free']}` | {top} | {tau['calibrated']:.3f} "
+                   f"| {tau['calibration_free']:.3f} | {b['difference']:+.3f} [{b['ci95'][0]:+.3f}, "
+                   f"{b['ci95'][1]:+.3f}] |")
+    return out + [""]
+
+
 def render_report(results: dict) -> str:
     ref = results.get("reference_variant")
     t, dr = results["target"], results["drafter"]
@@ -73,6 +105,7 @@ def render_report(results: dict) -> str:
                 out.append(f"| {results['variants'][cal]['scheme']} | `{cal}` | `{free}` | {s} | {a:.3f} | {b:.3f} "
                            f"| {_pct(rel_change(a, b))} |")
         out.append("")
+    out += _paired_section(results.get("calibration_comparison") or [])
     out += ["## Tokens and per-position acceptance", "",
             "| variant | subset | steps | drafted | accepted | acceptance rate | P(accept) by position 1.."
             f"{results['block_size'] - 1} |", "|---|---|---|---|---|---|---|"]
@@ -88,7 +121,7 @@ def render_report(results: dict) -> str:
         d = results["variants"][v]
         q = d["quantization"]
         out.append(f"| `{v}` | {d.get('scheme') or ('none' if not q.get('quantized') else 'unknown')} "
-                   f"| {d.get('calibration') or 'n/a'} | {'yes' if q.get('activations_quantized') else 'no'} "
+                   f"| {_calibration_label(d)} | {'yes' if q.get('activations_quantized') else 'no'} "
                    f"| {', '.join(f'`{i}`' for i in q.get('ignore', [])) or '-'} |")
     if "source" in results["variants"]:
         out += ["", f"`source` is the drafter as configured (`{results['variants']['source']['path']}`), before the "

@@ -56,6 +56,26 @@ def set_fixed_activation_scales(model, amax: float) -> dict:
             "input_global_scale": value, "modules": n}
 
 
+def activation_scales(model, q, batches) -> tuple[dict | None, dict | None, dict[str, float]]:
+    """After oneshot: the activation global scales the variant ships.
+
+    Returns (calibration-free record, search record, minmax scales). calibration=none fixes every
+    scale (NVIDIA's calibration-free baseline); calibration=cache keeps static_minmax's scales for
+    activation_scale=minmax, or replaces each by the error-minimizing candidate for mse
+    (pipeline.quant.act_scale, over the same calibration batches).
+    """
+    from pipeline.quant import act_scale
+
+    if not quantizes_activations(q):
+        return None, None, {}
+    if q.calibration == "none":
+        return set_fixed_activation_scales(model, float(q.fixed_activation_amax)), None, {}
+    minmax = input_global_scales(model)
+    if q.activation_scale == "mse":
+        return None, act_scale.search(model, batches, q), minmax
+    return None, None, minmax
+
+
 def input_global_scales(model) -> dict[str, float]:
     """name -> input_global_scale of every activation-quantized Linear (for reports and tests)."""
     out = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.io import atomic_write_bytes, atomic_write_json
+from pipeline.io import atomic_write_json
 
 
 def load_dequantized(model: torch.nn.Module, ckpt_dir: str | Path) -> torch.nn.Module:
@@ -61,13 +61,9 @@ def weight_errors(model: torch.nn.Module, reference: torch.nn.Module) -> dict[st
 
 def plot_errors(errors: dict[str, float], title: str, path: Path) -> None:
     """Horizontal bar plot of per-layer relative weight error (PNG, deterministic metadata)."""
-    import io
+    from pipeline.plotting import pyplot, save_png
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(errors)
     fig, ax = plt.subplots(figsize=(7, 0.25 * len(names) + 1.2))
     ax.barh(range(len(names)), [errors[n] for n in names], color="#4c72b0")
@@ -76,10 +72,7 @@ def plot_errors(errors: dict[str, float], title: str, path: Path) -> None:
     ax.set_xlabel("relative weight error ||W_q - W|| / ||W||")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_png(fig, path, dpi=100)
 
 
 def write_report(checks_dir: Path, kind: str, variant: str, report: dict) -> Path:

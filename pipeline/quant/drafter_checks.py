@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.quant import cache_batches, checks, recipes
+from pipeline.quant import act_scale, cache_batches, checks, paired, recipes
 
 
 def _rows_mask(batch: dict, block_size: int) -> torch.Tensor:
@@ -28,6 +28,10 @@ class _Agreement:
         self.block_size = block_size
         self.kl, self.top1, self.rows = 0.0, 0, 0
         self.run_sum, self.blocks = 0.0, 0.0
+        # per row, in order: does the argmax match bf16's (for paired comparisons of two variants on the
+        # same held-apart rows), and bf16's own argmax (to check that two reports share those rows)
+        self.matches: list[torch.Tensor] = []
+        self.ref_ids: list[torch.Tensor] = []
 
     def add(self, ref: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> None:
         from pipeline.models.calibration import block_metrics
@@ -41,14 +45,18 @@ class _Agreement:
         r, q = ref.reshape(-1, v)[m].float(), logits.reshape(-1, v)[m].float()
         logp = torch.log_softmax(r, -1)
         self.kl += float((logp.exp() * (logp - torch.log_softmax(q, -1))).sum())
-        self.top1 += int((r.argmax(-1) == q.argmax(-1)).sum())
+        match = r.argmax(-1) == q.argmax(-1)
+        self.top1 += int(match.sum())
         self.rows += int(m.sum())
+        self.matches.append(match.cpu())
+        self.ref_ids.append(r.argmax(-1).to(torch.int64).cpu())
 
     def result(self) -> dict:
         n = self.rows
         return {"kl": self.kl / n if n else float("nan"), "top1_agreement": self.top1 / n if n else float("nan"),
                 "rows": n, "agreement_length": self.run_sum / self.blocks if self.blocks else float("nan"),
-                "blocks": int(self.blocks)}
+                "blocks": int(self.blocks), "top1_match_bits": paired.pack_bits(self.matches),
+                "reference_top1_sha256": paired.ids_sha256(self.ref_ids)}
 
 
 @torch.no_grad()
@@ -71,7 +79,23 @@ def compare(reference, quantized, batches, block_size: int) -> dict[str, dict]:
     return {"served": served.result(), "weights_only": weights_only.result()}
 
 
-def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf) -> dict:
+def activation_error_report(reference, quantized, held, q, search: dict | None) -> dict:
+    """Per-layer activation-QDQ error: the search's calibration-data record and, on the held-apart
+    batches, the checkpoint's scale against the calibration-free fixed one."""
+    if not act_scale.activation_quantized(quantized) or not len(held):
+        return {}
+    fixed = recipes.fixed_input_global_scale(float(q.fixed_activation_amax))
+    heldout = act_scale.heldout_errors(reference, quantized, held, fixed)
+    out = {"activation_error_heldout": heldout,
+           "activation_error_summary": {"heldout": act_scale.summarize(heldout, ("calibrated", "fixed"))}}
+    if search is not None:
+        out["activation_scale_search"] = search
+        out["activation_error_summary"]["calibration"] = act_scale.summarize(search["layers"],
+                                                                             ("minmax", "fixed", "chosen"))
+    return out
+
+
+def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict | None = None) -> dict:
     from pipeline.models.formats import load_drafter
 
     ref_dir, out = rd.drafter("bf16"), rd.drafter(q.name)
@@ -84,10 +108,16 @@ def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf) -> dict:
                                          int(dconf.mask_token_id), int(q.max_seq_len),
                                          int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET)
     metrics = compare(reference, quantized, held, dconf.block_size) if len(held) else {}
+    act = activation_error_report(reference, quantized, held, q, search)
     # paths relative to the run directory, so the report is byte-identical wherever the run lives
     report = {"kind": "drafter", "variant": q.name, "checkpoint": f"drafter/{q.name}", "reference": "drafter/bf16",
               "scheme": q.scheme, "observer": q.observer, "calibration": q.calibration, "reloaded": True,
               "heldout_samples": len(held_idx), "heldout_anchors": cache_batches.count_anchors(held),
-              "weight_error": errors, "weight_error_summary": checks.summarize(errors), **metrics}
+              "heldout_sample_ids": [reader.index["samples"][i]["id"] for i in held_idx],
+              "weight_error": errors, "weight_error_summary": checks.summarize(errors), **metrics, **act}
     checks.write_report(rd.checks, "drafter", q.name, report)
+    if act:
+        act_scale.plot(search, act["activation_error_heldout"],
+                       f"drafter {q.name}: per-layer activation-QDQ error (relative to ||x W^T||^2)",
+                       rd.checks / f"drafter-{q.name}-activation-error.png")
     return report

@@ -103,6 +103,9 @@ def validate_settings(q, field: str) -> None:
     if q.num_samples <= 0 and q.calibration == "cache":
         raise bad_value(f"{field}.num_samples", q.num_samples, "calibration needs at least one sample",
                         "use a positive number")
+    from pipeline.quant import act_scale
+
+    act_scale.validate_settings(q, field)
 
 
 def quantized_linears(model: torch.nn.Module, ignore: list[str]) -> list[tuple[str, int]]:

@@ -1,0 +1,277 @@
+"""Calibrated NVFP4 activation global scales: a per-layer search that can only beat the fixed scale.
+
+NVFP4 activations are local-dynamic: every 16 values get an FP8-E4M3 block scale computed at run
+time, relative to the per-tensor `input_global_scale`. That global scale only matters through the
+FP8 rounding of block scales, their subnormals (small blocks) and their saturation at 448 (clipped
+blocks). llm-compressor's static_minmax sets it to 448*6 / absmax of the calibration data, which
+leaves no headroom for outliers the calibration set did not see and otherwise differs from the
+calibration-free fixed scale (1.0 = absmax 2688) by noise.
+
+`activation_scale: mse` therefore re-runs the calibration batches once more after oneshot, with
+quantization disabled (the inputs each Linear saw while its observer ran: llm-compressor's basic
+and sequential pipelines calibrate under DisableQuantization), and for every activation-quantized
+Linear accumulates, per candidate global scale g, the layer-output error of activation QDQ:
+
+    E(g) = sum over rows of || (Q_g(x) - x) W^T ||^2      (W = the layer's dense weight)
+
+with Q_g exactly compressed-tensors' run-time QDQ (compute_dynamic_scales_and_zp + fake_quantize
+with the module's input_activations args). The candidates always include the calibration-free
+fixed scale and the minmax scale, so on the calibration data the chosen scale is never worse than
+either: per layer, or for layers vLLM fuses (q/k/v, gate/up: one scale per fused Linear) on the sum
+of the group's errors. Ties go to the fixed scale, then minmax, then the grid order. Activations are streamed in
+row chunks; nothing is kept across batches but one float64 sum per candidate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pipeline.errors import bad_value
+
+METHODS = ("minmax", "mse")
+CHUNK_ELEMENTS = 1 << 23  # activation values quantized at once (32 MiB in fp32), whatever the width
+
+
+def validate_settings(q, field: str) -> None:
+    """activation_scale and its multipliers; checked with the other settings, before any weights load."""
+    method = getattr(q, "activation_scale", "minmax")
+    if method not in METHODS:
+        raise bad_value(f"{field}.activation_scale", method, "it is not a known activation-scale method",
+                        f"use one of {', '.join(METHODS)}")
+    mults = list(getattr(q, "activation_scale_multipliers", None) or [])
+    if method == "mse" and not mults:
+        raise bad_value(f"{field}.activation_scale_multipliers", mults, "the mse search needs candidate multipliers",
+                        "give a list of positive multipliers of the minmax scale, e.g. [0.25, 0.5, 1.0, 2.0, 4.0]")
+    bad = [m for m in mults if not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0]
+    if bad:
+        raise bad_value(f"{field}.activation_scale_multipliers", mults, f"{bad[0]} is not a positive finite number",
+                        "use positive multipliers of the minmax scale, e.g. [0.25, 0.5, 1.0, 2.0, 4.0]")
+    amax = float(q.fixed_activation_amax)
+    if not math.isfinite(amax) or amax <= 0:
+        raise bad_value(f"{field}.fixed_activation_amax", q.fixed_activation_amax, "an absmax must be positive",
+                        "use 2688.0 (input_global_scale 1.0, the calibration-free value)")
+
+
+def _f32(x: float) -> float:
+    """The value as the float32 that input_global_scale will hold."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def candidates(minmax: float, fixed: float, multipliers) -> list[tuple[str, float]]:
+    """(label, global scale): fixed first, then minmax, then minmax * each multiplier; equal values once."""
+    out, seen = [], set()
+    for label, value in [("fixed", fixed), ("minmax", minmax),
+                         *[(f"minmax*{float(m):g}", minmax * float(m)) for m in multipliers]]:
+        v = _f32(value)
+        if v not in seen and v > 0 and math.isfinite(v):
+            seen.add(v)
+            out.append((label, v))
+    return out
+
+
+def qdq(x: torch.Tensor, args, global_scale: torch.Tensor, module=None) -> torch.Tensor:
+    """compressed-tensors' run-time NVFP4 activation quantize-dequantize at a given global scale
+    (the two calls forward_quantize makes for dynamic='local' inputs)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    scale, zp = compute_dynamic_scales_and_zp(value=x, args=args, module=module, global_scale=global_scale)
+    return fake_quantize(x, scale, zp, args, global_scale=global_scale)
+
+
+class LayerError:
+    """Streaming sum over rows of ||(Q_g(x) - x) W^T||^2 for each candidate g of one Linear."""
+
+    def __init__(self, weight: torch.Tensor, args, scales: list[tuple[str, float]]):
+        self.weight, self.args = weight.detach(), args
+        self.labels = [label for label, _ in scales]
+        self.scales = [value for _, value in scales]
+        self.errors = [0.0] * len(scales)
+        self.energy, self.rows = 0.0, 0  # sum of ||x W^T||^2, for relative errors
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1])
+        w = self.weight.to(x.dtype)
+        step = max(1, CHUNK_ELEMENTS // x.shape[-1])
+        gs = [torch.tensor([g], dtype=torch.float32, device=x.device) for g in self.scales]
+        for start in range(0, x.shape[0], step):
+            chunk = x[start:start + step]
+            self.energy += float((chunk @ w.T).double().square().sum())
+            for i, g in enumerate(gs):
+                err = (qdq(chunk, self.args, g) - chunk) @ w.T
+                self.errors[i] += float(err.double().square().sum())
+        self.rows += x.shape[0]
+
+    def hook(self, module, args) -> None:
+        self.add(args[0])  # returns None: the forward is left untouched
+
+    def relative(self, i: int) -> float:
+        return self.errors[i] / self.energy if self.energy > 0 else 0.0
+
+
+def activation_quantized(model) -> dict[str, torch.nn.Module]:
+    """name -> Linear whose scheme quantizes its input activations (module order)."""
+    return {name: m for name, m in model.named_modules()
+            if getattr(getattr(m, "quantization_scheme", None), "input_activations", None) is not None
+            and isinstance(getattr(m, "input_global_scale", None), torch.Tensor)}
+
+
+def run_hooked(model, modules: dict[str, torch.nn.Module], layers: dict[str, LayerError], batches, desc: str
+               ) -> None:
+    """One forward over `batches` with every layer's pre-hook attached, quantization disabled."""
+    from llmcompressor.utils.helpers import DisableQuantization, calibration_forward_context
+    from tqdm import tqdm
+
+    device = next(model.parameters()).device
+    handles = [modules[name].register_forward_pre_hook(layer.hook) for name, layer in layers.items()]
+    try:
+        with calibration_forward_context(model), DisableQuantization(model):
+            for batch in tqdm(batches, desc=desc, unit="sample"):
+                model(**{k: v.to(device) for k, v in batch.items()})
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def fused_groups(model, names: list[str]) -> list[list[str]]:
+    """The layers that must share one input_global_scale, in module order.
+
+    vLLM serves q/k/v and gate/up as one fused Linear with one activation global scale (it keeps
+    the max() of the shards' scales and warns), so a fused group gets one scale, chosen on the sum
+    of its members' errors; llm-compressor's FUSED_LAYER_NAMES says which layers fuse.
+    """
+    from llmcompressor.observers.helpers import FUSED_LAYER_NAMES
+
+    wanted, group_of = set(names), {}
+    for parent, module in model.named_modules():
+        for fusion in FUSED_LAYER_NAMES:
+            if all(hasattr(module, n) for n in fusion):
+                members = [f"{parent}.{n}" if parent else n for n in fusion]
+                members = [m for m in members if m in wanted]
+                for m in members:
+                    group_of[m] = members
+    groups, seen = [], set()
+    for name in names:
+        if name not in seen:
+            group = group_of.get(name, [name])
+            seen.update(group)
+            groups.append(group)
+    return groups
+
+
+def search(model, batches, q) -> dict:
+    """Pick each activation-quantized Linear's input_global_scale by the search; write it in place.
+
+    Returns the record for the stage result and the check report: per layer the minmax, fixed and
+    chosen scale with the error of each on the calibration batches.
+    """
+    from pipeline.quant.recipes import fixed_input_global_scale
+
+    fixed = _f32(fixed_input_global_scale(float(q.fixed_activation_amax)))
+    mults = [float(m) for m in q.activation_scale_multipliers]
+    modules = activation_quantized(model)
+    groups = fused_groups(model, list(modules))
+    layers = {}
+    for group in groups:
+        # members of a fused group see the same input, so static_minmax gave them the same scale
+        minmax = min(float(modules[n].input_global_scale.reshape(-1)[0]) for n in group)
+        for n in group:
+            layers[n] = LayerError(modules[n].weight, modules[n].quantization_scheme.input_activations,
+                                   candidates(minmax, fixed, mults))
+    run_hooked(model, modules, layers, batches, "activation scale search")
+    record = {}
+    for group in groups:
+        n_cand = len(layers[group[0]].scales)
+        i = min(range(n_cand), key=lambda c: (sum(layers[n].errors[c] for n in group), c))  # ties: fixed, minmax
+        for n in group:
+            with torch.no_grad():
+                modules[n].input_global_scale.fill_(layers[n].scales[i])
+            record[n] = layer_record(layers[n], i) | ({"fused_with": [m for m in group if m != n]}
+                                                      if len(group) > 1 else {})
+    return {"method": "mse", "multipliers": mults, "fixed_input_global_scale": fixed,
+            "objective": "sum over calibration rows of ||(Q_g(x) - x) W^T||^2, inputs with quantization "
+                         "disabled; one scale per fused group (q/k/v, gate/up) on the sum of its errors",
+            "groups": [g for g in groups if len(g) > 1], "layers": record}
+
+
+def layer_record(layer: LayerError, chosen: int) -> dict:
+    """Scales and errors of one layer; relative error = E(g) / sum ||x W^T||^2."""
+    minmax = layer.labels.index("minmax")
+    fixed = layer.labels.index("fixed")
+    return {"chosen": layer.labels[chosen], "chosen_scale": layer.scales[chosen],
+            "chosen_multiplier": layer.scales[chosen] / layer.scales[minmax],
+            "minmax_scale": layer.scales[minmax], "fixed_scale": layer.scales[fixed], "rows": layer.rows,
+            "error": {"minmax": layer.errors[minmax], "fixed": layer.errors[fixed], "chosen": layer.errors[chosen]},
+            "relative_error": {"minmax": layer.relative(minmax), "fixed": layer.relative(fixed),
+                               "chosen": layer.relative(chosen)}}
+
+
+def heldout_errors(reference, quantized, batches, fixed: float) -> dict[str, dict]:
+    """Activation-QDQ error on held-apart batches: the checkpoint's stored scale vs the fixed one.
+
+    Inputs come from the dense reference drafter (as in calibration); args and scales from the
+    reloaded checkpoint; W is the reference's dense weight.
+    """
+    q_modules = activation_quantized(quantized)
+    ref_modules = dict(reference.named_modules())
+    layers = {}
+    for name, m in q_modules.items():
+        stored = _f32(float(m.input_global_scale.reshape(-1)[0]))
+        scales = [("calibrated", stored)] + ([("fixed", _f32(fixed))] if _f32(fixed) != stored else [])
+        layers[name] = LayerError(ref_modules[name].weight, m.quantization_scheme.input_activations, scales)
+    run_hooked(reference, {n: ref_modules[n] for n in layers}, layers, batches, "held-apart activation error")
+    out = {}
+    for name, layer in layers.items():
+        cal = layer.relative(0)
+        fix = layer.relative(1) if len(layer.scales) > 1 else cal
+        out[name] = {"calibrated_scale": layer.scales[0], "rows": layer.rows,
+                     "relative_error": {"calibrated": cal, "fixed": fix}}
+    return out
+
+
+def summarize(record: dict[str, dict], keys: tuple[str, ...]) -> dict[str, float]:
+    """Mean relative error over layers per key, and how many layers each key wins or ties."""
+    layers = list(record.values())
+    if not layers:
+        return {}
+    out = {f"mean_relative_error_{k}": sum(r["relative_error"][k] for r in layers) / len(layers) for k in keys}
+    out["layers"] = len(layers)
+    return out
+
+
+def plot(search_record: dict | None, heldout: dict | None, title: str, path) -> None:
+    """Per-layer relative activation-QDQ error: calibration data (minmax / fixed / chosen) and held-apart
+    data (calibrated / fixed), grouped horizontal bars, PNG with fixed metadata."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pipeline.evaluation.plots import _save
+
+    panels = [(t, rec, keys) for t, rec, keys in
+              [("calibration samples", (search_record or {}).get("layers"), ("minmax", "fixed", "chosen")),
+               ("held-apart samples", heldout, ("fixed", "calibrated"))] if rec]
+    names = list(panels[0][1])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 0.3 * len(names) + 1.6), squeeze=False,
+                             sharey=True)
+    for ax, (sub, rec, keys) in zip(axes[0], panels):
+        h = 0.8 / len(keys)
+        for j, k in enumerate(keys):
+            ys = [i + (j - (len(keys) - 1) / 2) * h for i in range(len(names))]
+            ax.barh(ys, [rec[n]["relative_error"][k] for n in names], height=h * 0.95, label=k)
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_xlabel("||(Q(x) - x) W^T||^2 / ||x W^T||^2")
+        ax.set_title(sub, fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0][0].invert_yaxis()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    try:
+        _save(fig, path)
+    finally:
+        plt.close(fig)
