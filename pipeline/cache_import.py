@@ -20,13 +20,13 @@ from pathlib import Path
 
 from pipeline.cache_store import (
     Layout,
-    ShardWriter,
     build_index,
     check_storage_dtype,
     clear_stale,
     encode_hidden,
     plan_shards,
 )
+from pipeline.cache_writer import ShardWriter
 from pipeline.errors import SpecquantError, bad_value
 from pipeline.io import dumps_json, remove_stale_temps, sha256_bytes, sha256_text
 

@@ -275,11 +275,3 @@ __all__ = ["CacheReader", "Layout", "ShardPlan", "plan_shards", "pack_batches", 
            "decode_hidden", "content_hash", "build_index", "clear_stale", "read_sidecar", "finished_index",
            "check_storage_dtype", "dumps_json", "FORMAT", "FORMAT_VERSION", "STORAGE_DTYPES", "shard_file"]
 
-
-def __getattr__(name: str):
-    """The writer classes moved to pipeline.cache_writer; `from pipeline.cache_store import ShardWriter` still works."""
-    if name in ("BackgroundWriter", "ShardWriter"):
-        from pipeline import cache_writer
-
-        return getattr(cache_writer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -139,13 +139,16 @@ def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: in
         reports = {v: json.loads(p.read_text(encoding="utf-8")) for v, p in checks.items() if p.is_file()}
         top1 = paired.paired_top1(reports[cal], reports[free]) if len(reports) == 2 else None
         tau = paired.bootstrap_ratio_difference(per_prompt[cal], per_prompt[free], seed)
+        # the same interval for each against the bf16 drafter: how far pure quantization noise moves tau
+        vs_ref = {v: paired.bootstrap_ratio_difference(per_prompt[v], per_prompt[REFERENCE], seed)
+                  for v in (cal, free)} if REFERENCE in per_prompt else {}
         out.append({"calibrated": cal, "calibration_free": free, "scheme": results["variants"][cal]["scheme"],
                     "activation_scale": results["variants"][cal].get("activation_scale"),
                     "top1_heldout": top1, "kl_heldout": {v: (r.get("served") or {}).get("kl")
                                                          for v, r in reports.items()},
                     "tau": {"calibrated": results["variants"][cal]["overall"]["tau"],
                             "calibration_free": results["variants"][free]["overall"]["tau"],
-                            "paired_bootstrap": tau}})
+                            "paired_bootstrap": tau, "vs_bf16_paired_bootstrap": vs_ref}})
     return out
 
 

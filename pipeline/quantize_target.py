@@ -120,7 +120,7 @@ def run(cfg) -> dict:
         "num_calibration_samples": len(batches or []),
         "num_calibration_tokens": int(sum(b["input_ids"].numel() for b in batches or [])),
         "calibration_free": baseline, "input_global_scales": scales,
-        "inputs": {"target": _input_hashes(Path(cfg.target.path)), "samples_sha256": samples_sha},
+        "inputs": {"target": _input_hashes(cfg.target.path, cfg.target.revision), "samples_sha256": samples_sha},
         "outputs": export.output_hashes(out),
         "check": {"weight_error": checks.summarize(report["weight_error"])},
         "timings": timings, "device": str(device),

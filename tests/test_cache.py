@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -247,3 +249,74 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["tokens"] == 4 * 2 * 64 for r in res)
     assert res[2]["bytes_written"] > res[3]["bytes_written"] > 0
     assert not list(tmp_path.glob("tmp*"))  # its scratch directories are removed
+
+
+def hub_cache(root: Path, repo: str, src: Path, commit: str = "c0ffee" * 6 + "abcd") -> Path:
+    """`src`'s files laid out as the Hub client caches repo `repo` at `commit` (blobs, snapshot links,
+    refs/main); returns the cache root to point huggingface_hub at."""
+    d = root / f"models--{repo.replace('/', '--')}"
+    snap = d / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (d / "blobs").mkdir(exist_ok=True)
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            blob = d / "blobs" / sha256_file(p)
+            shutil.copyfile(p, blob)
+            (snap / p.name).symlink_to(os.path.relpath(blob, snap))
+    (d / "refs").mkdir(exist_ok=True)
+    (d / "refs" / "main").write_text(commit)
+    return root
+
+
+def test_hub_download_metadata_does_not_change_the_cache_inputs(tmp_path):
+    """A target dir with and without `.cache/huggingface/*.metadata` (written by `hf download --local-dir`,
+    rewritten on every re-download) has the same cache input hash, so the finished cache is reused."""
+    from pipeline.cache import target_files_sha256
+
+    target = tmp_path / "target"
+    shutil.copytree(TARGET, target)
+    write_data(tmp_path / "run", n=4)
+    ov = [f"run_dir={tmp_path / 'run'}", f"target.path={target}", f"drafter.path={SPEC_DRAFTER}",
+          "drafter.format=speculators", "cache.batch_tokens=64"]
+    from pipeline import cache
+
+    first = cache.run(compose(ov))
+    before = target_files_sha256(compose(ov))
+    meta = target / ".cache" / "huggingface"
+    (meta / "download").mkdir(parents=True)
+    (meta / "x.metadata").write_text("0123abcd\n\"etag\"\n1764500000.0\n")
+    (meta / "download" / "model.safetensors.metadata").write_text("0123abcd\n\"etag\"\n1764500001.5\n")
+    assert target_files_sha256(compose(ov)) == before
+    again = cache.run(compose(ov))
+    assert again["reused"] and again["inputs_hash"] == first["inputs_hash"] and again["shards_written"] == 0
+    # the files that decide the hidden states do count
+    conf = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**conf, "specquant_note": "edited"}))
+    assert target_files_sha256(compose(ov)) != before
+
+
+def test_checkpoint_hashes_local_and_hub_snapshot(tmp_path, monkeypatch):
+    """One helper hashes a model's weight + config files, from a directory or from the local Hub cache
+    (repo id + revision, offline); a Hub-configured target gets the same cache input hash as its copy."""
+    from huggingface_hub import constants
+
+    from pipeline.cache import target_files_sha256
+    from pipeline.errors import SpecquantError
+    from pipeline.loading import checkpoint_hashes
+
+    local = checkpoint_hashes(TARGET)
+    assert set(local) == {"config.json", "model.safetensors"}  # not the tokenizer, not generation_config
+    assert local["model.safetensors"] == {"sha256": sha256_file(TARGET / "model.safetensors"),
+                                          "bytes": (TARGET / "model.safetensors").stat().st_size}
+    assert set(checkpoint_hashes(TARGET, weights_only=True)) == {"model.safetensors"}
+
+    commit = "c0ffee" * 6 + "abcd"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", "org/tiny-target", TARGET)))
+    assert checkpoint_hashes("org/tiny-target") == local  # revision None = main
+    assert checkpoint_hashes("org/tiny-target", commit) == local
+    assert checkpoint_hashes("org/tiny-target", "f" * 40) is None  # not cached: never downloaded
+    assert checkpoint_hashes("org/not-cached") is None
+    hub_cfg = compose(["target.path=org/tiny-target", f"target.revision={commit}"])
+    assert target_files_sha256(hub_cfg) == target_files_sha256(compose([f"target.path={TARGET}"]))
+    with pytest.raises(SpecquantError, match="target.path.*neither a directory nor a cached Hub repo"):
+        target_files_sha256(compose(["target.path=org/not-cached"]))

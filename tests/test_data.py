@@ -183,3 +183,36 @@ def test_config_tree_composes_every_experiment():
     assert real.data.num_samples == 2027 + real.quant.heldout_samples and real.seed == 0
     assert real.quant.scheme == "nvfp4" and real.quant.observer == "nvfp4_expanded_mse"
     assert (REPO / "conf" / "experiment" / "tiny.yaml").is_file()
+
+
+def test_tokenizer_hash_is_over_its_original_files(tmp_path, chat_tokenizer, sources, monkeypatch):
+    """meta.json records the sha256 of the tokenizer's own files (those of TOKENIZER_FILES present; never
+    a re-saved copy, nothing in $TMPDIR) and one digest over them; a Hub snapshot gives the same."""
+    import shutil
+    import tempfile
+
+    from huggingface_hub import constants
+
+    from pipeline import data
+    from pipeline.io import dumps_json, sha256_bytes, sha256_file
+    from pipeline.quant.export import TOKENIZER_FILES
+    from tests.test_cache import hub_cache
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-tmpdir"))  # any temp file would fail
+    cfg = make_cfg(tmp_path, chat_tokenizer, sources)
+    data.run(cfg)
+    tok = json.loads((Path(cfg.run_dir) / "data" / "meta.json").read_text())["tokenizer"]
+    on_disk = {n: sha256_file(chat_tokenizer / n) for n in TOKENIZER_FILES if (chat_tokenizer / n).is_file()}
+    assert "tokenizer.json" in on_disk and tok["files"] == on_disk
+    assert tok["sha256"] == sha256_bytes(dumps_json(on_disk).encode()) == data.tokenizer_sha256(str(chat_tokenizer))
+    assert data.tokenizer_hashes(chat_tokenizer) == {"files": on_disk, "sha256": tok["sha256"]}
+
+    edited = tmp_path / "edited"
+    shutil.copytree(chat_tokenizer, edited)
+    conf = json.loads((edited / "tokenizer_config.json").read_text())
+    (edited / "tokenizer_config.json").write_text(json.dumps({**conf, "model_max_length": 77}))
+    assert data.tokenizer_hashes(edited)["sha256"] != tok["sha256"]
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", "org/tok", chat_tokenizer)))
+    assert data.tokenizer_hashes("org/tok") == data.tokenizer_hashes(chat_tokenizer)
+    assert data.tokenizer_hashes("org/not-cached") == {"files": None, "sha256": None}

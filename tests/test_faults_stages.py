@@ -122,7 +122,7 @@ def run(tmp_path_factory) -> dict:
 # ---------------------------------------------------------------- SIGKILL of quantize-drafter
 KILLPOINTS = {
     # the bf16 reference checkpoint is complete in drafter/.partial-bf16-<pid>/, not yet renamed
-    "saving_bf16_reference": "pipeline.quant.export:_fsync_tree|1",
+    "saving_bf16_reference": "pipeline.io:_fsync_tree|1",
     # oneshot is calibrating: the third calibration forward of the drafter
     "during_oneshot": "pipeline.models.dflash:DFlashDrafter.forward|3",
     # the compressed checkpoint is written in drafter/.partial-nvfp4-<pid>/, its config not yet rewritten

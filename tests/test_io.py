@@ -10,12 +10,17 @@ import pytest
 
 from pipeline.errors import SpecquantError
 from pipeline.io import (
+    PARTIAL_PREFIX,
     TMP_PREFIX,
     HashingWriter,
+    atomic_dir,
     atomic_open,
     atomic_write_json,
     confine,
+    hash_files,
     hash_tree,
+    in_hf_local_cache,
+    list_files,
     remove_stale_temps,
 )
 
@@ -60,3 +65,47 @@ def test_stale_temps_are_removed(tmp_path):
     (tmp_path / f"{TMP_PREFIX}abc").write_bytes(b"x")
     (tmp_path / "keep").write_bytes(b"y")
     assert remove_stale_temps(tmp_path) == 1 and [p.name for p in tmp_path.iterdir()] == ["keep"]
+
+
+def test_hash_tree_follows_the_file_list_rule(tmp_path):
+    """hash_tree = hash_files(list_files(...)): regular files only, no temp files, no symlinks; `exclude` skips."""
+    from pipeline import provenance
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "a").write_bytes(b"a")
+    (tmp_path / "d" / "b").write_bytes(b"bb")
+    (tmp_path / "d" / f"{TMP_PREFIX}x").write_bytes(b"half")
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    tree = hash_tree(tmp_path)
+    assert tree == hash_files(tmp_path, list_files(tmp_path)) == {
+        "a": {"sha256": hashlib.sha256(b"a").hexdigest(), "bytes": 1},
+        "d/b": {"sha256": hashlib.sha256(b"bb").hexdigest(), "bytes": 2}}
+    assert list(hash_tree(tmp_path, exclude=("d",))) == ["a"]
+    assert list_files(tmp_path, follow_links=True) == ["a", "d/b", "link"]
+    assert provenance.list_files is list_files and provenance.hash_files is hash_files  # one implementation
+
+
+def test_hf_local_cache_rule():
+    assert in_hf_local_cache(".cache/huggingface/download/model.safetensors.metadata")
+    assert in_hf_local_cache(".cache/huggingface")
+    assert not in_hf_local_cache(".cache/other/x") and not in_hf_local_cache("sub/.cache/huggingface/x")
+    assert not in_hf_local_cache("model.safetensors")
+
+
+def test_atomic_dir_swaps_whole_directories(tmp_path):
+    from pipeline.quant import export
+
+    final = tmp_path / "ckpt"
+    with atomic_dir(final) as d:
+        (d / "a").write_bytes(b"1")
+        assert not final.exists()  # invisible until complete
+    assert [p.name for p in final.iterdir()] == ["a"]
+    with pytest.raises(RuntimeError), atomic_dir(final) as d:
+        (d / "b").write_bytes(b"2")
+        raise RuntimeError("killed mid-write")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"] and (final / "a").read_bytes() == b"1"
+    (tmp_path / f"{PARTIAL_PREFIX}ckpt-99999").mkdir()  # what a SIGKILLed run leaves
+    with atomic_dir(final) as d:
+        (d / "c").write_bytes(b"3")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"] and [p.name for p in final.iterdir()] == ["c"]
+    assert export.atomic_dir is atomic_dir and export.remove_partials.__module__ == "pipeline.io"

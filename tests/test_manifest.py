@@ -166,6 +166,7 @@ def test_quant_run_manifest_fields(run):
     src = FIX / "speculators" / "checkpoint"
     assert ck["inputs"]["drafter"]["files"]["model.safetensors"]["sha256"] == sha256_file(src / "model.safetensors")
     assert ck["inputs"]["target"]["files"]["model.safetensors"]["sha256"] == sha256_file(FIX / "target" / "model.safetensors")
+    assert set(ck["inputs"]["target"]["files"]) == {"config.json", "model.safetensors"}  # weights + config only
     assert ck["inputs"]["calibration_cache"]["content_sha256"] == "c" * 64
     out = run / "drafter" / "nvfp4"
     assert ck["files"] == {f: {"sha256": sha256_file(out / f), "bytes": (out / f).stat().st_size}
@@ -314,3 +315,14 @@ def test_committed_tiny_manifests_validate(name):
     doc = json.loads(path.read_text())
     _validate(doc, name)
     assert doc["not_run"] == [] and doc["run_name"] == "tiny"
+
+
+def test_tokenizer_section_agrees_with_the_data_stage(chat_tokenizer):
+    """The manifest reports the data stage's tokenizer hashes, and hashes a bare path the same way."""
+    from pipeline import data
+
+    hashes = data.tokenizer_hashes(chat_tokenizer)
+    recorded = manifest._tokenizer({"tokenizer": {"name_or_path": str(chat_tokenizer), "revision": None, **hashes}}, {})
+    fallback = manifest._tokenizer({}, {"target": {"tokenizer": str(chat_tokenizer)}})
+    assert recorded["files"] == fallback["files"] == hashes["files"] and "tokenizer.json" in hashes["files"]
+    assert recorded["sha256"] == fallback["sha256"] == hashes["sha256"]

@@ -113,3 +113,50 @@ def test_reference_ignores_machine_and_commit(two_runs):
     (b / "quant_run_manifest.json").write_text(json.dumps(q, indent=2, sort_keys=True) + "\n")
     assert repro.compare(repro._reference_view(a, ra), repro._reference_view(b, rb)) == []
     assert repro.compare(repro.digests(a, ra)[0], repro.digests(b, rb)[0]) != []
+
+
+def test_one_git_state_rule_for_stage_records_and_source_snapshot(tmp_path, monkeypatch):
+    """stage records and provenance/source/SOURCE.json agree on "dirty": only pipeline/, conf/ and
+    pyproject.toml count; working-tree changes vs HEAD and untracked, non-ignored files make it dirty."""
+    import subprocess
+
+    from pipeline import provenance, stage
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    for rel, text in {"pipeline/a.py": "x = 1\n", "conf/c.yaml": "a: 1\n", "pyproject.toml": "[project]\n",
+                      "tests/t.py": "", "docs/d.md": "", ".gitignore": "*.pyc\nruns/\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "init")
+    monkeypatch.setattr(provenance, "REPO_ROOT", tmp_path)
+
+    def both():
+        rec, src = stage.git_state(), provenance.source_info()["git"]
+        assert rec["commit"] == src["commit"] and len(rec["commit"]) == 40
+        assert rec["dirty"] == src["dirty"]
+        return rec["dirty"]
+
+    assert both() is False
+    (tmp_path / "tests" / "t.py").write_text("changed")  # outside the source paths
+    (tmp_path / "docs" / "new.md").write_text("new")
+    (tmp_path / "pipeline" / "a.pyc").write_bytes(b"ignored")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "x.json").write_text("{}")
+    assert both() is False
+    (tmp_path / "pipeline" / "a.py").write_text("x = 2\n")
+    git("add", "pipeline/a.py")
+    (tmp_path / "pipeline" / "a.py").write_text("x = 1\n")  # staged, then undone: the bytes that run are HEAD's
+    assert both() is False
+    (tmp_path / "conf" / "c.yaml").write_text("a: 2\n")
+    assert both() is True
+    git("checkout", "-q", "--", "conf/c.yaml")
+    (tmp_path / "conf" / "new.yaml").write_text("b: 1\n")  # untracked, not ignored
+    assert both() is True and provenance.git_state()["untracked"] == ["conf/new.yaml"]
+    (tmp_path / "conf" / "new.yaml").unlink()
+    (tmp_path / "pyproject.toml").unlink()  # a deletion
+    assert both() is True

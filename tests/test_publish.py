@@ -182,9 +182,13 @@ def test_dry_run_assembles_verified_folder_with_card(run_root, tmp_path, capsys)
                  "python -m pipeline verify", "Not measured", "![eval/tau.png](eval/tau.png)", "-4.0%", "-10.0%"):
         assert text in readme, text
 
-    # same run, same config: byte-identical folder and record
+    # same run, same config: byte-identical folder and record; a killed assemble's partial folder is cleared
     before = {p: sha256(p) for p in sorted((run_root / "tiny" / "publish").rglob("*")) if p.is_file()}
+    partial = run_root / "tiny" / "publish" / ".partial-nvfp4-99999"
+    partial.mkdir()
+    (partial / "README.md").write_text("half-assembled")
     publish.run(publish_cfg(run_root))
+    assert not partial.exists()
     after = {p: sha256(p) for p in sorted((run_root / "tiny" / "publish").rglob("*")) if p.is_file()}
     assert before == after
 

@@ -69,27 +69,35 @@ def test_same_seed_gives_identical_files(world, nvfp4):
 
 
 def test_activation_scales_come_from_the_calibration_activations(world, nvfp4):
-    # fc's input is the cached hidden states themselves: its scale is 448*6 / absmax over the
-    # calibration samples (the rows the seeded split picked), not a constant or a weight statistic
-    assert nvfp4["input_global_scales"]["fc"] == pytest.approx(_fc_scale(world), rel=1e-5)
-    # only the weight observer changes -> the same activation scales
+    # fc's input is the cached hidden states themselves: its static_minmax scale is 448*6 / absmax over
+    # the calibration samples (the rows the seeded split picked), not a constant or a weight statistic;
+    # the scale written is the searched one (tests/test_quant_scale_search.py), chosen on those activations
+    assert nvfp4["minmax_input_global_scales"]["fc"] == pytest.approx(_fc_scale(world), rel=1e-5)
+    assert nvfp4["activation_scale_search"]["layers"]["fc"]["chosen_scale"] == nvfp4["input_global_scales"]["fc"]
+    # only the weight observer changes -> the same activation scales (the search weighs errors by the
+    # dense weights, not the quantized ones)
     minmax = quantize_drafter.run(world_cfg(world, "quant.observer=minmax", "quant.name=nvfp4-minmax"))
     assert minmax["input_global_scales"] == nvfp4["input_global_scales"]
+    assert minmax["minmax_input_global_scales"] == nvfp4["minmax_input_global_scales"]
     assert minmax["outputs"]["model.safetensors"] != nvfp4["outputs"]["model.safetensors"]
     # another seed (other samples and anchors) -> other scales
     seeded = quantize_drafter.run(world_cfg(world, "seed=1", "quant.name=nvfp4-seed1"))
     assert seeded["input_global_scales"] != nvfp4["input_global_scales"]
+    assert seeded["minmax_input_global_scales"] != nvfp4["minmax_input_global_scales"]
 
 
 def test_another_cache_changes_the_activation_scales(tmp_path, nvfp4):
     other = tmp_path / "other"
     build_world(other, blend_seed=1)
     result = quantize_drafter.run(world_cfg(other, "quant=nvfp4"))
-    changed = [k for k, v in result["input_global_scales"].items() if v != nvfp4["input_global_scales"][k]]
+    before, after = nvfp4["minmax_input_global_scales"], result["minmax_input_global_scales"]
+    changed = [k for k, v in after.items() if v != before[k]]
     # every layer after fc sees other activations; fc may keep its scale when both calibration sets
     # share their absmax row (a position-0 token), so it is checked against its own data instead
-    assert set(changed) >= set(nvfp4["input_global_scales"]) - {"fc"}
-    assert result["input_global_scales"]["fc"] == pytest.approx(_fc_scale(other), rel=1e-5)
+    assert set(changed) >= set(before) - {"fc"}
+    assert after["fc"] == pytest.approx(_fc_scale(other), rel=1e-5)
+    # the searched scales are chosen on those activations too (not all move: a layer may keep the fixed one)
+    assert result["activation_scale_search"] != nvfp4["activation_scale_search"]
 
 
 def _fc_scale(root) -> float:

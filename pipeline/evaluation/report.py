@@ -58,7 +58,7 @@ def _calibration_label(d: dict) -> str:
 
 
 def _p(x: float) -> str:
-    return f"{x:.3g}" if x >= 1e-3 else f"{x:.1e}"
+    return f"{x:.3f}" if x >= 1e-3 else f"{x:.1e}"
 
 
 def _paired_section(rows: list[dict]) -> list[str]:
@@ -71,17 +71,23 @@ def _paired_section(rows: list[dict]) -> list[str]:
            "τ: the same evaluation prompts for both, 95% paired-bootstrap interval of the difference "
            "(resampling prompts).", "",
            "| calibrated | calibration-free | rows | top-1 calibrated | top-1 calibration-free | only calibrated "
-           "| only calibration-free | McNemar p | τ calibrated | τ calibration-free | Δτ [95% CI] |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| only calibration-free | McNemar p | τ calibrated | τ calibration-free | Δτ [95% CI] "
+           "| Δτ vs bf16: calibrated, calibration-free [95% CI] |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t, tau = r.get("top1_heldout"), r["tau"]
         b = tau["paired_bootstrap"]
         top = (f"{t['rows']} | {t['top1_a']:.4f} | {t['top1_b']:.4f} | {t['only_a']} | {t['only_b']} "
                f"| {_p(t['mcnemar_p'])}") if t else "n/a | n/a | n/a | n/a | n/a | n/a"
+        ref = tau.get("vs_bf16_paired_bootstrap") or {}
+        noise = ", ".join(_interval(ref[v]) for v in (r["calibrated"], r["calibration_free"]) if v in ref) or "n/a"
         out.append(f"| `{r['calibrated']}` | `{r['calibration_free']}` | {top} | {tau['calibrated']:.3f} "
-                   f"| {tau['calibration_free']:.3f} | {b['difference']:+.3f} [{b['ci95'][0]:+.3f}, "
-                   f"{b['ci95'][1]:+.3f}] |")
+                   f"| {tau['calibration_free']:.3f} | {_interval(b)} | {noise} |")
     return out + [""]
+
+
+def _interval(b: dict) -> str:
+    return f"{b['difference']:+.3f} [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}]"
 
 
 def render_report(results: dict) -> str:

@@ -242,19 +242,19 @@ def summarize(record: dict[str, dict], keys: tuple[str, ...]) -> dict[str, float
     return out
 
 
+_COLORS = {"minmax": "#8c8c8c", "chosen": "#2ca02c", "calibrated": "#2ca02c"}
+
+
 def plot(search_record: dict | None, heldout: dict | None, title: str, path) -> None:
-    """Per-layer relative activation-QDQ error: calibration data (minmax / fixed / chosen) and held-apart
-    data (calibrated / fixed), grouped horizontal bars, PNG with fixed metadata."""
-    import matplotlib
+    """Per layer, activation-QDQ error relative to the calibration-free fixed scale (0 = as good as it,
+    negative = better): calibration data (minmax, chosen) and held-apart data (calibrated). PNG with
+    fixed metadata."""
+    from pipeline.plotting import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from pipeline.evaluation.plots import _save
-
+    plt = pyplot()
     panels = [(t, rec, keys) for t, rec, keys in
-              [("calibration samples", (search_record or {}).get("layers"), ("minmax", "fixed", "chosen")),
-               ("held-apart samples", heldout, ("fixed", "calibrated"))] if rec]
+              [("calibration samples", (search_record or {}).get("layers"), ("minmax", "chosen")),
+               ("held-apart samples", heldout, ("calibrated",))] if rec]
     names = list(panels[0][1])
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 0.3 * len(names) + 1.6), squeeze=False,
                              sharey=True)
@@ -262,16 +262,16 @@ def plot(search_record: dict | None, heldout: dict | None, title: str, path) -> 
         h = 0.8 / len(keys)
         for j, k in enumerate(keys):
             ys = [i + (j - (len(keys) - 1) / 2) * h for i in range(len(names))]
-            ax.barh(ys, [rec[n]["relative_error"][k] for n in names], height=h * 0.95, label=k)
+            change = [100 * (rec[n]["relative_error"][k] / rec[n]["relative_error"]["fixed"] - 1)
+                      if rec[n]["relative_error"]["fixed"] > 0 else 0.0 for n in names]
+            ax.barh(ys, change, height=h * 0.95, label=k, color=_COLORS[k])
+        ax.axvline(0.0, color="#d62728", lw=1.0, label="fixed (calibration-free)")
         ax.set_yticks(range(len(names)), names, fontsize=7)
-        ax.set_xlabel("||(Q(x) - x) W^T||^2 / ||x W^T||^2")
+        ax.set_xlabel("error change vs the fixed scale, %  (error = ||(Q(x) - x) W^T||^2)", fontsize=8)
         ax.set_title(sub, fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(axis="x", alpha=0.3)
     axes[0][0].invert_yaxis()
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    try:
-        _save(fig, path)
-    finally:
-        plt.close(fig)
+    save_png(fig, path, dpi=100)

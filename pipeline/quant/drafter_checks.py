@@ -118,6 +118,6 @@ def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict |
     checks.write_report(rd.checks, "drafter", q.name, report)
     if act:
         act_scale.plot(search, act["activation_error_heldout"],
-                       f"drafter {q.name}: per-layer activation-QDQ error (relative to ||x W^T||^2)",
+                       f"drafter {q.name}: per-layer activation-QDQ error vs the calibration-free scale",
                        rd.checks / f"drafter-{q.name}-activation-error.png")
     return report

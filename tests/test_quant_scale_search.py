@@ -1,0 +1,192 @@
+"""The calibrated NVFP4 activation global-scale search (quant.activation_scale=mse), on the fixture world:
+real cache, real oneshot, real compressed-tensors QDQ, real checkpoints."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pipeline import quantize_drafter
+from pipeline.errors import SpecquantError
+from pipeline.io import read_json
+from pipeline.quant import act_scale, cache_batches, recipes
+from tests.test_evaluate import nvfp4_qdq_reference
+from tests.test_quant_world import DRAFTER, TARGET, build_world, massive_activation_target, world_cfg
+
+FIXED = recipes.fixed_input_global_scale(2688.0)  # 1.0, the calibration-free scale
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("sworld")
+    build_world(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def searched(world):
+    # q/k/v quantized too, so both kinds of fused groups (q/k/v, gate/up) are searched
+    return quantize_drafter.run(world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true"))
+
+
+def _groups(record: dict) -> list[list[str]]:
+    fused = [n for g in record["groups"] for n in g]
+    return record["groups"] + [[n] for n in record["layers"] if n not in fused]
+
+
+def test_chosen_scales_are_never_worse_than_fixed_or_minmax_on_calibration_data(world, searched):
+    rec = searched["activation_scale_search"]
+    layers, scales = rec["layers"], searched["input_global_scales"]
+    assert set(layers) == set(scales) and len(layers) == 15  # fc + 2 x (q, k, v, o, gate, up, down)
+    assert sorted(len(g) for g in rec["groups"]) == [2, 2, 3, 3]
+    for group in _groups(rec):
+        err = {k: sum(layers[n]["error"][k] for n in group) for k in ("chosen", "fixed", "minmax")}
+        assert err["chosen"] <= err["fixed"] and err["chosen"] <= err["minmax"], group
+        assert err["chosen"] > 0
+        assert len({scales[n] for n in group}) == 1, f"fused layers {group} must share one scale (vLLM)"
+        for n in group:
+            assert layers[n]["chosen_scale"] == scales[n] and layers[n]["fixed_scale"] == FIXED
+            assert layers[n]["minmax_scale"] == pytest.approx(min(searched["minmax_input_global_scales"][m]
+                                                                  for m in group), rel=1e-6)
+    # the checkpoint holds the chosen scales; the check report and plot carry the record
+    out = world / "qw" / "drafter" / "nvfp4"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        for n, v in scales.items():
+            assert float(f.get_tensor(f"{n}.input_global_scale")) == v
+    report = read_json(world / "qw" / "checks" / "drafter-nvfp4.json")
+    assert report["activation_scale_search"] == rec
+    assert set(report["activation_error_heldout"]) == set(layers)
+    assert (world / "qw" / "checks" / "drafter-nvfp4-activation-error.png").stat().st_size > 1000
+
+
+def test_fc_error_matches_an_independent_computation(world, searched):
+    # fc reads the cached hidden states themselves: recompute its error over the calibration samples
+    # with an independent NVFP4 QDQ (vLLM semantics) and the drafter's own fc weight
+    from pipeline.cache import CacheReader
+    from pipeline.models.formats import load_drafter
+
+    fc = searched["activation_scale_search"]["layers"]["fc"]
+    w = load_drafter(DRAFTER, target=TARGET, dtype=torch.float32).fc.weight.detach()
+    reader = CacheReader(world / "qw" / "cache")
+    calib, _ = cache_batches.split_indices(len(reader), 12, 12, 0, True)
+    x = torch.cat([reader[i]["hidden_states"][:64].flatten(1).float() for i in calib])
+    for key in ("fixed", "minmax", "chosen"):
+        g = torch.tensor(fc[f"{key}_scale"], dtype=torch.float32)
+        err = float(((nvfp4_qdq_reference(x, g) - x) @ w.T).double().square().sum())
+        assert fc["error"][key] == pytest.approx(err, rel=1e-5), key
+    assert fc["rows"] == x.shape[0]
+
+
+def test_search_is_deterministic(world, searched):
+    again = quantize_drafter.run(world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true", "quant.name=again"))
+    assert again["input_global_scales"] == searched["input_global_scales"]
+    assert again["activation_scale_search"] == searched["activation_scale_search"]
+    assert again["outputs"]["model.safetensors"] == searched["outputs"]["model.safetensors"]
+
+
+def test_minmax_mode_keeps_static_minmax_scales(world, searched):
+    plain = quantize_drafter.run(world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true",
+                                           "quant.activation_scale=minmax", "quant.name=plain"))
+    assert plain["activation_scale_search"] is None and plain["activation_scale"] == "minmax"
+    assert plain["input_global_scales"] == plain["minmax_input_global_scales"]
+    assert plain["minmax_input_global_scales"] == searched["minmax_input_global_scales"]
+
+
+def test_hooks_leave_the_forward_alone_and_qdq_is_the_served_one(world, searched):
+    from pipeline.cache import CacheReader
+    from pipeline.models.formats import load_drafter
+    from pipeline.quant import checks
+
+    model = checks.load_dequantized(load_drafter(world / "qw" / "drafter" / "bf16", target=TARGET,
+                                                 dtype=torch.float32), world / "qw" / "drafter" / "nvfp4")
+    reader = CacheReader(world / "qw" / "cache")
+    batch = cache_batches.drafter_batches(reader, [0], 8, model.config.block_size, int(model.config.mask_token_id),
+                                          64, 0)[0]
+    modules = act_scale.activation_quantized(model)
+    layers = {n: act_scale.LayerError(m.weight, m.quantization_scheme.input_activations,
+                                      act_scale.candidates(float(m.input_global_scale), FIXED, [0.5, 2.0]))
+              for n, m in modules.items()}
+    with torch.no_grad():
+        before = model(**batch).logits
+        handles = [modules[n].register_forward_pre_hook(layer.hook) for n, layer in layers.items()]
+        after = model(**batch).logits
+        for h in handles:
+            h.remove()
+    assert torch.equal(before, after) and all(layer.rows > 0 for layer in layers.values())
+    # act_scale.qdq is exactly what the quantized Linear does to its input at run time
+    lin = model.layers[0].mlp.down_proj
+    x = torch.randn(3, 5, lin.in_features, generator=torch.Generator().manual_seed(0))
+    x[..., 3] = 5000.0
+    with torch.no_grad():
+        served = lin(x)
+        ours = torch.nn.functional.linear(act_scale.qdq(x, lin.quantization_scheme.input_activations,
+                                                        lin.input_global_scale), lin.weight)
+    assert torch.equal(served, ours)
+
+
+def test_search_leaves_the_fixed_scale_where_activations_exceed_it(tmp_path):
+    # hidden states ~3e4: the fixed scale (absmax 2688) clips fc's input; the search must move away
+    # from it, and the scale it picks on calibration data must also beat it on held-apart data
+    target = massive_activation_target(tmp_path / "target")
+    build_world(tmp_path, target=target)
+    result = quantize_drafter.run(world_cfg(tmp_path, "quant=nvfp4", "quant.observer=minmax", target=target))
+    fc = result["activation_scale_search"]["layers"]["fc"]
+    assert fc["chosen"] != "fixed" and fc["chosen_scale"] < 0.2 * FIXED
+    assert fc["error"]["chosen"] < 0.5 * fc["error"]["fixed"]
+    held = read_json(tmp_path / "qw" / "checks" / "drafter-nvfp4.json")["activation_error_heldout"]["fc"]
+    assert held["calibrated_scale"] == fc["chosen_scale"]
+    assert held["relative_error"]["calibrated"] < 0.5 * held["relative_error"]["fixed"]
+
+
+@pytest.fixture()
+def broken_drafter(tmp_path):
+    d = tmp_path / "drafter"
+    shutil.copytree(DRAFTER, d)
+    (d / "model.safetensors").write_bytes(b"not a safetensors file")
+    return d
+
+
+@pytest.mark.parametrize("override, start, words", [
+    ("quant.activation_scale=l2", "`quant.activation_scale` = 'l2'", "minmax, mse"),
+    ("quant.activation_scale_multipliers=[1.0,-2.0]", "`quant.activation_scale_multipliers`",
+     "-2.0 is not a positive"),
+    ("quant.activation_scale_multipliers=[]", "`quant.activation_scale_multipliers`", "needs candidate"),
+    ("quant.fixed_activation_amax=0", "`quant.fixed_activation_amax` = 0", "must be positive"),
+])
+@pytest.mark.faults("bad_input")
+def test_bad_search_settings_fail_before_loading_weights(tmp_path, broken_drafter, override, start, words):
+    cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", "quant=nvfp4", override)
+    with pytest.raises(SpecquantError) as exc:
+        quantize_drafter.run(cfg)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.endswith(".") and not re.search(r"\w\. [A-Z]", msg), msg
+    assert msg.startswith(start) and words in msg
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_paired_statistics():
+    from pipeline.quant import paired
+
+    assert paired.mcnemar_exact(0, 5) == pytest.approx(2 / 32)  # 2 * P(X <= 0), X ~ Bin(5, 1/2)
+    assert paired.mcnemar_exact(3, 3) == 1.0 and paired.mcnemar_exact(0, 0) == 1.0
+    assert paired.mcnemar_exact(2, 10) == pytest.approx(2 * (1 + 12 + 66) / 4096)
+    bits = [torch.tensor([True, False, True]), torch.tensor([True, True, False, False, True])]
+    hexbits = paired.pack_bits(bits)
+    assert paired.unpack_bits(hexbits, 8) == [True, False, True, True, True, False, False, True]
+    ref = paired.ids_sha256([torch.arange(8)])
+    a = {"heldout_sample_ids": ["s/1"], "served": {"rows": 8, "top1_match_bits": hexbits, "reference_top1_sha256": ref}}
+    b = {"heldout_sample_ids": ["s/1"], "served": {"rows": 8, "top1_match_bits": paired.pack_bits(
+        [torch.tensor([True] * 8)]), "reference_top1_sha256": ref}}
+    cmp = paired.paired_top1(a, b)
+    assert (cmp["only_a"], cmp["only_b"], cmp["both"]) == (0, 3, 5) and cmp["mcnemar_p"] == pytest.approx(0.25)
+    assert paired.paired_top1(a, {**b, "heldout_sample_ids": ["s/2"]}) is None  # other rows: no pairing
+    units_a, units_b = [(10.0, 4), (6.0, 3), (9.0, 2)], [(8.0, 4), (6.0, 3), (9.0, 3)]
+    boot = paired.bootstrap_ratio_difference(units_a, units_b, seed=0, resamples=500)
+    assert boot["difference"] == pytest.approx(25 / 9 - 23 / 10)
+    assert boot["ci95"][0] <= boot["difference"] <= boot["ci95"][1]
+    assert boot == paired.bootstrap_ratio_difference(units_a, units_b, seed=0, resamples=500)
