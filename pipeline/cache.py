@@ -11,13 +11,12 @@ index.json. Format: docs/cache_format.md; reader: `CacheReader`.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from pipeline import distributed
 from pipeline.cache_store import (
     CacheReader,
     Layout,
@@ -164,54 +163,8 @@ def _load_samples(data_dir: Path) -> list[dict]:
     return load_samples(data_dir)
 
 
-def _rank_world() -> tuple[int, int, int]:
-    env = os.environ
-    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
-
-
-class _Dist:
-    """The process group (or nothing, for one process)."""
-
-    def __init__(self, backend: str, device: torch.device):
-        self.rank, self.world, self.local_rank = _rank_world()
-        self.nccl = False
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if backend == "auto":
-                backend = "nccl" if device.type == "cuda" else "gloo"
-            self.nccl = backend == "nccl"
-            if not dist.is_initialized():
-                # ranks may wait hours for each other at the final barrier
-                dist.init_process_group(backend, timeout=_dt.timedelta(hours=24))
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier(device_ids=[self.local_rank]) if self.nccl else dist.barrier()
-
-    def gather(self, obj) -> list:
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def close(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-
 def _device(cfg) -> torch.device:
-    dev = torch.device(cfg.target.device)
-    _, world, local_rank = _rank_world()
-    if dev.type == "cuda" and world > 1:
-        dev = torch.device("cuda", local_rank)
+    dev = distributed.rank_device(torch.device(cfg.target.device))
     if dev.type == "cuda":
         if dev.index is None:  # set_device and the pinned-copy stream want an explicit index
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -347,7 +300,7 @@ def run(cfg) -> dict:
                                          "device_type": device.type,
                                          "compile_layers": bool(cfg.cache.get("compile_layers")),
                                          "plan": [[p.first, p.count] for p in plans]}))
-    dist = _Dist(cfg.cache.distributed_backend, device)
+    dist = distributed.Group(cfg.cache.distributed_backend, device)
     try:
         if dist.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
