@@ -126,6 +126,12 @@ def markdown(results: dict) -> str:
             continue
         if key in ("build", "profile", "cache_bench") or key.startswith("data"):
             continue
+        if "speedup_oneshot" in rec:  # the 1-vs-N GPTQ summary row
+            lines.append(f"| {key} | {rec.get('speedup_wall')}x wall | | | | | oneshot {rec.get('speedup_oneshot')}x; "
+                         f"identical outputs: {rec.get('identical_outputs')}; mean weight error "
+                         + " vs ".join(f"{(v or {}).get('mean')}" for k, v in sorted(rec.items())
+                                       if k.startswith("weight_error_")) + " |")
+            continue
         gpu, anon, rss = _probe_peaks(rec)
         wall = (rec.get("stage_record") or {}).get("wall_time_s") or rec.get("wall_s") or rec.get("process_wall_s")
         notes = []
