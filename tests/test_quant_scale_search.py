@@ -89,6 +89,17 @@ def test_search_is_deterministic(world, searched):
     assert again["outputs"]["model.safetensors"] == searched["outputs"]["model.safetensors"]
 
 
+def test_search_reads_only_the_first_activation_scale_samples(world, searched):
+    head = quantize_drafter.run(world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true",
+                                          "quant.activation_scale_samples=3", "quant.name=head3"))
+    full = searched["activation_scale_search"]
+    assert full["samples"] == searched["num_calibration_samples"] == 12 and head["activation_scale_search"]["samples"] == 3
+    rows_head = head["activation_scale_search"]["layers"]["fc"]["rows"]
+    assert 0 < rows_head < full["layers"]["fc"]["rows"]
+    # the oneshot calibration itself still saw all 12 samples
+    assert head["minmax_input_global_scales"] == searched["minmax_input_global_scales"]
+
+
 def test_minmax_mode_keeps_static_minmax_scales(world, searched):
     plain = quantize_drafter.run(world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true",
                                            "quant.activation_scale=minmax", "quant.name=plain"))
@@ -129,6 +140,28 @@ def test_hooks_leave_the_forward_alone_and_qdq_is_the_served_one(world, searched
     assert torch.equal(served, ours)
 
 
+def test_chunked_accumulation_matches_one_pass(monkeypatch):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    args = QuantizationArgs(num_bits=4, type="float", symmetric=True, group_size=16, strategy="tensor_group",
+                            dynamic="local", scale_dtype=torch.float8_e4m3fn, zp_dtype=torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(24, 64, generator=gen), torch.randn(2, 37, 64, generator=gen) * 50
+    scales = act_scale.candidates(20.0, FIXED, [0.5, 2.0])
+    # fixed and minmax are always candidates (ties go to them), grid values only when new
+    assert [label for label, _ in act_scale.candidates(FIXED, FIXED, [1.0, 2.0])] == ["fixed", "minmax", "minmax*2"]
+    whole, chunked = act_scale.LayerError(w, args, scales), act_scale.LayerError(w, args, scales)
+    whole.add(x)
+    monkeypatch.setattr(act_scale, "CHUNK_ELEMENTS", 64 * 5)  # 5 rows at a time: 15 chunks
+    chunked.add(x[:1])
+    chunked.add(x[1:])
+    assert whole.rows == chunked.rows == 74
+    assert chunked.errors == pytest.approx(whole.errors, rel=1e-6)  # fp32 matmuls of other shapes
+    assert chunked.energy == pytest.approx(whole.energy, rel=1e-6)
+    ref = [float(((nvfp4_qdq_reference(x, torch.tensor(g)) - x) @ w.T).double().square().sum()) for _, g in scales]
+    assert whole.errors == pytest.approx(ref, rel=1e-6)
+
+
 def test_search_leaves_the_fixed_scale_where_activations_exceed_it(tmp_path):
     # hidden states ~3e4: the fixed scale (absmax 2688) clips fc's input; the search must move away
     # from it, and the scale it picks on calibration data must also beat it on held-apart data
@@ -157,6 +190,7 @@ def broken_drafter(tmp_path):
      "-2.0 is not a positive"),
     ("quant.activation_scale_multipliers=[]", "`quant.activation_scale_multipliers`", "needs candidate"),
     ("quant.fixed_activation_amax=0", "`quant.fixed_activation_amax` = 0", "must be positive"),
+    ("quant.activation_scale_samples=-1", "`quant.activation_scale_samples` = -1", "whole number"),
 ])
 @pytest.mark.faults("bad_input")
 def test_bad_search_settings_fail_before_loading_weights(tmp_path, broken_drafter, override, start, words):

@@ -18,8 +18,8 @@ with Q_g exactly compressed-tensors' run-time QDQ (compute_dynamic_scales_and_zp
 with the module's input_activations args). The candidates always include the calibration-free
 fixed scale and the minmax scale, so on the calibration data the chosen scale is never worse than
 either: per layer, or for layers vLLM fuses (q/k/v, gate/up: one scale per fused Linear) on the sum
-of the group's errors. Ties go to the fixed scale, then minmax, then the grid order. Activations are streamed in
-row chunks; nothing is kept across batches but one float64 sum per candidate.
+of the group's errors. Ties go to the fixed scale, then minmax, then the grid order. Activations
+are streamed in row chunks; nothing is kept across batches but one float64 sum per candidate.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from pipeline.errors import bad_value
 
 METHODS = ("minmax", "mse")
-CHUNK_ELEMENTS = 1 << 23  # activation values quantized at once (32 MiB in fp32), whatever the width
+CHUNK_ELEMENTS = 1 << 25  # activation values quantized at once (128 MiB in fp32), whatever the width
 
 
 def validate_settings(q, field: str) -> None:
@@ -48,6 +48,10 @@ def validate_settings(q, field: str) -> None:
     if bad:
         raise bad_value(f"{field}.activation_scale_multipliers", mults, f"{bad[0]} is not a positive finite number",
                         "use positive multipliers of the minmax scale, e.g. [0.25, 0.5, 1.0, 2.0, 4.0]")
+    n = getattr(q, "activation_scale_samples", 0)
+    if not isinstance(n, int) or n < 0:
+        raise bad_value(f"{field}.activation_scale_samples", n, "it must be a whole number >= 0",
+                        "use e.g. 64 (the first 64 calibration samples) or 0 for all of them")
     amax = float(q.fixed_activation_amax)
     if not math.isfinite(amax) or amax <= 0:
         raise bad_value(f"{field}.fixed_activation_amax", q.fixed_activation_amax, "an absmax must be positive",
@@ -60,14 +64,15 @@ def _f32(x: float) -> float:
 
 
 def candidates(minmax: float, fixed: float, multipliers) -> list[tuple[str, float]]:
-    """(label, global scale): fixed first, then minmax, then minmax * each multiplier; equal values once."""
-    out, seen = [], set()
-    for label, value in [("fixed", fixed), ("minmax", minmax),
-                         *[(f"minmax*{float(m):g}", minmax * float(m)) for m in multipliers]]:
-        v = _f32(value)
+    """(label, global scale): fixed first, then minmax (both always, even when equal), then minmax *
+    each multiplier where that gives a new value."""
+    out = [("fixed", _f32(fixed)), ("minmax", _f32(minmax))]
+    seen = {v for _, v in out}
+    for m in multipliers:
+        v = _f32(minmax * float(m))
         if v not in seen and v > 0 and math.isfinite(v):
             seen.add(v)
-            out.append((label, v))
+            out.append((f"minmax*{float(m):g}", v))
     return out
 
 
@@ -82,31 +87,45 @@ def qdq(x: torch.Tensor, args, global_scale: torch.Tensor, module=None) -> torch
 
 
 class LayerError:
-    """Streaming sum over rows of ||(Q_g(x) - x) W^T||^2 for each candidate g of one Linear."""
+    """Streaming sum over rows of ||(Q_g(x) - x) W^T||^2 for each candidate g of one Linear.
+
+    The sums stay float64 tensors on the activations' device (no host sync per chunk); `errors`
+    and `energy` read them back once the forward is done.
+    """
 
     def __init__(self, weight: torch.Tensor, args, scales: list[tuple[str, float]]):
         self.weight, self.args = weight.detach(), args
         self.labels = [label for label, _ in scales]
         self.scales = [value for _, value in scales]
-        self.errors = [0.0] * len(scales)
-        self.energy, self.rows = 0.0, 0  # sum of ||x W^T||^2, for relative errors
+        self._sums: torch.Tensor | None = None  # [energy, error of each candidate]
+        self.rows = 0
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1])
-        w = self.weight.to(x.dtype)
+        w = self.weight.to(device=x.device, dtype=x.dtype)
+        if self._sums is None:
+            self._sums = torch.zeros(1 + len(self.scales), dtype=torch.float64, device=x.device)
         step = max(1, CHUNK_ELEMENTS // x.shape[-1])
         gs = [torch.tensor([g], dtype=torch.float32, device=x.device) for g in self.scales]
         for start in range(0, x.shape[0], step):
             chunk = x[start:start + step]
-            self.energy += float((chunk @ w.T).double().square().sum())
+            self._sums[0] += (chunk @ w.T).double().square().sum()
             for i, g in enumerate(gs):
-                err = (qdq(chunk, self.args, g) - chunk) @ w.T
-                self.errors[i] += float(err.double().square().sum())
+                self._sums[1 + i] += ((qdq(chunk, self.args, g) - chunk) @ w.T).double().square().sum()
         self.rows += x.shape[0]
 
     def hook(self, module, args) -> None:
         self.add(args[0])  # returns None: the forward is left untouched
+
+    @property
+    def energy(self) -> float:
+        """Sum of ||x W^T||^2, the scale of relative errors."""
+        return float(self._sums[0]) if self._sums is not None else 0.0
+
+    @property
+    def errors(self) -> list[float]:
+        return self._sums[1:].tolist() if self._sums is not None else [0.0] * len(self.scales)
 
     def relative(self, i: int) -> float:
         return self.errors[i] / self.energy if self.energy > 0 else 0.0
@@ -122,10 +141,11 @@ def activation_quantized(model) -> dict[str, torch.nn.Module]:
 def run_hooked(model, modules: dict[str, torch.nn.Module], layers: dict[str, LayerError], batches, desc: str
                ) -> None:
     """One forward over `batches` with every layer's pre-hook attached, quantization disabled."""
+    from compressed_tensors.offload import get_execution_device
     from llmcompressor.utils.helpers import DisableQuantization, calibration_forward_context
     from tqdm import tqdm
 
-    device = next(model.parameters()).device
+    device = get_execution_device(model)  # where oneshot's basic pipeline sends the batches
     handles = [modules[name].register_forward_pre_hook(layer.hook) for name, layer in layers.items()]
     try:
         with calibration_forward_context(model), DisableQuantization(model):
@@ -168,6 +188,8 @@ def search(model, batches, q) -> dict:
     Returns the record for the stage result and the check report: per layer the minmax, fixed and
     chosen scale with the error of each on the calibration batches.
     """
+    from compressed_tensors.offload import update_offload_parameter
+
     from pipeline.quant.recipes import fixed_input_global_scale
 
     fixed = _f32(fixed_input_global_scale(float(q.fixed_activation_amax)))
@@ -176,25 +198,43 @@ def search(model, batches, q) -> dict:
     groups = fused_groups(model, list(modules))
     layers = {}
     for group in groups:
-        # members of a fused group see the same input, so static_minmax gave them the same scale
+        # gate/up read the same input; q and k/v do not (k/v also read the context), so a fused
+        # group starts from its smallest minmax scale (the largest absmax: no member clips)
         minmax = min(float(modules[n].input_global_scale.reshape(-1)[0]) for n in group)
         for n in group:
             layers[n] = LayerError(modules[n].weight, modules[n].quantization_scheme.input_activations,
                                    candidates(minmax, fixed, mults))
-    run_hooked(model, modules, layers, batches, "activation scale search")
+    limit = int(getattr(q, "activation_scale_samples", 0) or 0)
+    used = len(batches) if limit == 0 else min(limit, len(batches))
+    run_hooked(model, modules, layers, _Head(batches, used), "activation scale search")
     record = {}
     for group in groups:
-        n_cand = len(layers[group[0]].scales)
-        i = min(range(n_cand), key=lambda c: (sum(layers[n].errors[c] for n in group), c))  # ties: fixed, minmax
+        errors = [layers[n].errors for n in group]
+        i = min(range(len(errors[0])), key=lambda c: (sum(e[c] for e in errors), c))  # ties: fixed, then minmax
         for n in group:
-            with torch.no_grad():
-                modules[n].input_global_scale.fill_(layers[n].scales[i])
+            old = modules[n].input_global_scale
+            # through compressed-tensors, so an offloaded module's stored copy changes too
+            update_offload_parameter(modules[n], "input_global_scale",
+                                     torch.full_like(old, layers[n].scales[i]))
             record[n] = layer_record(layers[n], i) | ({"fused_with": [m for m in group if m != n]}
                                                       if len(group) > 1 else {})
-    return {"method": "mse", "multipliers": mults, "fixed_input_global_scale": fixed,
+    return {"method": "mse", "multipliers": mults, "fixed_input_global_scale": fixed, "samples": used,
             "objective": "sum over calibration rows of ||(Q_g(x) - x) W^T||^2, inputs with quantization "
                          "disabled; one scale per fused group (q/k/v, gate/up) on the sum of its errors",
             "groups": [g for g in groups if len(g) > 1], "layers": record}
+
+
+class _Head:
+    """The first n batches of a lazy batch sequence, still built one at a time."""
+
+    def __init__(self, batches, n: int):
+        self.batches, self.n = batches, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return (self.batches[i] for i in range(self.n))
 
 
 def layer_record(layer: LayerError, chosen: int) -> dict:
