@@ -104,6 +104,10 @@ class QuantConfig:
     # the search reads the first N calibration samples of the seeded order (0 = all of them): 64 x
     # 2,048 tokens already pin each layer's error sums, and at 8B shape each sample costs ~0.5 s
     activation_scale_samples: int = 64
+    # the drafter check re-measures served top-1 with every activation global scale times each factor:
+    # non-powers of two only move FP8 block-scale rounding, so the spread is the noise floor that a
+    # calibrated vs calibration-free difference is judged against ([] = skip)
+    rounding_band_factors: list[float] = field(default_factory=lambda: [0.794, 0.891, 1.122, 1.26])
     device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N - where calibration runs
 
 

@@ -142,14 +142,40 @@ def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: in
         # the same interval for each against the bf16 drafter: how far pure quantization noise moves tau
         vs_ref = {v: paired.bootstrap_ratio_difference(per_prompt[v], per_prompt[REFERENCE], seed)
                   for v in (cal, free)} if REFERENCE in per_prompt else {}
+        band = rounding_noise(reports.get(free))
         out.append({"calibrated": cal, "calibration_free": free, "scheme": results["variants"][cal]["scheme"],
                     "activation_scale": results["variants"][cal].get("activation_scale"),
                     "top1_heldout": top1, "kl_heldout": {v: (r.get("served") or {}).get("kl")
                                                          for v, r in reports.items()},
+                    "top1_rounding_band": band, "verdict": verdict(top1, band),
                     "tau": {"calibrated": results["variants"][cal]["overall"]["tau"],
                             "calibration_free": results["variants"][free]["overall"]["tau"],
                             "paired_bootstrap": tau, "vs_bf16_paired_bootstrap": vs_ref}})
     return out
+
+
+def rounding_noise(report: dict | None) -> dict | None:
+    """The calibration-free variant's served top-1 over its rounding-band draws (its scales times
+    non-power-of-two factors, pipeline.quant.drafter_checks.rounding_band) and at its own scales."""
+    band = (report or {}).get("served_rounding_band")
+    if not band:
+        return None
+    draws = [*band["top1_agreement"], report["served"]["top1_agreement"]]
+    return {"factors": [*band["factors"], 1.0], "top1": draws, "min": min(draws), "max": max(draws),
+            "width": max(draws) - min(draws)}
+
+
+def verdict(top1: dict | None, band: dict | None, alpha: float = 0.05) -> str:
+    """better / worse only when the paired test rejects "no difference" at `alpha` AND the calibrated
+    top-1 lies outside every rounding-lottery draw of the calibration-free scales; else within noise."""
+    if not top1 or not band:
+        return "not measured"
+    significant = top1["mcnemar_p"] < alpha
+    if significant and top1["top1_a"] > band["max"]:
+        return "better"
+    if significant and top1["top1_a"] < band["min"]:
+        return "worse"
+    return "within noise"
 
 
 def _merge(per_subset: dict[str, list], block_size: int) -> dict:

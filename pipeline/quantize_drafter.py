@@ -179,9 +179,11 @@ def run(cfg) -> dict:
         "activation_scale_search": search,
         "inputs": {"drafter": _dir_hashes(Path(cfg.drafter.path)),
                    "cache_content_hash": index.get("content_hash"),
-                   "target_head": _dir_hashes(Path(cfg.target.path), only_weights=True)},
+                   "target_head": _dir_hashes(Path(cfg.target.path), only_weights=True,
+                                              revision=cfg.target.revision)},
         "outputs": export.output_hashes(out),
-        "check": {k: report[k] for k in ("weight_error_summary", "served", "weights_only", "activation_error_summary")
+        "check": {k: report[k] for k in ("weight_error_summary", "served", "weights_only", "served_rounding_band",
+                                         "activation_error_summary")
                   if k in report},
         "timings": clock.laps, "device": str(recipes.resolve_device(q.device)),
     }

@@ -191,6 +191,7 @@ def broken_drafter(tmp_path):
     ("quant.activation_scale_multipliers=[]", "`quant.activation_scale_multipliers`", "needs candidate"),
     ("quant.fixed_activation_amax=0", "`quant.fixed_activation_amax` = 0", "must be positive"),
     ("quant.activation_scale_samples=-1", "`quant.activation_scale_samples` = -1", "whole number"),
+    ("quant.rounding_band_factors=[0.9,2.0]", "`quant.rounding_band_factors`", "non-power-of-two"),
 ])
 @pytest.mark.faults("bad_input")
 def test_bad_search_settings_fail_before_loading_weights(tmp_path, broken_drafter, override, start, words):
@@ -224,3 +225,47 @@ def test_paired_statistics():
     assert boot["difference"] == pytest.approx(25 / 9 - 23 / 10)
     assert boot["ci95"][0] <= boot["difference"] <= boot["ci95"][1]
     assert boot == paired.bootstrap_ratio_difference(units_a, units_b, seed=0, resamples=500)
+
+
+def test_rounding_band_is_reported_reproducible_and_leaves_the_scales_alone(world, searched):
+    from pipeline.models.formats import load_drafter
+    from pipeline.quant import checks, drafter_checks
+    from pipeline.rundir import RunDir
+
+    report = read_json(world / "qw" / "checks" / "drafter-nvfp4.json")
+    band = report["served_rounding_band"]
+    assert band["factors"] == [0.794, 0.891, 1.122, 1.26] and len(band["top1_agreement"]) == 4
+    assert all(0.0 < t <= 1.0 for t in band["top1_agreement"])
+    assert searched["check"]["served_rounding_band"] == band
+    # rebuild the check's inputs and draw again: factor 1 reproduces the served top-1, 1.26 the band's
+    # last draw, and the scales are left as found
+    cfg = world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true")
+    rd = RunDir.from_cfg(cfg)
+    from pipeline.cache import CacheReader
+
+    reader = CacheReader(rd.cache)
+    ids = report["heldout_sample_ids"]
+    by_id = {s["id"]: i for i, s in enumerate(reader.index["samples"])}
+    held = cache_batches.drafter_batches(reader, [by_id[i] for i in ids], int(cfg.quant.anchors_per_sequence), 4,
+                                         127, int(cfg.quant.max_seq_len),
+                                         int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET)
+    reference = load_drafter(rd.drafter("bf16"), target=TARGET, dtype=torch.float32)
+    quantized = checks.load_dequantized(load_drafter(rd.drafter("bf16"), target=TARGET, dtype=torch.float32),
+                                        rd.drafter("nvfp4"))
+    before = {n: m.input_global_scale.clone() for n, m in act_scale.activation_quantized(quantized).items()}
+    again = drafter_checks.rounding_band(reference, quantized, held, 4, [1.0, 1.26])
+    assert again["top1_agreement"] == [report["served"]["top1_agreement"], band["top1_agreement"][3]]
+    assert len(set(band["top1_agreement"])) > 1  # the draws do differ: the lottery is real
+    assert all(torch.equal(m.input_global_scale, before[n])
+               for n, m in act_scale.activation_quantized(quantized).items())
+
+
+def test_verdict_needs_significance_and_a_result_outside_the_rounding_band():
+    from pipeline.evaluate import verdict
+
+    band = {"min": 0.90, "max": 0.92}
+    assert verdict({"mcnemar_p": 0.01, "top1_a": 0.95}, band) == "better"
+    assert verdict({"mcnemar_p": 0.01, "top1_a": 0.85}, band) == "worse"
+    assert verdict({"mcnemar_p": 0.01, "top1_a": 0.91}, band) == "within noise"  # inside the lottery
+    assert verdict({"mcnemar_p": 0.40, "top1_a": 0.95}, band) == "within noise"  # not significant
+    assert verdict(None, band) == "not measured"

@@ -69,11 +69,14 @@ def _paired_section(rows: list[dict]) -> list[str]:
            "Top-1 agreement with the bf16 drafter on the same held-apart rows of the quantize-drafter checks "
            "(served numerics): rows where only one variant agrees decide, exact two-sided McNemar p-value. "
            "τ: the same evaluation prompts for both, 95% paired-bootstrap interval of the difference "
-           "(resampling prompts).", "",
+           "(resampling prompts). Rounding band: the calibration-free drafter's top-1 with all its activation "
+           "global scales times non-power-of-two factors, which only changes how FP8 block scales round; "
+           "the verdict is better / worse only when McNemar p < 0.05 and the calibrated top-1 lies outside "
+           "that band.", "",
            "| calibrated | calibration-free | rows | top-1 calibrated | top-1 calibration-free | only calibrated "
            "| only calibration-free | McNemar p | τ calibrated | τ calibration-free | Δτ [95% CI] "
-           "| Δτ vs bf16: calibrated, calibration-free [95% CI] |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| Δτ vs bf16: calibrated, calibration-free [95% CI] | rounding band (top-1) | verdict |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t, tau = r.get("top1_heldout"), r["tau"]
         b = tau["paired_bootstrap"]
@@ -81,8 +84,11 @@ def _paired_section(rows: list[dict]) -> list[str]:
                f"| {_p(t['mcnemar_p'])}") if t else "n/a | n/a | n/a | n/a | n/a | n/a"
         ref = tau.get("vs_bf16_paired_bootstrap") or {}
         noise = ", ".join(_interval(ref[v]) for v in (r["calibrated"], r["calibration_free"]) if v in ref) or "n/a"
+        band = r.get("top1_rounding_band")
+        band_txt = f"{band['min']:.4f} - {band['max']:.4f}" if band else "n/a"
         out.append(f"| `{r['calibrated']}` | `{r['calibration_free']}` | {top} | {tau['calibrated']:.3f} "
-                   f"| {tau['calibration_free']:.3f} | {_interval(b)} | {noise} |")
+                   f"| {tau['calibration_free']:.3f} | {_interval(b)} | {noise} | {band_txt} "
+                   f"| **{r.get('verdict', 'n/a')}** |")
     return out + [""]
 
 

@@ -48,6 +48,13 @@ def validate_settings(q, field: str) -> None:
     if bad:
         raise bad_value(f"{field}.activation_scale_multipliers", mults, f"{bad[0]} is not a positive finite number",
                         "use positive multipliers of the minmax scale, e.g. [0.25, 0.5, 1.0, 2.0, 4.0]")
+    band = list(getattr(q, "rounding_band_factors", None) or [])
+    off = [f for f in band if not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0
+           or math.log2(f) == round(math.log2(f))]
+    if off:
+        raise bad_value(f"{field}.rounding_band_factors", band, f"{off[0]} is not a positive non-power-of-two factor "
+                        "(inside the data's range a power of two only shifts FP8 exponents and rounds as 1.0 does)",
+                        "use factors such as [0.794, 0.891, 1.122, 1.26], or [] to skip the band")
     n = getattr(q, "activation_scale_samples", 0)
     if not isinstance(n, int) or n < 0:
         raise bad_value(f"{field}.activation_scale_samples", n, "it must be a whole number >= 0",

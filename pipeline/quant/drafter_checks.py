@@ -79,6 +79,41 @@ def compare(reference, quantized, batches, block_size: int) -> dict[str, dict]:
     return {"served": served.result(), "weights_only": weights_only.result()}
 
 
+@torch.no_grad()
+def rounding_band(reference, quantized, batches, block_size: int, factors) -> dict:
+    """Served top-1 and tau-vs-bf16 with every activation global scale multiplied by each factor.
+
+    Within the range the data occupies, multiplying a global scale by a non-power-of-two factor
+    changes nothing but how the FP8 block scales round, so the spread of these results is the
+    rounding lottery any choice of scales draws from: the yardstick for calling two calibrations
+    different (see pipeline/evaluate.py calibration_comparison).
+    """
+    modules = act_scale.activation_quantized(quantized)
+    factors = [float(f) for f in factors or []]
+    if not modules or not factors or not len(batches):
+        return {}
+    kept = {n: m.input_global_scale.detach().clone() for n, m in modules.items()}
+    device = next(reference.parameters()).device
+    top1, tau = [], []
+    try:
+        for f in factors:
+            for n, m in modules.items():
+                m.input_global_scale.data.copy_(kept[n] * f)
+            agree = _Agreement(block_size)
+            for batch in batches:
+                mask = _rows_mask(batch, block_size).to(device)
+                batch = {k: v.to(device) for k, v in batch.items()}
+                agree.add(reference(**batch).logits, quantized(**batch).logits, mask)
+            res = agree.result()
+            top1.append(res["top1_agreement"])
+            tau.append(res["agreement_length"])
+    finally:
+        for n, m in modules.items():
+            m.input_global_scale.data.copy_(kept[n])
+    return {"factors": factors, "top1_agreement": top1, "agreement_length": tau,
+            "top1_min": min(top1), "top1_max": max(top1)}
+
+
 def activation_error_report(reference, quantized, held, q, search: dict | None) -> dict:
     """Per-layer activation-QDQ error: the search's calibration-data record and, on the held-apart
     batches, the checkpoint's scale against the calibration-free fixed one."""
@@ -108,6 +143,9 @@ def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict |
                                          int(dconf.mask_token_id), int(q.max_seq_len),
                                          int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET)
     metrics = compare(reference, quantized, held, dconf.block_size) if len(held) else {}
+    band = rounding_band(reference, quantized, held, dconf.block_size, q.rounding_band_factors)
+    if band:
+        metrics["served_rounding_band"] = band
     act = activation_error_report(reference, quantized, held, q, search)
     # paths relative to the run directory, so the report is byte-identical wherever the run lives
     report = {"kind": "drafter", "variant": q.name, "checkpoint": f"drafter/{q.name}", "reference": "drafter/bf16",
