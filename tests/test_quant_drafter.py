@@ -126,14 +126,22 @@ def test_calibration_pays_where_activations_leave_the_fixed_range(tmp_path):
     # the calibration-free scale (1.0 = absmax 2688) clips hidden states of ~3e4; calibrated scales do not
     target = massive_activation_target(tmp_path / "target")
     build_world(tmp_path, target=target)
-    served = {}
+    from pipeline.evaluate import rounding_noise, verdict
+    from pipeline.quant import paired
+
+    reports, served = {}, {}
     for q in ("nvfp4", "nvfp4-nocalib"):
         quantize_drafter.run(world_cfg(tmp_path, f"quant={q}", "quant.observer=minmax", target=target))
-        served[q] = read_json(tmp_path / "qw" / "checks" / f"drafter-{q}.json")["served"]
+        reports[q] = read_json(tmp_path / "qw" / "checks" / f"drafter-{q}.json")
+        served[q] = {k: reports[q]["served"][k] for k in ("kl", "top1_agreement", "rows")}
     assert served["nvfp4"]["kl"] < 0.5 * served["nvfp4-nocalib"]["kl"]
     assert served["nvfp4"]["top1_agreement"] > served["nvfp4-nocalib"]["top1_agreement"]
+    # the same judgement the evaluation report makes: significant, and beyond the rounding lottery
+    top1 = paired.paired_top1(reports["nvfp4"], reports["nvfp4-nocalib"])
+    band = rounding_noise(reports["nvfp4-nocalib"])
+    assert top1["mcnemar_p"] < 1e-3 and verdict(top1, band) == "better"
     print("\nmassive activations: calibrated", json.dumps(served["nvfp4"]), "calibration-free",
-          json.dumps(served["nvfp4-nocalib"]))
+          json.dumps(served["nvfp4-nocalib"]), "paired", json.dumps(top1), "band", json.dumps(band))
 
 
 @pytest.mark.parametrize("overrides, fmt", [
