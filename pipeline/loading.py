@@ -110,3 +110,8 @@ def checkpoint_hashes(path: str | Path, revision: str | None = None,
         return None
     rels = list_files(root, lambda rel: not is_checkpoint_file(rel, weights_only), follow_links=True)
     return hash_files(root, rels, desc=f"hashing {path}")
+
+
+def checkpoint_sha256(path: str | Path, revision: str | None = None, weights_only: bool = False) -> dict[str, str]:
+    """{file: sha256} of `checkpoint_hashes`, {} when the checkpoint is not available locally."""
+    return {rel: e["sha256"] for rel, e in (checkpoint_hashes(path, revision, weights_only) or {}).items()}

@@ -20,7 +20,7 @@ import torch
 
 from pipeline.errors import bad_value
 from pipeline.io import atomic_write_json, read_json
-from pipeline.loading import checkpoint_hashes
+from pipeline.loading import checkpoint_sha256
 from pipeline.quant import cache_batches, calibrate, drafter_checks, export, recipes
 from pipeline.rundir import RunDir
 from pipeline.seeding import seed_everything
@@ -177,10 +177,9 @@ def run(cfg) -> dict:
         "calibration_free": baseline, "input_global_scales": scales,
         "activation_scale": q.activation_scale if minmax_scales else None, "minmax_input_global_scales": minmax_scales,
         "activation_scale_search": search,
-        "inputs": {"drafter": _dir_hashes(Path(cfg.drafter.path)),
+        "inputs": {"drafter": checkpoint_sha256(cfg.drafter.path, cfg.drafter.revision),
                    "cache_content_hash": index.get("content_hash"),
-                   "target_head": _dir_hashes(Path(cfg.target.path), only_weights=True,
-                                              revision=cfg.target.revision)},
+                   "target_head": checkpoint_sha256(cfg.target.path, cfg.target.revision, weights_only=True)},
         "outputs": export.output_hashes(out),
         "check": {k: report[k] for k in ("weight_error_summary", "served", "weights_only", "served_rounding_band",
                                          "activation_error_summary")
@@ -204,9 +203,3 @@ class _Clock:
         self.laps[name] = round(t - self._t, 3)
         self._t = t
 
-
-def _dir_hashes(path: Path | str, only_weights: bool = False, revision: str | None = None) -> dict[str, str]:
-    """{file: sha256} of a checkpoint's weight (+ config) files, from a directory or the local Hub cache's
-    snapshot of `revision`; {} when it is neither (`pipeline.loading.checkpoint_hashes`)."""
-    files = checkpoint_hashes(path, revision, weights_only=only_weights) or {}
-    return {rel: e["sha256"] for rel, e in files.items()}

@@ -16,6 +16,7 @@ import torch
 from pipeline import distributed
 from pipeline.errors import bad_value
 from pipeline.io import sha256_file
+from pipeline.loading import checkpoint_sha256
 from pipeline.quant import calibrate, checks, export, recipes
 from pipeline.rundir import RunDir
 from pipeline.seeding import seed_everything
@@ -95,19 +96,16 @@ def run(cfg) -> dict:
     scales = calibrate.input_global_scales(model)
 
     out = rd.target(q.name)
-    if world == 1:
-        with export.atomic_dir(out) as tmp:
-            _write(cfg, model, tmp)
-    else:
-        # compressing is collective (every rank compresses its share of modules); rank 0 writes
-        with contextlib.ExitStack() as stack:
-            tmp = stack.enter_context(export.atomic_dir(out)) if group.is_main else None
-            tmp = Path(group.broadcast(str(tmp) if tmp else None))
-            _write(cfg, model, tmp, main=group.is_main)
-            group.barrier()
-        group.close()
-        if not group.is_main:
-            return {}
+    # under torchrun compressing is collective (every rank compresses its share of modules) and rank 0
+    # writes; for one process the group calls are no-ops
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(export.atomic_dir(out)) if group.is_main else None
+        tmp = Path(group.broadcast(str(tmp) if tmp else None))
+        _write(cfg, model, tmp, main=group.is_main)
+        group.barrier()
+    group.close()
+    if not group.is_main:
+        return {}
     del model
     timings["write_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
     report = check_target(cfg, out, q, device)
@@ -120,7 +118,7 @@ def run(cfg) -> dict:
         "num_calibration_samples": len(batches or []),
         "num_calibration_tokens": int(sum(b["input_ids"].numel() for b in batches or [])),
         "calibration_free": baseline, "input_global_scales": scales,
-        "inputs": {"target": _input_hashes(cfg.target.path, cfg.target.revision), "samples_sha256": samples_sha},
+        "inputs": {"target": checkpoint_sha256(cfg.target.path, cfg.target.revision), "samples_sha256": samples_sha},
         "outputs": export.output_hashes(out),
         "check": {"weight_error": checks.summarize(report["weight_error"])},
         "timings": timings, "device": str(device),
@@ -173,11 +171,3 @@ def check_target(cfg, out: Path, q, device: str | torch.device = "cpu") -> dict:
     return {"kind": "target", "variant": q.name, "checkpoint": f"target/{q.name}", "scheme": q.scheme,
             "reloaded": True, "weight_error": errors, "weight_error_summary": checks.summarize(errors)}
 
-
-def _input_hashes(path: Path | str, revision: str | None = None) -> dict[str, str]:
-    """{file: sha256} of the target's weight + config files, from a directory or the local Hub cache's
-    snapshot of `revision`; {} when it is neither (`pipeline.loading.checkpoint_hashes`)."""
-    from pipeline.loading import checkpoint_hashes
-
-    files = checkpoint_hashes(path, revision) or {}
-    return {rel: e["sha256"] for rel, e in files.items()}

@@ -36,6 +36,14 @@ def _fails(cfg, stage=quantize_drafter) -> str:
     ("quant.observer=no_such_observer", "`quant.observer` = 'no_such_observer'", "nvfp4_expanded_mse"),
     ("quant.algorithm=awq", "`quant.algorithm` = 'awq'", "rtn, gptq"),
     ("quant.group_size=32", "`quant.group_size` = 32", "set it to 16"),
+    # the activation-scale search of quant=nvfp4 (pipeline/quant/act_scale.py)
+    ("quant.activation_scale=l2", "`quant.activation_scale` = 'l2'", "minmax, mse"),
+    ("quant.activation_scale_multipliers=[1.0,-2.0]", "`quant.activation_scale_multipliers`",
+     "-2.0 is not a positive"),
+    ("quant.activation_scale_multipliers=[]", "`quant.activation_scale_multipliers`", "needs candidate"),
+    ("quant.fixed_activation_amax=0", "`quant.fixed_activation_amax` = 0", "must be positive"),
+    ("quant.activation_scale_samples=-1", "`quant.activation_scale_samples` = -1", "whole number"),
+    ("quant.rounding_band_factors=[0.9,2.0]", "`quant.rounding_band_factors`", "non-power-of-two"),
 ])
 @pytest.mark.faults("bad_input")
 def test_bad_settings_fail_before_loading_weights(tmp_path, broken_drafter, override, field, words):

@@ -36,11 +36,11 @@ CHUNK_ELEMENTS = 1 << 25  # activation values quantized at once (128 MiB in fp32
 
 def validate_settings(q, field: str) -> None:
     """activation_scale and its multipliers; checked with the other settings, before any weights load."""
-    method = getattr(q, "activation_scale", "minmax")
+    method = q.activation_scale
     if method not in METHODS:
         raise bad_value(f"{field}.activation_scale", method, "it is not a known activation-scale method",
                         f"use one of {', '.join(METHODS)}")
-    mults = list(getattr(q, "activation_scale_multipliers", None) or [])
+    mults = list(q.activation_scale_multipliers or [])
     if method == "mse" and not mults:
         raise bad_value(f"{field}.activation_scale_multipliers", mults, "the mse search needs candidate multipliers",
                         "give a list of positive multipliers of the minmax scale, e.g. [0.25, 0.5, 1.0, 2.0, 4.0]")
@@ -48,14 +48,14 @@ def validate_settings(q, field: str) -> None:
     if bad:
         raise bad_value(f"{field}.activation_scale_multipliers", mults, f"{bad[0]} is not a positive finite number",
                         "use positive multipliers of the minmax scale, e.g. [0.25, 0.5, 1.0, 2.0, 4.0]")
-    band = list(getattr(q, "rounding_band_factors", None) or [])
+    band = list(q.rounding_band_factors or [])
     off = [f for f in band if not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0
            or math.log2(f) == round(math.log2(f))]
     if off:
         raise bad_value(f"{field}.rounding_band_factors", band, f"{off[0]} is not a positive non-power-of-two factor "
                         "(inside the data's range a power of two only shifts FP8 exponents and rounds as 1.0 does)",
                         "use factors such as [0.794, 0.891, 1.122, 1.26], or [] to skip the band")
-    n = getattr(q, "activation_scale_samples", 0)
+    n = q.activation_scale_samples
     if not isinstance(n, int) or n < 0:
         raise bad_value(f"{field}.activation_scale_samples", n, "it must be a whole number >= 0",
                         "use e.g. 64 (the first 64 calibration samples) or 0 for all of them")
@@ -211,7 +211,7 @@ def search(model, batches, q) -> dict:
         for n in group:
             layers[n] = LayerError(modules[n].weight, modules[n].quantization_scheme.input_activations,
                                    candidates(minmax, fixed, mults))
-    limit = int(getattr(q, "activation_scale_samples", 0) or 0)
+    limit = int(q.activation_scale_samples)
     used = len(batches) if limit == 0 else min(limit, len(batches))
     run_hooked(model, modules, layers, _Head(batches, used), "activation scale search")
     record = {}

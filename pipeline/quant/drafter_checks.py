@@ -60,58 +60,57 @@ class _Agreement:
 
 
 @torch.no_grad()
-def compare(reference, quantized, batches, block_size: int) -> dict[str, dict]:
-    """KL(bf16 || quantized) and top-1 agreement, served (W4A4 emulated) and weights-only."""
+def compare(reference, quantized, batches, block_size: int, band_factors=()) -> dict[str, dict]:
+    """KL(bf16 || quantized) and top-1 agreement, served (W4A4 emulated) and weights-only, plus the
+    rounding band: served again with every activation global scale times each of `band_factors`.
+
+    Within the range the data occupies, multiplying a global scale by a non-power-of-two factor
+    changes nothing but how the FP8 block scales round, so the band's spread is the rounding lottery
+    any choice of scales draws from: the yardstick for calling two calibrations different (see
+    pipeline/evaluate.py calibration_comparison). The bf16 logits of each batch serve every pass.
+    """
     from compressed_tensors.quantization import disable_quantization, enable_quantization
 
     device = next(reference.parameters()).device
-    served, weights_only = _Agreement(block_size), _Agreement(block_size)
-    for batch in batches:
-        mask = _rows_mask(batch, block_size).to(device)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        ref = reference(**batch).logits
-        served.add(ref, quantized(**batch).logits, mask)
-        quantized.apply(disable_quantization)
-        try:
-            weights_only.add(ref, quantized(**batch).logits, mask)
-        finally:
-            quantized.apply(enable_quantization)
-    return {"served": served.result(), "weights_only": weights_only.result()}
-
-
-@torch.no_grad()
-def rounding_band(reference, quantized, batches, block_size: int, factors) -> dict:
-    """Served top-1 and tau-vs-bf16 with every activation global scale multiplied by each factor.
-
-    Within the range the data occupies, multiplying a global scale by a non-power-of-two factor
-    changes nothing but how the FP8 block scales round, so the spread of these results is the
-    rounding lottery any choice of scales draws from: the yardstick for calling two calibrations
-    different (see pipeline/evaluate.py calibration_comparison).
-    """
     modules = act_scale.activation_quantized(quantized)
-    factors = [float(f) for f in factors or []]
-    if not modules or not factors or not len(batches):
-        return {}
+    factors = [float(f) for f in band_factors or []] if modules else []
     kept = {n: m.input_global_scale.detach().clone() for n, m in modules.items()}
-    device = next(reference.parameters()).device
-    top1, tau = [], []
+    served, weights_only = _Agreement(block_size), _Agreement(block_size)
+    band = [_Agreement(block_size) for _ in factors]
     try:
-        for f in factors:
-            for n, m in modules.items():
-                m.input_global_scale.data.copy_(kept[n] * f)
-            agree = _Agreement(block_size)
-            for batch in batches:
-                mask = _rows_mask(batch, block_size).to(device)
-                batch = {k: v.to(device) for k, v in batch.items()}
-                agree.add(reference(**batch).logits, quantized(**batch).logits, mask)
-            res = agree.result()
-            top1.append(res["top1_agreement"])
-            tau.append(res["agreement_length"])
+        for batch in batches:
+            mask = _rows_mask(batch, block_size).to(device)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            ref = reference(**batch).logits
+            served.add(ref, quantized(**batch).logits, mask)
+            for f, agree in zip(factors, band):
+                _set_scales(modules, kept, f)
+                agree.add(ref, quantized(**batch).logits, mask)
+            _set_scales(modules, kept, 1.0)
+            quantized.apply(disable_quantization)
+            try:
+                weights_only.add(ref, quantized(**batch).logits, mask)
+            finally:
+                quantized.apply(enable_quantization)
     finally:
-        for n, m in modules.items():
-            m.input_global_scale.data.copy_(kept[n])
-    return {"factors": factors, "top1_agreement": top1, "agreement_length": tau,
-            "top1_min": min(top1), "top1_max": max(top1)}
+        _set_scales(modules, kept, 1.0)
+    out = {"served": served.result(), "weights_only": weights_only.result()}
+    if band and served.rows:
+        top1 = [a.result()["top1_agreement"] for a in band]
+        out["served_rounding_band"] = {"factors": factors, "top1_agreement": top1,
+                                       "agreement_length": [a.result()["agreement_length"] for a in band],
+                                       "top1_min": min(top1), "top1_max": max(top1)}
+    return out
+
+
+def _set_scales(modules: dict, kept: dict, factor: float) -> None:
+    for n, m in modules.items():
+        m.input_global_scale.data.copy_(kept[n] * factor)
+
+
+def rounding_band(reference, quantized, batches, block_size: int, factors) -> dict:
+    """Only the rounding band of `compare` ({} when there is nothing to draw)."""
+    return compare(reference, quantized, batches, block_size, factors).get("served_rounding_band", {})
 
 
 def activation_error_report(reference, quantized, held, q, search: dict | None) -> dict:
@@ -142,10 +141,7 @@ def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict |
     held = cache_batches.drafter_batches(reader, held_idx, int(q.anchors_per_sequence), dconf.block_size,
                                          int(dconf.mask_token_id), int(q.max_seq_len),
                                          int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET)
-    metrics = compare(reference, quantized, held, dconf.block_size) if len(held) else {}
-    band = rounding_band(reference, quantized, held, dconf.block_size, q.rounding_band_factors)
-    if band:
-        metrics["served_rounding_band"] = band
+    metrics = compare(reference, quantized, held, dconf.block_size, q.rounding_band_factors) if len(held) else {}
     act = activation_error_report(reference, quantized, held, q, search)
     # paths relative to the run directory, so the report is byte-identical wherever the run lives
     report = {"kind": "drafter", "variant": q.name, "checkpoint": f"drafter/{q.name}", "reference": "drafter/bf16",
