@@ -99,3 +99,12 @@ def test_data_free_recipe_under_torchrun_is_refused_before_loading(runs, monkeyp
         quantize_target.run(world_cfg(runs, "target_quant=w4a16", "target_quant.group_size=32",
                                       "target_quant.name=w4a16-dist"))
     assert not (runs / "qw" / "target" / "w4a16-dist").exists()
+
+
+def test_more_processes_than_calibration_samples_is_refused_before_loading(runs, monkeypatch):
+    from pipeline.errors import SpecquantError
+
+    monkeypatch.setenv("WORLD_SIZE", "8")  # no process group exists: reaching it would fail differently
+    with pytest.raises(SpecquantError, match=r"^`target_quant\.num_samples` = 4.*8 processes.*at least 8"):
+        quantize_target.run(world_cfg(runs, *GPTQ[:-1], "target_quant.num_samples=4", "target_quant.name=gptq-8"))
+    assert not (runs / "qw" / "target" / "gptq-8").exists()
