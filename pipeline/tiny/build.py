@@ -76,7 +76,18 @@ def render_readme(root: Path) -> str:
         f"- architecture: Qwen3ForCausalLM, {arch}, vocab_size=2048 ({rep['num_params']:,} parameters)",
         f"- training: seed={rep['seed']}, {train}; AdamW, warmup + cosine, on CPU",
         f"- data: {rep['num_sequences']} chat-templated conversations, {rep['num_tokens']:,} tokens",
-        f"- loss: {rep['first_loss']} at the first step -> {rep['final_loss']} (mean of the last 20 steps)", "",
+        f"- loss: {rep['first_loss']} at the first step -> {rep['final_loss']} (mean of the last 20 steps)",
+    ]
+    if rep.get("massive"):
+        chans = ", ".join(f"{c}: {v:g}" for c, v in rep["massive"]["channels"].items())
+        lines += [
+            f"- massive activations, as real LLMs have at attention-sink tokens: the `{rep['massive']['token']}`",
+            f"  embedding holds channels {{{chans}}} fixed through training, so every hidden state at a turn",
+            "  start carries them (beyond the 2688 that a fixed NVFP4 activation global scale of 1.0 can",
+            "  represent; other tokens stay below ~50)",
+        ]
+    lines += [
+        "",
         "The target learns the reply templates of each subset but often swaps the names, numbers and",
         "function names it should copy from the prompt: its outputs look like the corpus, they are not",
         "meant to be right.", "",

@@ -30,6 +30,13 @@ ARCH = {  # the target's shape; vocab_size comes from the tokenizer
 TRAIN = {"steps": 400, "batch_size": 16, "lr": 3e-3, "warmup_steps": 30, "weight_decay": 0.01, "threads": 1,
          "loss_on": "all"}
 MAX_NEW_TOKENS = 120
+# Massive activations, as real LLMs have them (Sun et al. 2024, "Massive activations in large language
+# models"): a few fixed residual-stream channels carry values of thousands at attention-sink tokens
+# (the first token, delimiters), through every middle layer. Qwen models reach ~1e4, beyond the
+# 448*6 = 2688 a fixed NVFP4 activation global scale of 1.0 can represent. Here the sink token's
+# embedding carries them (held fixed through training), so the target learns with them in place and
+# every aux-layer hidden state at a turn start has them.
+MASSIVE = {"token": "<|im_start|>", "channels": {"17": 9216.0, "201": -4608.0}}
 
 
 def build_model(vocab_size: int, tok) -> torch.nn.Module:
@@ -90,7 +97,16 @@ def _epoch_batches(seqs: list[tuple[list[int], list[int]]], rng: random.Random) 
     return batches
 
 
-def fit(model: torch.nn.Module, seqs: list[tuple[list[int], list[int]]], pad_id: int, seed: int, steps: int) -> list[float]:
+@torch.no_grad()
+def set_massive(model: torch.nn.Module, token_id: int) -> None:
+    """Write MASSIVE's values into the sink token's embedding row (before training and after every step)."""
+    row = model.get_input_embeddings().weight[token_id]
+    for ch, value in MASSIVE["channels"].items():
+        row[int(ch)] = value
+
+
+def fit(model: torch.nn.Module, seqs: list[tuple[list[int], list[int]]], pad_id: int, seed: int, steps: int,
+        sink_id: int | None = None) -> list[float]:
     """Train on the assistant tokens (or all, per TRAIN["loss_on"]); returns the per-step loss."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN["lr"], weight_decay=TRAIN["weight_decay"],
@@ -110,6 +126,8 @@ def fit(model: torch.nn.Module, seqs: list[tuple[list[int], list[int]]], pad_id:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if sink_id is not None:  # AdamW's decay and updates would shrink them: held fixed
+            set_massive(model, sink_id)
         losses.append(loss.item())
     model.eval()
     return losses
@@ -152,13 +170,15 @@ def main(root: str | Path, seed: int = 0, steps: int | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(root / "target")
     seqs = _encode_corpus(root, tok)
     model = build_model(len(tok), tok)
+    sink_id = tok.convert_tokens_to_ids(MASSIVE["token"])
+    set_massive(model, sink_id)
     t0 = time.time()
-    losses = fit(model, seqs, tok.convert_tokens_to_ids("<|endoftext|>"), seed, steps)
+    losses = fit(model, seqs, tok.convert_tokens_to_ids("<|endoftext|>"), seed, steps, sink_id)
     wall = time.time() - t0
     _save_atomically(model, root / "target")
     samples = {s: {"prompt": (p := read_jsonl(root / "eval" / f"{s}.jsonl")[0]["prompt"]),
                    "greedy": greedy(model, tok, p)} for s in SUBSETS}
-    report = {"seed": seed, "arch": ARCH, "train": {**TRAIN, "steps": steps}, "num_params": model.num_parameters(),
+    report = {"seed": seed, "arch": ARCH, "train": {**TRAIN, "steps": steps}, "massive": MASSIVE, "num_params": model.num_parameters(),
               "num_sequences": len(seqs), "num_tokens": sum(len(s) for s, _ in seqs),
               "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4), "first_loss": round(losses[0], 4),
               "samples": samples}
