@@ -70,7 +70,10 @@ def _paired_section(rows: list[dict]) -> list[str]:
            "(served numerics): rows where only one variant agrees decide, exact two-sided McNemar p-value. "
            "τ: the same evaluation prompts for both, 95% paired-bootstrap interval of the difference "
            "(resampling prompts). Rounding band: the calibration-free drafter's top-1 with all its activation "
-           "global scales times non-power-of-two factors, which only changes how FP8 block scales round; "
+           "global scales times non-power-of-two factors, which only changes how FP8 block scales round "
+           "while the data stays inside the scale's range (where it exceeds it, as massive activations exceed "
+           "the fixed scale's 2688, the factors also move the clip point, so the band then also holds part of "
+           "what calibration changes); "
            "the verdict is better / worse only when McNemar p < 0.05 and the calibrated top-1 lies outside "
            "that band.", "",
            "| calibrated | calibration-free | rows | top-1 calibrated | top-1 calibration-free | only calibrated "

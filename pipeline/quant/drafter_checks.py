@@ -14,14 +14,14 @@ import torch
 from pipeline.quant import act_scale, cache_batches, checks, paired, recipes
 
 
-def _rows_mask(batch: dict, block_size: int) -> torch.Tensor:
+def rows_mask(batch: dict, block_size: int) -> torch.Tensor:
     from pipeline.models.calibration import aligned_loss_mask
 
     return aligned_loss_mask(batch["loss_mask"][0], batch["anchor_positions"][0], batch["anchor_valid"][0],
                              block_size)
 
 
-class _Agreement:
+class Agreement:
     """Running KL sum and top-1 matches, so no vocabulary-wide logits are kept across batches."""
 
     def __init__(self, block_size: int):
@@ -67,7 +67,9 @@ def compare(reference, quantized, batches, block_size: int, band_factors=()) -> 
     Within the range the data occupies, multiplying a global scale by a non-power-of-two factor
     changes nothing but how the FP8 block scales round, so the band's spread is the rounding lottery
     any choice of scales draws from: the yardstick for calling two calibrations different (see
-    pipeline/evaluate.py calibration_comparison). The bf16 logits of each batch serve every pass.
+    pipeline/evaluate.py calibration_comparison). Where the data exceeds a scale's range (massive
+    activations under the fixed scale) the factors also move the clip point, so the band is then
+    wider than rounding alone: a conservative yardstick. The bf16 logits of each batch serve every pass.
     """
     from compressed_tensors.quantization import disable_quantization, enable_quantization
 
@@ -75,11 +77,11 @@ def compare(reference, quantized, batches, block_size: int, band_factors=()) -> 
     modules = act_scale.activation_quantized(quantized)
     factors = [float(f) for f in band_factors or []] if modules else []
     kept = {n: m.input_global_scale.detach().clone() for n, m in modules.items()}
-    served, weights_only = _Agreement(block_size), _Agreement(block_size)
-    band = [_Agreement(block_size) for _ in factors]
+    served, weights_only = Agreement(block_size), Agreement(block_size)
+    band = [Agreement(block_size) for _ in factors]
     try:
         for batch in batches:
-            mask = _rows_mask(batch, block_size).to(device)
+            mask = rows_mask(batch, block_size).to(device)
             batch = {k: v.to(device) for k, v in batch.items()}
             ref = reference(**batch).logits
             served.add(ref, quantized(**batch).logits, mask)
