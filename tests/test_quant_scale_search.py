@@ -40,13 +40,11 @@ def test_chosen_scales_are_never_worse_than_fixed_or_minmax_on_calibration_data(
     layers, scales = rec["layers"], searched["input_global_scales"]
     assert set(layers) == set(scales) and len(layers) == 15  # fc + 2 x (q, k, v, o, gate, up, down)
     assert sorted(len(g) for g in rec["groups"]) == [2, 2, 3, 3]
-    shipped = rec["end_to_end"]["shipped"]
     for group in _groups(rec):
-        err = {k: sum(layers[n]["error"][k] for n in group) for k in ("searched", "chosen", "fixed", "minmax")}
-        assert err["searched"] <= err["fixed"] and err["searched"] <= err["minmax"], group
-        assert err["searched"] > 0 and err["chosen"] == err[shipped]
+        err = {k: sum(layers[n]["error"][k] for n in group) for k in ("chosen", "fixed", "minmax")}
+        assert err["chosen"] <= err["fixed"] and err["chosen"] <= err["minmax"], group
+        assert err["chosen"] > 0
         assert len({scales[n] for n in group}) == 1, f"fused layers {group} must share one scale (vLLM)"
-        assert len({layers[n]["searched_scale"] for n in group}) == 1, group
         for n in group:
             assert layers[n]["chosen_scale"] == scales[n] and layers[n]["fixed_scale"] == FIXED
             assert layers[n]["minmax_scale"] == pytest.approx(min(searched["minmax_input_global_scales"][m]
@@ -239,40 +237,3 @@ def test_verdict_needs_significance_and_a_result_outside_the_rounding_band():
     assert verdict({"mcnemar_p": 0.01, "top1_a": 0.91}, band) == "within noise"  # inside the lottery
     assert verdict({"mcnemar_p": 0.40, "top1_a": 0.95}, band) == "within noise"  # not significant
     assert verdict(None, band) == "not measured"
-
-
-def test_end_to_end_guard_ships_the_set_closest_to_the_dense_drafter(world, searched):
-    # the guard's calibration-free candidate is the nocalib checkpoint's activation scales, its shipped
-    # set the nvfp4 checkpoint's: reload each, put the dense source weights back (the guard quantizes
-    # only activations) and measure KL on the same calibration batches independently
-    from pipeline.cache import CacheReader
-    from pipeline.models.formats import load_drafter
-    from pipeline.quant import checks, drafter_checks
-    from pipeline.rundir import RunDir
-
-    e2e = searched["activation_scale_search"]["end_to_end"]
-    assert set(e2e["kl"]) == {"searched", "minmax", "fixed"}
-    assert e2e["kl"][e2e["shipped"]] == min(e2e["kl"].values()) and e2e["rows"] > 0
-    layers = searched["activation_scale_search"]["layers"]
-    assert all(searched["input_global_scales"][n] == r["chosen_scale"] for n, r in layers.items())
-    free = quantize_drafter.run(world_cfg(world, "quant=nvfp4-nocalib", "quant.quantize_qkv=true",
-                                          "quant.name=free-qkv"))
-    assert set(free["input_global_scales"].values()) == {FIXED}
-    cfg = world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true")
-    rd = RunDir.from_cfg(cfg)
-    reader = CacheReader(rd.cache)
-    calib, _ = cache_batches.split_indices(len(reader), int(cfg.quant.num_samples), int(cfg.quant.heldout_samples),
-                                           int(cfg.seed), True)
-    batches = cache_batches.drafter_batches(reader, calib, int(cfg.quant.anchors_per_sequence), 4, 127,
-                                            int(cfg.quant.max_seq_len), int(cfg.seed))
-    reference = load_drafter(DRAFTER, target=TARGET, dtype=torch.float32)  # the weights oneshot started from
-    dense = dict(reference.named_parameters())
-    for label, name in (("fixed", "free-qkv"), (e2e["shipped"], "nvfp4")):
-        served = checks.load_dequantized(load_drafter(rd.drafter("bf16"), target=TARGET, dtype=torch.float32),
-                                         rd.drafter(name))
-        with torch.no_grad():
-            for n, m in act_scale.activation_quantized(served).items():
-                m.weight.copy_(dense[f"{n}.weight"])
-        got = drafter_checks.compare(reference, served, batches, 4)["served"]
-        assert got["rows"] == e2e["rows"]
-        assert got["kl"] == pytest.approx(e2e["kl"][label], rel=1e-3), label

@@ -20,16 +20,10 @@ fixed scale and the minmax scale, so on the calibration data the chosen scale is
 either: per layer, or for layers vLLM fuses (q/k/v, gate/up: one scale per fused Linear) on the sum
 of the group's errors. Ties go to the fixed scale, then minmax, then the grid order. Activations
 are streamed in row chunks; nothing is kept across batches but one float64 sum per candidate.
-
-Last, `end_to_end_guard` runs the whole drafter with only its activations quantized (dense
-weights) under three scale sets - the searched one, all-minmax and all-fixed (the
-calibration-free baseline) - and ships the one whose logits are closest (KL) to the dense
-drafter's on the same samples.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -198,9 +192,8 @@ def fused_groups(model, names: list[str]) -> list[list[str]]:
 def search(model, batches, q) -> dict:
     """Pick each activation-quantized Linear's input_global_scale by the search; write it in place.
 
-    Returns the record for the stage result and the check report: per layer the minmax, fixed,
-    searched (the per-layer argmin) and chosen (what ships, after `end_to_end_guard`) scale with
-    the error of each on the calibration batches.
+    Returns the record for the stage result and the check report: per layer the minmax, fixed and
+    chosen scale with the error of each on the calibration batches.
     """
     from compressed_tensors.offload import update_offload_parameter
 
@@ -232,89 +225,10 @@ def search(model, batches, q) -> dict:
                                      torch.full_like(old, layers[n].scales[i]))
             record[n] = layer_record(layers[n], i) | ({"fused_with": [m for m in group if m != n]}
                                                       if len(group) > 1 else {})
-    out = {"method": "mse", "multipliers": mults, "fixed_input_global_scale": fixed, "samples": used,
-           "objective": "sum over calibration rows of ||(Q_g(x) - x) W^T||^2, inputs with quantization "
-                        "disabled; one scale per fused group (q/k/v, gate/up) on the sum of its errors",
-           "groups": [g for g in groups if len(g) > 1], "layers": record}
-    out["end_to_end"] = end_to_end_guard(model, modules, _Head(batches, used), record)
-    return out
-
-
-SETS = ("searched", "minmax", "fixed")  # ties go to the earlier one
-
-
-@contextlib.contextmanager
-def _dense_weights(model):
-    """Activation QDQ only: compressed-tensors skips weight fake-quantization for modules marked
-    COMPRESSED (their weights already are), so mark every quantized module so for the duration."""
-    from compressed_tensors.quantization import QuantizationStatus
-
-    kept = {m: m.quantization_status for m in model.modules()
-            if getattr(m, "quantization_scheme", None) is not None and hasattr(m, "quantization_status")}
-    try:
-        for m in kept:
-            m.quantization_status = QuantizationStatus.COMPRESSED
-        yield
-    finally:
-        for m, status in kept.items():
-            m.quantization_status = status
-
-
-def end_to_end_guard(model, modules: dict[str, torch.nn.Module], batches, record: dict) -> dict:
-    """Ship the whole-drafter scale set whose activation quantization moves the drafter's output least.
-
-    The per-layer search minimizes each layer's own output error; errors of different layers
-    interact through the drafter. So the searched set, every layer at its (fused-group) minmax scale,
-    and every layer at the calibration-free fixed scale each run the drafter with its activations
-    quantized (weights kept dense, like the search's W, so the choice never depends on the weight
-    observer) over the search samples, and the set with the least KL(dense || activation-quantized)
-    on the loss-masked draft rows ships. The calibration-free baseline is one of the candidates, so
-    on the calibration data the shipped scales never move the drafter further from the dense one
-    than the calibration-free scales do. Layer records follow the shipped set.
-    """
-    from compressed_tensors.offload import get_execution_device, update_offload_parameter
-    from llmcompressor.utils.helpers import DisableQuantization
-    from tqdm import tqdm
-
-    from pipeline.quant.drafter_checks import Agreement, rows_mask
-
-    key = {"searched": "searched_scale", "minmax": "minmax_scale", "fixed": "fixed_scale"}
-    sets = {label: {n: r[key[label]] for n, r in record.items()} for label in SETS}
-    block_size = int(model.config.block_size)
-    device = get_execution_device(model)
-    agree = {label: Agreement(block_size) for label in SETS}
-
-    def use(label: str) -> None:
-        for n, v in sets[label].items():
-            old = modules[n].input_global_scale
-            update_offload_parameter(modules[n], "input_global_scale", torch.full_like(old, v))
-
-    model.eval()  # llm-compressor's calibration context would skip lm_head (meta logits): a plain forward
-    try:
-        with torch.no_grad(), _dense_weights(model):
-            for batch in tqdm(batches, desc="end-to-end scale check", unit="sample"):
-                mask = rows_mask(batch, block_size).to(device)
-                batch = {k: v.to(device) for k, v in batch.items()}
-                with DisableQuantization(model):
-                    ref = model(**batch).logits
-                for label in SETS:
-                    use(label)
-                    agree[label].add(ref, model(**batch).logits, mask)
-    finally:
-        use("searched")
-    kl = {label: a.result()["kl"] for label, a in agree.items()}
-    top1 = {label: a.result()["top1_agreement"] for label, a in agree.items()}
-    shipped = min(SETS, key=lambda label: (kl[label], SETS.index(label)))
-    use(shipped)
-    if shipped != "searched":
-        for r in record.values():
-            r["chosen"], r["chosen_scale"] = shipped, r[key[shipped]]
-            r["chosen_multiplier"] = r["chosen_scale"] / r["minmax_scale"]
-            r["error"]["chosen"] = r["error"][shipped]
-            r["relative_error"]["chosen"] = r["relative_error"][shipped]
-    return {"objective": "KL(dense drafter || the drafter with only its activations quantized) on the "
-                         "loss-masked draft rows of the search samples",
-            "kl": kl, "top1_agreement": top1, "rows": agree["fixed"].rows, "shipped": shipped}
+    return {"method": "mse", "multipliers": mults, "fixed_input_global_scale": fixed, "samples": used,
+            "objective": "sum over calibration rows of ||(Q_g(x) - x) W^T||^2, inputs with quantization "
+                         "disabled; one scale per fused group (q/k/v, gate/up) on the sum of its errors",
+            "groups": [g for g in groups if len(g) > 1], "layers": record}
 
 
 class _Head:
@@ -336,12 +250,10 @@ def layer_record(layer: LayerError, chosen: int) -> dict:
     fixed = layer.labels.index("fixed")
     return {"chosen": layer.labels[chosen], "chosen_scale": layer.scales[chosen],
             "chosen_multiplier": layer.scales[chosen] / layer.scales[minmax],
-            "searched": layer.labels[chosen], "searched_scale": layer.scales[chosen],
             "minmax_scale": layer.scales[minmax], "fixed_scale": layer.scales[fixed], "rows": layer.rows,
-            "error": {"minmax": layer.errors[minmax], "fixed": layer.errors[fixed], "chosen": layer.errors[chosen],
-                      "searched": layer.errors[chosen]},
+            "error": {"minmax": layer.errors[minmax], "fixed": layer.errors[fixed], "chosen": layer.errors[chosen]},
             "relative_error": {"minmax": layer.relative(minmax), "fixed": layer.relative(fixed),
-                               "chosen": layer.relative(chosen), "searched": layer.relative(chosen)}}
+                               "chosen": layer.relative(chosen)}}
 
 
 def heldout_errors(reference, quantized, batches, fixed: float) -> dict[str, dict]:

@@ -14,14 +14,14 @@ import torch
 from pipeline.quant import act_scale, cache_batches, checks, paired, recipes
 
 
-def rows_mask(batch: dict, block_size: int) -> torch.Tensor:
+def _rows_mask(batch: dict, block_size: int) -> torch.Tensor:
     from pipeline.models.calibration import aligned_loss_mask
 
     return aligned_loss_mask(batch["loss_mask"][0], batch["anchor_positions"][0], batch["anchor_valid"][0],
                              block_size)
 
 
-class Agreement:
+class _Agreement:
     """Running KL sum and top-1 matches, so no vocabulary-wide logits are kept across batches."""
 
     def __init__(self, block_size: int):
@@ -77,11 +77,11 @@ def compare(reference, quantized, batches, block_size: int, band_factors=()) -> 
     modules = act_scale.activation_quantized(quantized)
     factors = [float(f) for f in band_factors or []] if modules else []
     kept = {n: m.input_global_scale.detach().clone() for n, m in modules.items()}
-    served, weights_only = Agreement(block_size), Agreement(block_size)
-    band = [Agreement(block_size) for _ in factors]
+    served, weights_only = _Agreement(block_size), _Agreement(block_size)
+    band = [_Agreement(block_size) for _ in factors]
     try:
         for batch in batches:
-            mask = rows_mask(batch, block_size).to(device)
+            mask = _rows_mask(batch, block_size).to(device)
             batch = {k: v.to(device) for k, v in batch.items()}
             ref = reference(**batch).logits
             served.add(ref, quantized(**batch).logits, mask)
