@@ -143,11 +143,13 @@ def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: in
         vs_ref = {v: paired.bootstrap_ratio_difference(per_prompt[v], per_prompt[REFERENCE], seed)
                   for v in (cal, free)} if REFERENCE in per_prompt else {}
         band = rounding_noise(reports.get(free))
+        band_cal = rounding_noise(reports.get(cal))  # shown beside it: the calibrated scales' own lottery
         out.append({"calibrated": cal, "calibration_free": free, "scheme": results["variants"][cal]["scheme"],
                     "activation_scale": results["variants"][cal].get("activation_scale"),
                     "top1_heldout": top1, "kl_heldout": {v: (r.get("served") or {}).get("kl")
                                                          for v, r in reports.items()},
-                    "top1_rounding_band": band, "verdict": verdict(top1, band),
+                    "top1_rounding_band": band, "top1_rounding_band_calibrated": band_cal,
+                    "verdict": verdict(top1, band),
                     "tau": {"calibrated": results["variants"][cal]["overall"]["tau"],
                             "calibration_free": results["variants"][free]["overall"]["tau"],
                             "paired_bootstrap": tau, "vs_bf16_paired_bootstrap": vs_ref}})
@@ -155,8 +157,8 @@ def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: in
 
 
 def rounding_noise(report: dict | None) -> dict | None:
-    """The calibration-free variant's served top-1 over its rounding-band draws (its scales times
-    non-power-of-two factors, pipeline.quant.drafter_checks.rounding_band) and at its own scales."""
+    """A variant's served top-1 over its rounding-band draws (its scales times non-power-of-two
+    factors, pipeline.quant.drafter_checks.rounding_band) and at its own scales."""
     band = (report or {}).get("served_rounding_band")
     if not band:
         return None

@@ -140,6 +140,10 @@ def test_calibration_pays_where_activations_leave_the_fixed_range(tmp_path):
     top1 = paired.paired_top1(reports["nvfp4"], reports["nvfp4-nocalib"])
     band = rounding_noise(reports["nvfp4-nocalib"])
     assert top1["mcnemar_p"] < 1e-3 and verdict(top1, band) == "better"
+    # each variant's lottery: its 4 band draws and its own scales; here the calibrated one's lies above
+    own = rounding_noise(reports["nvfp4"])
+    assert own["factors"] == [0.794, 0.891, 1.122, 1.26, 1.0] and len(own["top1"]) == 5
+    assert own["top1"][-1] == served["nvfp4"]["top1_agreement"] and own["min"] > band["max"]
     print("\nmassive activations: calibrated", json.dumps(served["nvfp4"]), "calibration-free",
           json.dumps(served["nvfp4-nocalib"]), "paired", json.dumps(top1), "band", json.dumps(band))
 

@@ -75,11 +75,12 @@ def _paired_section(rows: list[dict]) -> list[str]:
            "the fixed scale's 2688, the factors also move the clip point, so the band then also holds part of "
            "what calibration changes); "
            "the verdict is better / worse only when McNemar p < 0.05 and the calibrated top-1 lies outside "
-           "that band.", "",
+           "that band. The calibrated drafter's own band (the same factors on its scales) is shown beside it.", "",
            "| calibrated | calibration-free | rows | top-1 calibrated | top-1 calibration-free | only calibrated "
            "| only calibration-free | McNemar p | τ calibrated | τ calibration-free | Δτ [95% CI] "
-           "| Δτ vs bf16: calibrated, calibration-free [95% CI] | rounding band (top-1) | verdict |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| Δτ vs bf16: calibrated, calibration-free [95% CI] | rounding band (top-1) "
+           "| calibrated's own band (top-1) | verdict |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t, tau = r.get("top1_heldout"), r["tau"]
         b = tau["paired_bootstrap"]
@@ -87,10 +88,10 @@ def _paired_section(rows: list[dict]) -> list[str]:
                f"| {_p(t['mcnemar_p'])}") if t else "n/a | n/a | n/a | n/a | n/a | n/a"
         ref = tau.get("vs_bf16_paired_bootstrap") or {}
         noise = ", ".join(_interval(ref[v]) for v in (r["calibrated"], r["calibration_free"]) if v in ref) or "n/a"
-        band = r.get("top1_rounding_band")
-        band_txt = f"{band['min']:.4f} - {band['max']:.4f}" if band else "n/a"
+        band_txt = [f"{band['min']:.4f} - {band['max']:.4f}" if band else "n/a"
+                    for band in (r.get("top1_rounding_band"), r.get("top1_rounding_band_calibrated"))]
         out.append(f"| `{r['calibrated']}` | `{r['calibration_free']}` | {top} | {tau['calibrated']:.3f} "
-                   f"| {tau['calibration_free']:.3f} | {_interval(b)} | {noise} | {band_txt} "
+                   f"| {tau['calibration_free']:.3f} | {_interval(b)} | {noise} | {band_txt[0]} | {band_txt[1]} "
                    f"| **{r.get('verdict', 'n/a')}** |")
     return out + [""]
 
