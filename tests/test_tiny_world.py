@@ -135,3 +135,40 @@ def test_target_training_is_deterministic():
     torch.manual_seed(0)
     untrained = train_target.build_model(len(tok), tok).state_dict()
     assert not torch.equal(weights[0]["lm_head.weight"], untrained["lm_head.weight"])  # it did train
+
+
+def test_target_hidden_states_carry_massive_activations_at_the_sink_token(target):
+    # what README and assets/tiny/README.md promise: at every <|im_start|> (and only there) the aux
+    # layers' hidden states hold MASSIVE's channels, beyond the fixed NVFP4 scale's 2688
+    from pipeline.tiny import train_target
+
+    model, tok = target
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi, I am Grace."},
+                                    {"role": "assistant", "content": "Hello Grace!"}], tokenize=False)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    sink = ids[0] == tok.convert_tokens_to_ids(train_target.MASSIVE["token"])
+    assert int(sink.sum()) == 2
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+    for layer in (1, 3):  # the tiny drafter's aux layers
+        h = hidden[layer][0]
+        for ch, value in train_target.MASSIVE["channels"].items():
+            assert torch.allclose(h[sink, int(ch)], torch.full((2,), value), rtol=0.01), (layer, ch)
+        assert float(h[sink].abs().max()) > 2688 and float(h[~sink].abs().max()) < 100
+
+
+def test_training_holds_the_massive_activations_fixed():
+    from pipeline.tiny import train_target
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    seqs = [train_target.encode_conversation(tok, msgs) for _, msgs in corpus.load_conversations(TINY)[::60]]
+    torch.manual_seed(0)
+    model = train_target.build_model(len(tok), tok)
+    sink = tok.convert_tokens_to_ids(train_target.MASSIVE["token"])
+    train_target.set_massive(model, sink)
+    before = model.get_input_embeddings().weight.detach().clone()
+    train_target.fit(model, seqs, tok.pad_token_id, seed=0, steps=2, sink_id=sink)
+    after = model.get_input_embeddings().weight.detach()
+    for ch, value in train_target.MASSIVE["channels"].items():
+        assert float(after[sink, int(ch)]) == value  # AdamW's decay and updates did not move them
+    assert not torch.equal(before, after)  # the rest of the embedding trained
