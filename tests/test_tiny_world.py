@@ -140,7 +140,7 @@ def test_target_training_is_deterministic():
 def test_target_hidden_states_carry_massive_activations_at_the_sink_token(target):
     # what README and assets/tiny/README.md promise: at every <|im_start|> (and only there) the aux
     # layers' hidden states hold MASSIVE's channels, beyond the fixed NVFP4 scale's 2688
-    from pipeline.tiny import train_target
+    from pipeline.tiny import train_drafter, train_target
 
     model, tok = target
     text = tok.apply_chat_template([{"role": "user", "content": "Hi, I am Grace."},
@@ -150,10 +150,10 @@ def test_target_hidden_states_carry_massive_activations_at_the_sink_token(target
     assert int(sink.sum()) == 2
     with torch.no_grad():
         hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
-    for layer in (1, 3):  # the tiny drafter's aux layers
+    for layer in train_drafter.AUX_LAYER_IDS:
         h = hidden[layer][0]
         for ch, value in train_target.MASSIVE["channels"].items():
-            assert torch.allclose(h[sink, int(ch)], torch.full((2,), value), rtol=0.01), (layer, ch)
+            assert torch.allclose(h[sink, ch], torch.full((2,), value), rtol=0.01), (layer, ch)
         assert float(h[sink].abs().max()) > 2688 and float(h[~sink].abs().max()) < 100
 
 
@@ -165,10 +165,9 @@ def test_training_holds_the_massive_activations_fixed():
     torch.manual_seed(0)
     model = train_target.build_model(len(tok), tok)
     sink = tok.convert_tokens_to_ids(train_target.MASSIVE["token"])
-    train_target.set_massive(model, sink)
     before = model.get_input_embeddings().weight.detach().clone()
     train_target.fit(model, seqs, tok.pad_token_id, seed=0, steps=2, sink_id=sink)
     after = model.get_input_embeddings().weight.detach()
     for ch, value in train_target.MASSIVE["channels"].items():
-        assert float(after[sink, int(ch)]) == value  # AdamW's decay and updates did not move them
+        assert float(after[sink, ch]) == value  # set, and AdamW's decay and updates did not move them
     assert not torch.equal(before, after)  # the rest of the embedding trained

@@ -36,7 +36,7 @@ MAX_NEW_TOKENS = 120
 # 448*6 = 2688 a fixed NVFP4 activation global scale of 1.0 can represent. Here the sink token's
 # embedding carries them (held fixed through training), so the target learns with them in place and
 # every aux-layer hidden state at a turn start has them.
-MASSIVE = {"token": "<|im_start|>", "channels": {"17": 9216.0, "201": -4608.0}}
+MASSIVE = {"token": "<|im_start|>", "channels": {17: 9216.0, 201: -4608.0}}
 
 
 def build_model(vocab_size: int, tok) -> torch.nn.Module:
@@ -102,12 +102,15 @@ def set_massive(model: torch.nn.Module, token_id: int) -> None:
     """Write MASSIVE's values into the sink token's embedding row (before training and after every step)."""
     row = model.get_input_embeddings().weight[token_id]
     for ch, value in MASSIVE["channels"].items():
-        row[int(ch)] = value
+        row[ch] = value
 
 
 def fit(model: torch.nn.Module, seqs: list[tuple[list[int], list[int]]], pad_id: int, seed: int, steps: int,
         sink_id: int | None = None) -> list[float]:
-    """Train on the assistant tokens (or all, per TRAIN["loss_on"]); returns the per-step loss."""
+    """Train on the assistant tokens (or all, per TRAIN["loss_on"]); returns the per-step loss.
+    With `sink_id`, MASSIVE's values sit in that token's embedding from the start and stay there."""
+    if sink_id is not None:
+        set_massive(model, sink_id)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN["lr"], weight_decay=TRAIN["weight_decay"],
                             betas=(0.9, 0.95))
@@ -170,15 +173,15 @@ def main(root: str | Path, seed: int = 0, steps: int | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(root / "target")
     seqs = _encode_corpus(root, tok)
     model = build_model(len(tok), tok)
-    sink_id = tok.convert_tokens_to_ids(MASSIVE["token"])
-    set_massive(model, sink_id)
     t0 = time.time()
-    losses = fit(model, seqs, tok.convert_tokens_to_ids("<|endoftext|>"), seed, steps, sink_id)
+    losses = fit(model, seqs, tok.convert_tokens_to_ids("<|endoftext|>"), seed, steps,
+                 tok.convert_tokens_to_ids(MASSIVE["token"]))
     wall = time.time() - t0
     _save_atomically(model, root / "target")
     samples = {s: {"prompt": (p := read_jsonl(root / "eval" / f"{s}.jsonl")[0]["prompt"]),
                    "greedy": greedy(model, tok, p)} for s in SUBSETS}
-    report = {"seed": seed, "arch": ARCH, "train": {**TRAIN, "steps": steps}, "massive": MASSIVE, "num_params": model.num_parameters(),
+    report = {"seed": seed, "arch": ARCH, "train": {**TRAIN, "steps": steps}, "massive": MASSIVE,
+              "num_params": model.num_parameters(),
               "num_sequences": len(seqs), "num_tokens": sum(len(s) for s, _ in seqs),
               "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4), "first_loss": round(losses[0], 4),
               "samples": samples}
