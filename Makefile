@@ -6,6 +6,8 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.specquant-setup
 ARGS ?=
 NPROC ?= 1
+# an interpreter with vLLM 0.26 on a CUDA machine; serve-check needs it (make all skips the stage without it)
+SERVE_PYTHON ?=
 # the drafter variants `make all` produces on the embedded default
 DRAFTER_QUANTS ?= nvfp4 nvfp4-nocalib nvfp4a16 w4a16
 export HF_HUB_OFFLINE ?= 1
@@ -14,7 +16,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup all test lint clean assets data cache quantize-drafter quantize-target manifest evaluate publish \
-	verify repro-check reliability
+	verify repro-check reliability serve-check
 
 setup: $(STAMP)
 
@@ -46,6 +48,9 @@ else
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m pipeline quantize-target $(ARGS)
 endif
 
+serve-check: setup
+	$(PYTHON) -m pipeline serve-check $(if $(SERVE_PYTHON),serve.python=$(SERVE_PYTHON)) $(ARGS)
+
 manifest: setup
 	$(PYTHON) -m pipeline manifest $(ARGS)
 
@@ -68,6 +73,11 @@ all: setup
 	@for q in $(DRAFTER_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q $(ARGS)" || exit 1; done
 	$(MAKE) quantize-target ARGS="$(ARGS)"
 	$(MAKE) evaluate ARGS="$(ARGS)"
+ifneq ($(SERVE_PYTHON),)
+	$(MAKE) serve-check ARGS="$(ARGS)" SERVE_PYTHON="$(SERVE_PYTHON)"
+else
+	@echo "specquant: serve-check skipped (needs a CUDA GPU and vLLM: make serve-check SERVE_PYTHON=<python with vLLM>); cards will say 'not checked in vLLM'"
+endif
 	$(MAKE) manifest ARGS="$(ARGS)"
 	$(MAKE) publish ARGS="$(ARGS)"
 	@run_dir=$$($(PYTHON) -m pipeline run-dir $(ARGS)) && $(PYTHON) -m pipeline verify $$run_dir && \

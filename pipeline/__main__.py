@@ -17,6 +17,7 @@ STAGES = {
     "quantize-target": "pipeline.quantize_target",
     "manifest": "pipeline.manifest",
     "evaluate": "pipeline.evaluate",
+    "serve-check": "pipeline.serve_check",
     "publish": "pipeline.publish",
 }
 # commands that take their own argv instead of Hydra overrides

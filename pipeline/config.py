@@ -149,6 +149,24 @@ class PublishConfig:
 
 
 @dataclass
+class ServeConfig:
+    """serve-check: vLLM runs in its own interpreter (it pins other torch / compressed-tensors versions)."""
+
+    python: str | None = None  # an interpreter with vLLM 0.26 (and a CUDA GPU); null = not configured
+    targets: list[str] = field(default_factory=list)  # bf16 and/or target variants; empty = every one of the run
+    variants: list[str] = field(default_factory=list)  # drafter variants; empty = every one of the run
+    parallel: int = 4  # engines (worker processes) at once on the GPU
+    kv_cache_memory_bytes: int = 1 << 30  # fixed KV budget per engine (skips profiling; engines share the GPU)
+    max_model_len: int | None = None  # None = longest prompt + eval.max_new_tokens + 64
+    dtype: str = "bfloat16"  # what vLLM computes in (FLASH_ATTN needs 16-bit)
+    attention_backend: str = "FLASH_ATTN"  # must support non-causal attention (DFlash drafts a block at once)
+    enforce_eager: bool = True
+    emulate_w4a4: bool = True  # NVFP4 W4A4 drafters run again with linear_backend=emulation below sm100
+    min_tau_ratio: float = 0.9  # fail a variant whose vLLM tau is below this x the bf16 drafter's
+    min_tau: float = 1.05  # fail any variant below this (zero acceptance)
+
+
+@dataclass
 class SpecquantConfig:
     run_name: str = MISSING
     seed: int = 0
@@ -162,6 +180,7 @@ class SpecquantConfig:
     target_quant: QuantConfig = field(default_factory=QuantConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 def register() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import provenance as prov
+from pipeline import serve_check
 from pipeline.errors import SpecquantError, bad_value
 from pipeline.io import atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
 from pipeline.rundir import RunDir
@@ -283,6 +284,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
         "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"], "report": _read(rd.root / check_rel)}
                    if check_rel in tree else None),
         "stage": ({**_stage_summary(name, rec), "result": _untimed(rec.get("result"))} if rec else None),
+        "serving": serve_check.status_for(rd, variant) if kind == "drafter" else None,
     }
 
 
@@ -300,7 +302,7 @@ def quant_run_manifest(rd: RunDir, records: dict, tree: dict, inputs: Inputs, ca
             "source": _source_section(source, records),
             "stages": {n: _stage_summary(n, r) for n, r in records.items()},
             "timing": _timing(records),
-            "not_run": [s for s in prov.STAGE_ORDER[:5] if s not in ran]}
+            "not_run": [s for s in prov.STAGE_ORDER[:6] if s not in ran]}
 
 
 # ---------------------------------------------------------------- the stage

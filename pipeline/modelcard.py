@@ -82,7 +82,8 @@ def acceptance_table(results: Any, variant: str) -> str | None:
 def vllm_command(target: str, repo_id: str, block_size: int | None) -> str:
     n = block_size - 1 if block_size else 15
     spec = json.dumps({"method": "dflash", "model": repo_id, "num_speculative_tokens": n}, separators=(",", ":"))
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+    # DFlash drafts non-causally: FLASH_ATTN supports it (serve-check runs with it)
+    return f"vllm serve {shlex.quote(target)} --attention-backend FLASH_ATTN --speculative-config {shlex.quote(spec)}"
 
 
 def _calibration_lines(c: dict[str, Any]) -> list[str]:
@@ -141,10 +142,17 @@ def render(info: dict[str, Any]) -> str:
             "Needs an attention backend that supports non-causal attention (e.g. `flash_attn`). "
             "vLLM copies the target's quantization to the draft unless the draft's own is used; this "
             "checkpoint carries its own `quantization_config`.", "",
+            "## Checked in vLLM",
+            "- " + ((info.get("serving") or {}).get("summary") or "not checked in vLLM"),
+            "- The kernel named is the one vLLM built for the drafter's quantized layers: on Hopper and "
+            "Ampere vLLM runs NVFP4 weight-only (Marlin), so a W4A4 figure there is from "
+            "`linear_backend=emulation`; native FP4 needs Blackwell (sm100/sm120).", "",
             "## What was and was not measured",
             "- Measured: " + ("acceptance length per subset on the run's prompt sets with specquant's "
                               "reference greedy loop (details in `eval/report.md`); " if table else "")
-            + "reload and dequantization checks of the checkpoint (`checks/`, when present).",
+            + "reload and dequantization checks of the checkpoint (`checks/`, when present)"
+            + ("; loading, losslessness and tau in vLLM (`eval/serve_check.json`)."
+               if (info.get("serving") or {}).get("checked") else "."),
             "- Not measured: serving throughput or latency in vLLM, native FP4 kernels on Blackwell GPUs, "
             "sampling (non-greedy) acceptance, and quality on tasks other than the listed subsets.", "",
             "## Verify the files",

@@ -50,7 +50,8 @@ FILE_LIST = "provenance/files.sha256.json"
 ATTESTATION = "provenance/attestation.intoto.json"
 # written after the manifest stage, so never part of the run's list or attestation
 LATE_OUTPUTS = ("stages/manifest.json", "stages/publish", "publish/")
-STAGE_ORDER = ("data", "cache", "quantize-drafter", "quantize-target", "evaluate", "manifest", "publish")
+STAGE_ORDER = ("data", "cache", "quantize-drafter", "quantize-target", "evaluate", "serve-check", "manifest",
+               "publish")
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 SLSA_PREDICATE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "https://github.com/specquant/specquant/blob/main/docs/ARCHITECTURE.md#pipeline-run-v1"
@@ -234,7 +235,8 @@ def vllm_serve_sh(target: dict, drafters: dict[str, int | None]) -> str:
         n = (block - 1) if block else "<block_size-1>"
         spec = ('{"method":"dflash","model":"\'"$RUN_DIR"\'/drafter/' + variant
                 + f'","num_speculative_tokens":{n}}}')
-        lines.append(f"  {shlex.quote(variant)}) exec vllm serve {shlex.quote(tgt)}{rev} --speculative-config '{spec}' ;;")
+        lines.append(f"  {shlex.quote(variant)}) exec vllm serve {shlex.quote(tgt)}{rev} --attention-backend FLASH_ATTN "
+                     f"--speculative-config '{spec}' ;;")
     lines += ['  *) echo "unknown variant $VARIANT; choose one of: ' + " ".join(drafters) + '" >&2; exit 2 ;;', "esac", ""]
     return "\n".join(lines)
 

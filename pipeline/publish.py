@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from pipeline import modelcard
+from pipeline import modelcard, serve_check
 from pipeline import provenance as prov
 from pipeline.errors import SpecquantError, bad_value
 from pipeline.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine, sha256_file
@@ -35,7 +35,7 @@ from pipeline.secrets import remember, scrub, scrub_obj
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")  # weights only from safetensors
-EVAL_FILES = ("report.md", "results.json", "vllm_commands.sh")
+EVAL_FILES = ("report.md", "results.json", "vllm_commands.sh", "serve_check.json")
 MANIFESTS = ("calibration_manifest.json", "quant_run_manifest.json")
 
 
@@ -130,6 +130,21 @@ def _sources(rd: RunDir, variant: str) -> dict[str, Path]:
     return kept
 
 
+def _refuse_unserved(cfg, rd: RunDir, variant: str) -> None:
+    """A variant whose serve check failed is never published; a pushed one must name its target by Hub id."""
+    status = serve_check.status_for(rd, variant)
+    if status.get("checked") and not status.get("ok"):
+        raise bad_value("publish.variants", variant, f"its vLLM serve check failed ({status['summary']})",
+                        "fix the variant and re-run `make serve-check`, or leave it out of publish.variants")
+    if not cfg.publish.dry_run:
+        conf = _read_json(rd.drafter(variant) / "config.json") or {}
+        verifier = ((conf.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if not _hub_id(verifier):
+            raise bad_value(f"drafter/{variant}/config.json", verifier, "a published drafter must name its target "
+                            "by Hub id (vLLM resolves a path against the user's working directory)",
+                            "set publish.target_model=<target Hub id> and re-run quantize-drafter")
+
+
 # ---------------------------------------------------------------- verification
 def _refuse_unless_verified(path: Path, field: str, ignore_prefix: str | None = None) -> None:
     from pipeline.verify import verify_dir
@@ -188,6 +203,7 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path) -> dict
                         "data": ", ".join(sources) if sources else None},
         "acceptance_table": modelcard.acceptance_table(_read_json(folder / "eval" / "results.json"), variant),
         "plots": sorted(p.relative_to(folder).as_posix() for p in (folder / "eval").glob("*.png")),
+        "serving": serve_check.status_for(rd, variant),
     }
 
 
@@ -325,6 +341,8 @@ def run(cfg) -> dict:
                         "rename it, e.g. specquant-tiny-v1")
     if not pc.dry_run:
         _check_push(cfg, token)
+    for v in variants:
+        _refuse_unserved(cfg, rd, v)
     sources = {v: _sources(rd, v) for v in variants}
     # publish/ is about to be rebuilt, so a stale assembled folder there is no reason to refuse
     _refuse_unless_verified(rd.root, "run_dir", ignore_prefix="publish/")

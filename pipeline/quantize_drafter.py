@@ -29,13 +29,29 @@ FIELD = "quant"
 REFERENCE = "bf16"
 
 
+def serving_verifier(cfg) -> str:
+    """The verifier every written drafter names: the target's Hub id where one is configured, else the
+    target path exactly as configured (relative to the checkout root the serving commands run from, or
+    absolute), never the source drafter's own entry (z-lab/speculators write `../target`-style paths that
+    vLLM resolves against its working directory: pipeline.serving.contract)."""
+    return str(cfg.publish.target_model or cfg.target.path)
+
+
 def drafter_config(cfg):
     from pipeline.models.formats import load_drafter_config
 
     dconf = load_drafter_config(cfg.drafter.path, cfg.drafter.format)
-    if not dconf.verifier_name_or_path:
-        dconf.verifier_name_or_path = str(cfg.target.path)
+    dconf.verifier_name_or_path = serving_verifier(cfg)
     return dconf
+
+
+def num_target_layers(cfg) -> int:
+    """T: vLLM numbers draft layer i as `model.layers.{i + T}` (pipeline.serving.contract)."""
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(str(cfg.target.path), revision=cfg.target.revision,
+                                    trust_remote_code=bool(cfg.target.trust_remote_code))
+    return int(tc.num_hidden_layers)
 
 
 def drafter_linears(dconf, ignore: list[str]) -> list[tuple[str, int]]:
@@ -61,6 +77,16 @@ def validate(cfg):
     ignore = recipes.resolve_ignore(q)
     dconf = drafter_config(cfg)
     recipes.validate_group_size(q, FIELD, drafter_linears(dconf, ignore))
+    from pipeline.serving import contract
+
+    n_target = num_target_layers(cfg)
+    with torch.device("meta"):
+        from pipeline.models.dflash import DFlashDrafter
+
+        names = [n for n, m in DFlashDrafter(dconf).named_modules() if isinstance(m, torch.nn.Linear)]
+    # refuses a fused pair named only in part before any weight is read
+    contract.serving_ignore([n for n in names if contract.matches(n, ignore)] + ignore, q.ignore, n_target)
+    dconf.num_target_layers = dconf.num_target_layers or n_target
     return q, ignore, dconf
 
 
@@ -110,20 +136,33 @@ def _write_native_config(model, work: Path) -> None:
     model.name_or_path = str(work)
 
 
-def write_quantized(model, out: Path) -> None:
-    """Compressed checkpoint in speculators layout: body tensors only, quantization_config in config."""
+def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str], n_target: int) -> None:
+    """Compressed checkpoint in speculators layout: body tensors only, quantization_config in config.
+
+    compressed-tensors writes `ignore` as the HF names of the layers it left dense
+    (`layers.0.self_attn.q_proj`), which match nothing in vLLM (draft layers are `model.layers.{i+T}`,
+    q/k/v fused): the list is rewritten as patterns vLLM and HF both match, and the folder is checked
+    against vLLM's reading before it is swapped in.
+    """
     from safetensors.torch import load_file
     from safetensors.torch import save as st_save
 
     from pipeline.models.formats import TARGET_KEYS, speculators_config_dict
+    from pipeline.serving import contract
 
     with export.atomic_dir(out) as tmp:
         written = export.save_compressed(model, tmp)
         tensors = load_file(str(tmp / "model.safetensors"))
         kept = {k: v for k, v in tensors.items() if not k.endswith(TARGET_KEYS) and k != "inv_freq"}
         (tmp / "model.safetensors").write_bytes(st_save(kept, metadata={"format": "pt"}))
-        config = speculators_config_dict(model.config, written["quantization_config"])
+        qc = dict(written["quantization_config"])
+        qc["ignore"] = contract.serving_ignore(ignore, user_ignore, n_target)
+        config = speculators_config_dict(model.config, qc)
         export.rewrite_config(tmp, config)
+        problems = contract.checkpoint_problems(config, kept.keys(), n_target)
+        if problems:
+            raise bad_value("quant.ignore", qc["ignore"], f"vLLM 0.26 would not serve the written checkpoint as "
+                            f"quantized: {problems[0]}", "fix quant.ignore (pipeline/serving/contract.py)")
 
 
 def run(cfg) -> dict:
@@ -156,7 +195,7 @@ def run(cfg) -> dict:
         if search is not None:
             clock.lap("scale_search_s")
         scales = calibrate.input_global_scales(model)
-        write_quantized(model, out)
+        write_quantized(model, out, ignore, list(q.ignore), int(dconf.num_target_layers))
         clock.lap("write_s")
     del model
     report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf, search)

@@ -72,6 +72,11 @@ def speculators_config_dict(cfg: DFlashConfig, quantization_config: dict | None 
     if not cfg.verifier_name_or_path:
         raise bad_value("verifier", cfg.verifier_name_or_path, "a speculators checkpoint must name its verifier "
                         "(target)", "pass the target's path or Hub id as the verifier")
+    sliding = [i for i, t in enumerate(cfg.layer_types or []) if t != "full_attention"]
+    if sliding:  # vLLM 0.26 applies one causality flag to every draft layer (pipeline.serving.contract)
+        raise bad_value("drafter.layer_types", list(cfg.layer_types), f"layers {sliding} are sliding-window "
+                        "layers and vLLM 0.26 would serve every layer with one causality flag, not as trained",
+                        "use a drafter whose layers are all full_attention")
     tlc = _layer_dict(cfg)
     tlc["rope_parameters"] = dict(cfg.rope_parameters)
     tlc["num_target_layers"] = cfg.num_target_layers  # not read by vLLM; keeps z-lab round trips lossless
@@ -85,7 +90,8 @@ def speculators_config_dict(cfg: DFlashConfig, quantization_config: dict | None 
         "draft_vocab_size": cfg.vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "sample_from_anchor": False,
-        "sliding_window_non_causal": False,
+        # vLLM 0.26 sets causal = not this flag for EVERY layer; DFlash layers are non-causal
+        "sliding_window_non_causal": True,
         "tie_word_embeddings": False,
         "dtype": _dtype_name(cfg),
         "speculators_config": {

@@ -40,7 +40,9 @@ PIPELINES = ("basic", "sequential", "independent", "datafree")
 
 # vLLM's DFlash context-KV precompute slices qkv_proj.weight and runs a plain linear (vLLM #51581):
 # a drafter with quantized q/k/v crashes or silently corrupts, so they stay dense unless asked.
-QKV_IGNORE = r"re:.*self_attn\.(q|k|v)_proj$"
+# The pattern matches HF names (q_proj, what llm-compressor sees) and vLLM's fused qkv_proj, for any layer
+# numbering (vLLM numbers draft layers after the target's): pipeline.serving.contract.
+QKV_IGNORE = r"re:.*self_attn\.(q|k|v|qkv)_proj$"
 # never quantized: the embedding (vLLM shares the target's) and the output head
 ALWAYS_IGNORE = (r"re:(.*\.)?lm_head$", r"re:(.*\.)?embed_tokens$")
 

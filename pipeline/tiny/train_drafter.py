@@ -7,8 +7,8 @@ Recipe (CPU, 1 thread, fixed step count so the same seed gives the same bytes):
 3. anchored-block training with `pipeline.models.calibration` batches (the same forward that
    calibration uses): cross-entropy on the target's greedy tokens for block slots 1..7, weighted
    exp(-(k-1)/gamma) as in DFlash;
-4. saved in speculators format to `<root>/drafter` (verifier `../target`, relative to the drafter
-   directory), then mean tau (block_size 8) is measured on `<root>/eval/*.jsonl` and written to
+4. saved in speculators format to `<root>/drafter` (verifier `assets/tiny/target`, from the
+   checkout root), then mean tau (block_size 8) is measured on `<root>/eval/*.jsonl` and written to
    `tau.json` and `README.md`.
 
 `python -m pipeline.tiny.train_drafter [--root assets/tiny] [--seed 0]`; `pipeline.tiny.build`
@@ -127,6 +127,10 @@ def block_loss(drafter, batch: dict) -> torch.Tensor:
     return (ce * w).sum() / w.sum().clamp(min=1e-6)
 
 
+# the target as vLLM and the pipeline find it from the checkout root (pipeline/serving/contract.py)
+VERIFIER = "assets/tiny/target"
+
+
 def build_drafter(target, mask_token_id: int):
     from pipeline.models.dflash import DFlashConfig, DFlashDrafter
 
@@ -136,7 +140,7 @@ def build_drafter(target, mask_token_id: int):
                        rope_parameters=dict(tc.rope_parameters), block_size=BLOCK_SIZE,
                        mask_token_id=mask_token_id, aux_layer_ids=AUX_LAYER_IDS,
                        num_target_layers=tc.num_hidden_layers, eos_token_id=tc.eos_token_id,
-                       pad_token_id=tc.pad_token_id, verifier_name_or_path="../target",
+                       pad_token_id=tc.pad_token_id, verifier_name_or_path=VERIFIER,
                        verifier_architectures=list(tc.architectures or ["Qwen3ForCausalLM"]), dtype="float32")
     drafter = DFlashDrafter(cfg)
     drafter.attach_target_weights(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
@@ -200,8 +204,9 @@ def render_readme(report: dict, tau: dict) -> str:
         "  tensors - `embed_tokens` and `lm_head` come from the target at load time.",
         f"- Aux layers: `aux_hidden_state_layer_ids` = {AUX_LAYER_IDS} (HF `output_hidden_states` indices;",
         f"  z-lab `target_layer_ids` = {[m - 1 for m in AUX_LAYER_IDS]}).",
-        "- Verifier: `speculators_config.verifier.name_or_path` = `../target`, a path relative to this",
-        "  directory (`pipeline.models.formats.load_drafter` resolves it there, then from the CWD).",
+        f"- Verifier: `speculators_config.verifier.name_or_path` = `{VERIFIER}`, the target's path from the",
+        "  checkout root, where `vllm serve` and the pipeline run (vLLM resolves it against its working",
+        "  directory; `pipeline.models.formats.load_drafter` tries the drafter's folder first, then the CWD).",
         f"- Training: seed {report['seed']}, {report['train']['steps']} steps, {report['num_sequences']} "
         f"sequences ({report['num_reply_tokens']:,} reply tokens); loss {report['first_loss']} -> "
         f"{report['final_loss']} (mean of the last 50 steps). Settings in `training.json`.", "",

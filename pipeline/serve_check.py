@@ -1,0 +1,262 @@
+"""Stage `serve-check`: every drafter variant of the run, served by the real vLLM beside each target.
+
+Recipe: probe `serve.python` (vLLM importable, a CUDA GPU visible) and refuse in one sentence before
+anything is written -> render the evaluate stage's prompt sets (same chat template, same ids) ->
+one job per engine: each target of the run (the configured target and every `target/<variant>/`)
+alone, and with each drafter variant (NVFP4 W4A4 drafters a second time with
+`linear_backend=emulation` where the GPU has no FP4 tensor cores, so W4A4 numerics are measured, not
+only Marlin's weight-only path) -> `serve.parallel` worker processes at once, each its own vLLM
+engine in `serve.python` (`pipeline.serving.worker`) -> lossless count against the same target
+alone, vLLM's tau per subset and acceptance per position, the kernel of every quantized layer ->
+`eval/serve_check.json`, the per-job files under `eval/serve_check/`, a section in `eval/report.md`
+-> exit non-zero naming every variant that does not load, is not lossless or whose tau falls below
+`serve.min_tau_ratio` of the bf16 drafter's (same target, same kernel) or below `serve.min_tau`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import SpecquantError, bad_value
+from pipeline.io import atomic_write_json, atomic_write_text
+from pipeline.rundir import RunDir
+from pipeline.serving import verdict
+
+REFERENCE = "bf16"
+REPORT_BEGIN = "<!-- serve-check: begin -->"
+REPORT_END = "<!-- serve-check: end -->"
+
+
+# ---------------------------------------------------------------- before any work
+def probe(python: str | None) -> dict:
+    """What `serve.python` offers; one sentence and no output when it cannot serve."""
+    if not python:
+        where = shutil.which("nvidia-smi")
+        gpu = "" if where else " and this machine has no CUDA GPU (no nvidia-smi)"
+        raise bad_value("serve.python", python, f"no interpreter with vLLM is configured{gpu}",
+                        "run on a machine with a CUDA GPU and pass serve.python=<python with vLLM 0.26> "
+                        "(make serve-check SERVE_PYTHON=...)")
+    if not (Path(python).is_file() or shutil.which(python)):
+        raise bad_value("serve.python", python, "no such interpreter", "give the path of a python that has vLLM")
+    env = {**os.environ, "PYTHONPATH": _worker_pythonpath()}
+    try:
+        out = subprocess.run([python, "-m", "pipeline.serving.worker", "--probe"], capture_output=True, text=True,
+                             timeout=600, env=env, cwd=str(_repo_root()))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise bad_value("serve.python", python, f"it could not be run ({exc})", "give a working interpreter") from None
+    try:
+        info = json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise bad_value("serve.python", python, f"its probe failed ({tail})", "give a python with vLLM") from None
+    if "vllm" not in info:
+        raise bad_value("serve.python", python, f"it cannot import vLLM ({info.get('vllm_error')})",
+                        "install vLLM 0.26 into that interpreter or point serve.python at one that has it")
+    if not info.get("cuda_available"):
+        raise bad_value("serve.python", python, "its torch sees no CUDA GPU, and vLLM serves on GPUs only",
+                        "run serve-check on a machine with a CUDA GPU")
+    return info
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def _worker_pythonpath() -> str:
+    """The worker imports `pipeline.serving.worker` (standard library only) from this checkout, then vLLM
+    from the interpreter's own environment (plus any PYTHONPATH the caller gave it)."""
+    extra = os.environ.get("SPECQUANT_VLLM_PYTHONPATH", "")
+    return os.pathsep.join(p for p in (str(_repo_root()), extra) if p)
+
+
+# ---------------------------------------------------------------- the jobs
+def _targets(cfg, rd: RunDir) -> dict[str, Path]:
+    found = {REFERENCE: Path(str(cfg.target.path))}
+    found.update({v: rd.target(v) for v in rd.target_variants()})
+    wanted = list(cfg.serve.targets or [])
+    unknown = [t for t in wanted if t not in found]
+    if unknown:
+        raise bad_value("serve.targets", wanted, f"{unknown} are not targets of this run (have {sorted(found)})",
+                        "run quantize-target for them or drop them")
+    return {t: found[t] for t in (wanted or found)}
+
+
+def _drafters(cfg, rd: RunDir) -> dict[str, Path]:
+    found = {v: rd.drafter(v) for v in rd.drafter_variants()}
+    wanted = list(cfg.serve.variants or [])
+    unknown = [v for v in wanted if v not in found]
+    if unknown:
+        raise bad_value("serve.variants", wanted, f"{unknown} not found in {rd.root / 'drafter'} (have {sorted(found)})",
+                        "run quantize-drafter for them first or drop them from the list")
+    chosen = wanted or sorted(found, key=lambda v: (v != REFERENCE, v))
+    if not chosen:
+        raise bad_value("run_dir", str(rd.root), "it holds no drafter checkpoint to serve",
+                        "run `make quantize-drafter` first")
+    return {v: found[v] for v in chosen}
+
+
+def _w4a4(path: Path) -> bool:
+    """Whether a drafter quantizes activations to FP4 (NVFP4 W4A4): those get the emulation run too."""
+    conf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    q = ((conf.get("transformer_layer_config") or {}).get("quantization_config") or {})
+    return any(((g.get("input_activations") or {}).get("type") == "float"
+                and (g.get("input_activations") or {}).get("num_bits") == 4)
+               for g in (q.get("config_groups") or {}).values())
+
+
+def _prompts(cfg) -> tuple[dict[str, list[list[int]]], list[int]]:
+    """The evaluate stage's rendering: the same prompt ids and stop tokens the reference loop used."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from pipeline.evaluation.prompts import load_prompt_sets
+
+    tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path,
+                                        revision=cfg.target.revision if not cfg.target.tokenizer else None)
+    subsets = load_prompt_sets(cfg.eval, tok)
+    stop = {tok.eos_token_id}
+    try:
+        gen = GenerationConfig.from_pretrained(str(cfg.target.path), revision=cfg.target.revision)
+        eos = gen.eos_token_id
+        stop |= set(eos if isinstance(eos, list) else [eos])
+    except OSError:
+        pass
+    return {s.name: s.prompts for s in subsets}, sorted(i for i in stop if i is not None)
+
+
+def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> list[dict]:
+    from pipeline.models.formats import load_drafter_config
+
+    s = cfg.serve
+    targets, drafters = _targets(cfg, rd), _drafters(cfg, rd)
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    max_len = int(s.max_model_len or 0) or longest + int(cfg.eval.max_new_tokens) + 64
+    sm = float(info.get("capability") or 0)
+    base = {"max_tokens": int(cfg.eval.max_new_tokens), "stop_token_ids": stop, "max_model_len": max_len,
+            "kv_cache_memory_bytes": int(s.kv_cache_memory_bytes), "seed": int(cfg.seed), "dtype": s.dtype,
+            "attention_backend": s.attention_backend, "enforce_eager": bool(s.enforce_eager),
+            "tokenizer": str(Path(str(cfg.target.tokenizer or cfg.target.path)).resolve())
+            if Path(str(cfg.target.tokenizer or cfg.target.path)).exists() else str(cfg.target.tokenizer or cfg.target.path)}
+    jobs = []
+    for t, tpath in targets.items():
+        target = str(tpath.resolve()) if tpath.exists() else str(tpath)
+        jobs.append({**base, "name": f"{t}--target-only", "target_variant": t, "target": target, "drafter": None,
+                     "variant": None, "linear_backend": "auto", "prompts": prompts})
+        for v, dpath in drafters.items():
+            k = int(load_drafter_config(dpath).block_size) - 1
+            backends = ["auto"] + (["emulation"] if _w4a4(dpath) and sm < 10 and s.emulate_w4a4 else [])
+            for b in backends:
+                jobs.append({**base, "name": f"{t}--{v}" + ("" if b == "auto" else f"--{b}"), "target_variant": t,
+                             "target": target, "drafter": str(dpath.resolve()), "variant": v, "linear_backend": b,
+                             "num_speculative_tokens": k, "prompts": prompts})
+    return jobs
+
+
+def _run_one(python: str, job: dict, folder: Path) -> dict:
+    job_file, result_file, log = (folder / f"{job['name']}.job.json", folder / f"{job['name']}.json",
+                                  folder / f"{job['name']}.log")
+    result_file.unlink(missing_ok=True)
+    atomic_write_json(job_file, job)
+    env = {**os.environ, "PYTHONPATH": _worker_pythonpath(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0")}
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.run([python, "-m", "pipeline.serving.worker", str(job_file), str(result_file)],
+                              stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(_repo_root()))
+    job_file.unlink(missing_ok=True)
+    if result_file.is_file():
+        return json.loads(result_file.read_text(encoding="utf-8"))
+    tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["no output"]
+    return {"ok": False, "name": job["name"], "error": f"the worker exited {proc.returncode} without a result "
+            f"({tail[0][:300]})", "job": {k: v for k, v in job.items() if k != "prompts"}}
+
+
+def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int) -> list[dict]:
+    from tqdm import tqdm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(jobs), desc="serve-check engines", unit="engine")
+
+    def one(job):
+        r = _run_one(python, job, folder)
+        bar.update(1)
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        results = list(pool.map(one, jobs))
+    bar.close()
+    return results
+
+
+# ---------------------------------------------------------------- the stage
+def _reference_tau(rd: RunDir) -> tuple[str | None, dict]:
+    """{variant: {subset|all: tau}} of the reference loop (evaluate), and which target it ran with."""
+    p = rd.eval / "results.json"
+    if not p.is_file():
+        return None, {}
+    res = json.loads(p.read_text(encoding="utf-8"))
+    out = {v: {**{s: d["subsets"][s]["tau"] for s in d["subsets"]}, "all": d["overall"]["tau"]}
+           for v, d in res.get("variants", {}).items()}
+    return (res.get("target") or {}).get("variant"), out
+
+
+def update_report(rd: RunDir, section: str) -> None:
+    p = rd.eval / "report.md"
+    text = p.read_text(encoding="utf-8") if p.is_file() else "# Evaluation\n"
+    if REPORT_BEGIN in text:
+        head, rest = text.split(REPORT_BEGIN, 1)
+        tail = rest.split(REPORT_END, 1)[1] if REPORT_END in rest else ""
+        text = head.rstrip("\n") + "\n\n" + tail.lstrip("\n")
+    atomic_write_text(p, text.rstrip("\n") + "\n\n" + REPORT_BEGIN + "\n" + section.rstrip("\n") + "\n" + REPORT_END
+                      + "\n")
+
+
+def run(cfg) -> dict:
+    s = cfg.serve
+    if not 0 < float(s.min_tau_ratio) <= 1:
+        raise bad_value("serve.min_tau_ratio", s.min_tau_ratio, "it must be in (0, 1]", "use e.g. 0.9")
+    rd = RunDir.from_cfg(cfg)
+    if not rd.root.is_dir():
+        raise bad_value("run_dir", str(rd.root), "the run directory does not exist", "run the earlier stages first")
+    targets, drafters = _targets(cfg, rd), _drafters(cfg, rd)  # bad names fail before the probe
+    info = probe(s.python)  # no GPU / no vLLM: one sentence, nothing written
+    prompts, stop = _prompts(cfg)
+    jobs = build_jobs(cfg, rd, info, prompts, stop)
+    print(f"[specquant] serve-check: {len(jobs)} vLLM engines ({len(targets)} targets x {len(drafters)} drafters, "
+          f"+ target alone), {int(s.parallel)} at a time, on {info.get('gpu')}", file=sys.stderr)
+    results = run_jobs(str(s.python), jobs, rd.eval / "serve_check", int(s.parallel))
+    ref_target, ref_tau = _reference_tau(rd)
+    summary = verdict.summarize(results, prompts, float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau)
+    summary["probe"] = info
+    summary["settings"] = {k: (list(v) if k in ("targets", "variants") else v) for k, v in
+                           ((k, s[k]) for k in s if k != "python")}
+    atomic_write_json(rd.eval / "serve_check.json", summary)
+    update_report(rd, verdict.render(summary))
+    from pipeline.evaluation import plots
+
+    if hasattr(plots, "serve_tau_bars"):
+        plots.serve_tau_bars(summary, rd.eval / "serve_check_tau.png")
+    failed = summary["failures"]
+    if failed:
+        raise SpecquantError(f"serve-check failed for {len(failed)} of {len(summary['pairs'])} pairs: "
+                             + "; ".join(failed[:4]) + (" ..." if len(failed) > 4 else "")
+                             + f" (details: {rd.eval / 'serve_check.json'})")
+    return {"output": str(rd.eval / "serve_check.json"), "engines": len(jobs), "gpu": info.get("gpu"),
+            "vllm": info.get("vllm"), "pairs": {k: {"ok": p["ok"], "tau": p.get("tau", {}).get("all"),
+                                                    "lossless": p.get("lossless")}
+                                                for k, p in summary["pairs"].items()}}
+
+
+def status_for(rd: RunDir, variant: str) -> dict[str, Any]:
+    """What the serve check says about one drafter variant (for manifests, cards and publish)."""
+    p = rd.eval / "serve_check.json"
+    if not p.is_file():
+        return {"checked": False, "summary": "not checked in vLLM (run `make serve-check` on a GPU machine)"}
+    summary = json.loads(p.read_text(encoding="utf-8"))
+    return verdict.variant_status(summary, variant)

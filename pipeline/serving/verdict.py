@@ -1,0 +1,184 @@
+"""From the serve-check workers' result files to verdicts: lossless count, vLLM tau, kernels, failures."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+MIN_TAU_DEFAULT = 1.05  # below this a drafter accepts (almost) nothing: the silent failure users report
+
+
+def kernel_words(kernel: str | None) -> str:
+    """What a vLLM linear kernel class means for the numbers measured with it."""
+    if not kernel:
+        return "dense"
+    k = kernel.lower()
+    if "emulation" in k:
+        return f"{kernel} (emulated W4A4)"
+    if "marlin" in k and "fp4" in k:
+        return f"{kernel} (weight-only FP4)"
+    if "marlin" in k or "machete" in k or "exllama" in k:
+        return f"{kernel} (int4 weight-only)"
+    if "fp4" in k:
+        return f"{kernel} (native FP4)"
+    return kernel
+
+
+def _tau(drafts: int, accepted: int) -> float | None:
+    return round(1 + accepted / drafts, 4) if drafts else None
+
+
+_DRAFT_LAYER = re.compile(r"(?:^|\.)(fc|layers\.\d+\.(?:self_attn|mlp)\.\w+)$")
+
+
+def layer_kernels(result: dict) -> dict[str, dict[str, dict[str, int]]]:
+    """{"target"|"drafter": {layer type: {kernel: count}}} from the worker's model walk."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for r in result.get("layers") or []:
+        role = "target" if r["root"] == "model" else "drafter"
+        m = _DRAFT_LAYER.search(r["name"])
+        kind = (m.group(1).split(".")[-1] if m else r["name"].split(".")[-1])
+        desc = f"{r['scheme']}/{r['kernel']}"
+        out.setdefault(role, {}).setdefault(kind, {})
+        out[role][kind][desc] = out[role][kind].get(desc, 0) + 1
+    return out
+
+
+def _main_kernel(result: dict, role: str) -> str | None:
+    kernels = sorted({r["kernel"] or r["scheme"] for r in result.get("layers") or []
+                      if (r["root"] == "model") == (role == "target")})
+    return ", ".join(kernels) if kernels else None
+
+
+def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, min_tau: float,
+              ref_target: str | None, ref_tau: dict[str, dict[str, float]]) -> dict[str, Any]:
+    alone = {r["job"]["target_variant"]: r for r in results if r["job"].get("variant") is None}
+    pairs: dict[str, dict] = {}
+    failures: list[str] = []
+    for r in results:
+        job = r["job"]
+        t, v, backend = job["target_variant"], job.get("variant"), job.get("linear_backend", "auto")
+        if v is None:
+            if not r.get("ok"):
+                failures.append(f"target {t} alone does not load in vLLM ({r.get('error')})")
+            continue
+        key = f"{t}/{v}" + ("" if backend == "auto" else f"/{backend}")
+        p: dict[str, Any] = {"target": t, "variant": v, "linear_backend": backend, "ok": False,
+                             "load_s": r.get("load_s"), "generate_s": r.get("generate_s"),
+                             "peak_gpu_bytes": r.get("peak_gpu_bytes"), "versions": r.get("versions"),
+                             "drafter_kernel": _main_kernel(r, "drafter"), "target_kernel": _main_kernel(r, "target"),
+                             "layers": layer_kernels(r), "kernel_log": r.get("kernel_log"), "problems": []}
+        pairs[key] = p
+        if not r.get("ok"):
+            p["error"] = r.get("error")
+            p["problems"].append(f"does not load or run in vLLM ({r.get('error')})")
+            continue
+        base = alone.get(t)
+        n = sum(len(ps) for ps in prompts.values())
+        if base is None or not base.get("ok"):
+            p["problems"].append(f"target {t} alone did not run, so losslessness is unknown")
+            equal = None
+        else:
+            equal = sum(int(a == b) for s in prompts for a, b in
+                        zip(r["subsets"][s]["outputs"], base["subsets"][s]["outputs"]))
+        p["lossless"] = {"equal": equal, "prompts": n}
+        if equal is not None and equal != n:
+            p["problems"].append(f"not lossless ({equal}/{n} outputs equal the target alone)")
+        tau, per_pos = {}, {}
+        drafts = accepted = 0
+        pos_total: list[int] = []
+        for s, d in r["subsets"].items():
+            tau[s] = _tau(d["drafts"], d["accepted"])
+            per_pos[s] = [round(a / d["drafts"], 4) if d["drafts"] else None for a in d["accepted_per_pos"]]
+            drafts, accepted = drafts + d["drafts"], accepted + d["accepted"]
+            pos_total = [a + b for a, b in zip(pos_total + [0] * (len(d["accepted_per_pos"]) - len(pos_total)),
+                                               d["accepted_per_pos"] + [0] * (len(pos_total) - len(d["accepted_per_pos"])))]
+        tau["all"] = _tau(drafts, accepted)
+        per_pos["all"] = [round(a / drafts, 4) if drafts else None for a in pos_total]
+        p["tau"], p["acceptance_per_position"], p["drafts"] = tau, per_pos, drafts
+        if t == ref_target and v in ref_tau:
+            p["reference_tau"] = ref_tau[v]
+            p["tau_minus_reference"] = {s: round(tau[s] - ref_tau[v][s], 4) for s in tau
+                                        if tau.get(s) is not None and ref_tau[v].get(s) is not None}
+    for p in pairs.values():
+        if "tau" not in p:
+            continue
+        ref = pairs.get(f"{p['target']}/bf16")
+        all_tau = p["tau"]["all"]
+        if all_tau is None or all_tau < min_tau:
+            p["problems"].append(f"tau {all_tau} is below {min_tau} (the drafter accepts almost nothing)")
+        if ref and ref.get("tau") and ref["tau"]["all"] and all_tau is not None and p["variant"] != "bf16":
+            p["tau_ratio_to_bf16"] = round(all_tau / ref["tau"]["all"], 4)
+            if p["tau_ratio_to_bf16"] < min_ratio:
+                p["problems"].append(f"tau {all_tau} is {p['tau_ratio_to_bf16']:.3f} of the bf16 drafter's "
+                                     f"{ref['tau']['all']}, below serve.min_tau_ratio {min_ratio}")
+    for p in pairs.values():
+        p["ok"] = not p["problems"]
+        failures += [f"drafter {p['variant']} with target {p['target']}"
+                     + ("" if p["linear_backend"] == "auto" else f" (linear_backend={p['linear_backend']})")
+                     + f": {x}" for x in p["problems"]]
+    versions = next((r.get("versions") for r in results if r.get("versions") and "vllm" in r["versions"]), {})
+    return {"schema": "specquant.serve_check/v1", "versions": versions, "min_tau_ratio": min_ratio,
+            "min_tau": min_tau, "reference_target": ref_target, "pairs": pairs,
+            "targets_alone": {t: {"ok": r.get("ok"), "error": r.get("error"), "load_s": r.get("load_s"),
+                                  "kernel": _main_kernel(r, "target"), "layers": layer_kernels(r),
+                                  "peak_gpu_bytes": r.get("peak_gpu_bytes")} for t, r in alone.items()},
+            "failures": failures}
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
+
+
+def render(summary: dict) -> str:
+    v = summary.get("versions") or {}
+    lines = ["## Served by vLLM (serve-check)", "",
+             f"vLLM {v.get('vllm')}, torch {v.get('torch')}, CUDA {v.get('cuda')}, GPU {v.get('gpu')} "
+             f"(sm {v.get('capability')}); greedy, the evaluate stage's prompts; lossless = outputs equal the same "
+             "target served alone; tau = 1 + accepted / drafts from vLLM's spec-decode counters. "
+             "`ref` is the reference loop's tau (eval/results.json) for the same drafter and target.", ""]
+    subsets = sorted({s for p in summary["pairs"].values() for s in (p.get("tau") or {}) if s != "all"})
+    head = ["target", "drafter", "drafter kernel", "loads", "lossless"] + [f"tau {s}" for s in subsets] + \
+        ["tau all", "ref all", "vLLM - ref", "verdict"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in summary["pairs"].values():
+        tau = p.get("tau") or {}
+        ll = p.get("lossless") or {}
+        diff = (p.get("tau_minus_reference") or {}).get("all")
+        backend = "" if p["linear_backend"] == "auto" else f" [{p['linear_backend']}]"
+        row = [p["target"], p["variant"] + backend, kernel_words(p.get("drafter_kernel")),
+               "no" if p.get("error") else "yes",
+               f"{ll.get('equal')}/{ll.get('prompts')}" if ll else "-"] + [_fmt(tau.get(s)) for s in subsets] + \
+            [_fmt(tau.get("all")), _fmt((p.get("reference_tau") or {}).get("all")),
+             "-" if diff is None else f"{diff:+.3f}", "ok" if p["ok"] else "FAILED"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    for t, a in summary.get("targets_alone", {}).items():
+        lines.append(f"- target `{t}` alone: {'loads' if a.get('ok') else 'does NOT load: ' + str(a.get('error'))}, "
+                     f"kernel {kernel_words(a.get('kernel'))}")
+    if summary["failures"]:
+        lines += ["", "**Failures:**", ""] + [f"- {f}" for f in summary["failures"]]
+    else:
+        lines += ["", f"Every pair loads, is lossless and keeps tau >= {summary['min_tau_ratio']} x bf16's "
+                  f"and >= {summary['min_tau']}."]
+    return "\n".join(lines) + "\n"
+
+
+def variant_status(summary: dict, variant: str) -> dict[str, Any]:
+    """One drafter variant across the checked targets, in one sentence plus the figures."""
+    v = summary.get("versions") or {}
+    mine = {k: p for k, p in summary["pairs"].items() if p["variant"] == variant}
+    if not mine:
+        return {"checked": False, "ok": None, "summary": "not checked in vLLM (not in this run's serve check)"}
+    parts = []
+    for p in mine.values():
+        if p.get("error"):
+            parts.append(f"with target {p['target']}: does not load ({p['error']})")
+            continue
+        ll = p.get("lossless") or {}
+        parts.append(f"with target {p['target']}{'' if p['linear_backend'] == 'auto' else ' [' + p['linear_backend'] + ']'}: "
+                     f"loads, lossless {ll.get('equal')}/{ll.get('prompts')}, tau {_fmt((p.get('tau') or {}).get('all'))}, "
+                     f"{kernel_words(p.get('drafter_kernel'))}" + ("" if p["ok"] else " - FAILED: " + "; ".join(p["problems"])))
+    ok = all(p["ok"] for p in mine.values())
+    return {"checked": True, "ok": ok, "pairs": sorted(mine),
+            "summary": f"vLLM {v.get('vllm')} on {v.get('gpu')}: " + "; ".join(parts)}

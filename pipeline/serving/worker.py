@@ -1,0 +1,215 @@
+"""serve-check worker: one vLLM engine, one job file in, one result file out.
+
+    <vLLM interpreter> -m pipeline.serving.worker JOB.json RESULT.json
+
+Runs inside vLLM's own interpreter (vLLM pins torch and compressed-tensors versions that
+llm-compressor cannot share), so it imports only the standard library and vLLM (and torch, which
+vLLM brings). It never imports the rest of `pipeline`. The job names a target, an optional DFlash
+drafter and the prompts as token ids, already rendered by the evaluate stage's code; the result
+holds the greedy outputs, vLLM's spec-decode counters per subset (differences of
+`llm.get_metrics()` around each subset's `generate`), the linear kernel vLLM built for every
+quantized layer (read off the loaded model, plus vLLM's own "Using/Selected ... kernel" log lines),
+versions, load time and peak GPU memory. Any failure becomes `{"ok": false, "error": ...}` with
+the last lines of vLLM's log, never a half-written result (the file is written atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+                 "vllm:spec_decode_num_draft_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+KERNEL_WORDS = ("Kernel", "kernel", "Weight-only", "weight-only", "Marlin", "Machete", "emulat")
+
+
+class _Lines(logging.Handler):
+    """Keeps vLLM's log lines that name kernels (and the last lines, for errors)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.kernel_lines: list[str] = []
+        self.tail: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed log call must not kill the check
+            return
+        self.tail = (self.tail + [msg])[-40:]
+        if any(w in msg for w in KERNEL_WORDS) and msg not in self.kernel_lines:
+            self.kernel_lines.append(msg)
+
+
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _counters(llm) -> dict:
+    out: dict = {name: 0 for name in SPEC_COUNTERS}
+    out[PER_POS] = []
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[m.name] += int(m.value)
+        elif m.name == PER_POS:
+            vals = list(m.values)
+            acc = out[PER_POS] + [0] * (len(vals) - len(out[PER_POS]))
+            out[PER_POS] = [a + int(v) for a, v in zip(acc, vals + [0] * (len(acc) - len(vals)))]
+    return out
+
+
+def _diff(after: dict, before: dict) -> dict:
+    per = [a - (before[PER_POS][i] if i < len(before[PER_POS]) else 0) for i, a in enumerate(after[PER_POS])]
+    return {"drafts": after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]],
+            "accepted": after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]],
+            "draft_tokens": after[SPEC_COUNTERS[2]] - before[SPEC_COUNTERS[2]],
+            "accepted_per_pos": per}
+
+
+def _layer_kernels(worker) -> list[dict]:
+    """Every layer with a quantization scheme in the worker's models: (root, name, scheme, kernel)."""
+    import torch
+
+    runner = getattr(worker, "model_runner", worker)
+    roots: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+
+    def add(path: str, obj) -> None:
+        if isinstance(obj, torch.nn.Module) and id(obj) not in seen:
+            seen.add(id(obj))
+            roots.append((path, obj))
+
+    for attr, value in sorted(vars(runner).items()):
+        add(attr, value)
+        for sub in ("model", "drafter", "speculator"):
+            inner = getattr(value, sub, None) if attr in ("drafter", "speculator", "proposer") else None
+            add(f"{attr}.{sub}", inner)
+            add(f"{attr}.{sub}.model", getattr(inner, "model", None))
+    out = []
+    for root, mod in roots:
+        for name, m in mod.named_modules():
+            scheme = getattr(m, "scheme", None)
+            if scheme is None:
+                continue
+            kernel = getattr(scheme, "kernel", None)
+            out.append({"root": root, "name": name, "scheme": type(scheme).__name__,
+                        "kernel": type(kernel).__name__ if kernel is not None else None})
+    return out
+
+
+def _versions() -> dict:
+    import torch
+    import vllm
+
+    v = {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+         "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        v["gpu"] = torch.cuda.get_device_name(0)
+        v["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    try:
+        from importlib.metadata import version
+
+        v["compressed-tensors"] = version("compressed-tensors")
+    except Exception:  # noqa: BLE001
+        pass
+    return v
+
+
+def run_job(job: dict) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the model can be inspected
+    import torch
+    from vllm import LLM, SamplingParams
+
+    lines = _Lines()
+    logging.getLogger("vllm").addHandler(lines)
+    result: dict = {"ok": False, "name": job["name"], "job": {k: v for k, v in job.items() if k != "prompts"}}
+    t0 = time.perf_counter()
+    try:
+        kwargs = dict(model=job["target"], tokenizer=job.get("tokenizer") or job["target"],
+                      attention_backend=job.get("attention_backend", "FLASH_ATTN"),
+                      enforce_eager=bool(job.get("enforce_eager", True)), max_model_len=int(job["max_model_len"]),
+                      kv_cache_memory_bytes=int(job.get("kv_cache_memory_bytes", 1 << 30)), disable_log_stats=False,
+                      seed=int(job.get("seed", 0)), dtype=job.get("dtype", "auto"), enable_prefix_caching=False)
+        if job.get("linear_backend", "auto") != "auto":
+            kwargs["linear_backend"] = job["linear_backend"]
+        if job.get("drafter"):
+            kwargs["speculative_config"] = {"method": "dflash", "model": job["drafter"],
+                                            "num_speculative_tokens": int(job["num_speculative_tokens"])}
+        llm = LLM(**kwargs)
+        result["load_s"] = round(time.perf_counter() - t0, 3)
+        try:
+            result["layers"] = [r for rs in llm.collective_rpc(_layer_kernels) for r in rs]
+        except Exception as exc:  # noqa: BLE001 - the kernel table is a report, not the check
+            result["layers_error"] = f"{type(exc).__name__}: {exc}"
+        params = SamplingParams(temperature=0.0, max_tokens=int(job["max_tokens"]),
+                                stop_token_ids=list(job.get("stop_token_ids") or []), seed=int(job.get("seed", 0)))
+        result["subsets"] = {}
+        t1 = time.perf_counter()
+        for subset, prompts in job["prompts"].items():
+            before = _counters(llm)
+            outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+            after = _counters(llm)
+            result["subsets"][subset] = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                                         **_diff(after, before)}
+        result["generate_s"] = round(time.perf_counter() - t1, 3)
+        if torch.cuda.is_available():
+            result["peak_gpu_bytes"] = int(torch.cuda.max_memory_allocated())
+        result["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - every failure is reported in the result file
+        result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+    result["kernel_log"] = lines.kernel_lines
+    result["log_tail"] = lines.tail
+    result["wall_s"] = round(time.perf_counter() - t0, 3)
+    try:
+        result["versions"] = _versions()
+    except Exception as exc:  # noqa: BLE001
+        result["versions"] = {"error": str(exc)}
+    return result
+
+
+def probe() -> dict:
+    """What this interpreter offers: vLLM's version, CUDA, the GPU (used by the stage before any work)."""
+    out: dict = {}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        out["cuda_available"] = bool(torch.cuda.is_available())
+        if out["cuda_available"]:
+            out["gpu"] = torch.cuda.get_device_name(0)
+            out["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    except Exception as exc:  # noqa: BLE001
+        out["torch_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        from importlib.metadata import version
+
+        out["vllm"] = version("vllm")
+    except Exception as exc:  # noqa: BLE001
+        out["vllm_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--probe"]:
+        print(json.dumps(probe()))
+        return 0
+    if len(argv) != 2:
+        print("usage: python -m pipeline.serving.worker JOB.json RESULT.json | --probe", file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    result = run_job(job)
+    _write(Path(argv[1]), result)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
