@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="processes for the `dist` phase (torchrun)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-reps", type=int, default=3)
+    p.add_argument("--serve-python", default=None, help="interpreter with vLLM, for the `serve` phase")
+    p.add_argument("--serve-prompts", type=int, default=8, help="prompts (random words) for the `serve` phase")
     p.add_argument("--extra", default="", help="extra Hydra overrides for every stage, space-separated")
     return p.parse_args(argv)
 
@@ -194,6 +196,38 @@ class Bench:
             out_dir = self.runs / "bench" / ("drafter" if stage == "quantize-drafter" else "target") / extra[0].split("=")[1]
             rec["output_bytes"] = dir_bytes(out_dir) if out_dir.is_dir() else None
             self.record(key, rec)
+
+    def serve(self) -> None:
+        """serve-check at 8B shape: the quantized drafters beside the 36-layer target in vLLM.
+
+        Random weights make acceptance meaningless, so the tau floors are off (min_tau 1.0, ratio 0.01):
+        what is checked is that every drafter loads, which kernel vLLM builds, losslessness, load time
+        and GPU memory.
+        """
+        import random
+
+        self.build()
+        have = {v for v in ("nvfp4", "w4a16") if (self.runs / "bench" / "drafter" / v / "config.json").is_file()}
+        if have != {"nvfp4", "w4a16"}:
+            self.quant()
+        rng = random.Random(self.args.seed)
+        prompts = self.work / "serve-prompts.jsonl"
+        words = range(1000, self.shapes.vocab_size - 1000)
+        prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.choice(words)}" for _ in range(64))}) + "\n"
+                                   for _ in range(self.args.serve_prompts)))
+        extra = [f"serve.python={self.args.serve_python}", "serve.min_tau=1.0", "serve.min_tau_ratio=0.01",
+                 "serve.parallel=4", "eval.name=random-words", "eval.max_new_tokens=64",
+                 f"eval.prompt_sets=[{{name:random,path:{prompts},field:prompt}}]", "serve.targets=[bf16]"]
+        rec = self.stage("serve-check", "serve-check", "bench", extra)
+        sc = self.runs / "bench" / "eval" / "serve_check.json"
+        if sc.is_file():
+            summary = json.loads(sc.read_text())
+            rec["serve_check"] = {k: {x: p.get(x) for x in ("ok", "load_s", "generate_s", "peak_gpu_bytes", "lossless",
+                                                           "drafter_kernel", "target_kernel", "tau", "problems")}
+                                  for k, p in summary["pairs"].items()}
+            rec["targets_alone"] = summary.get("targets_alone")
+            rec["versions"] = summary.get("versions")
+        self.record("serve", rec)
 
     def stock(self) -> None:
         """Plain llm-compressor oneshot on the target, same scheme as quantize-target (the baseline)."""
@@ -353,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     print(f"[bench] work dir {bench.work} ({shutil.disk_usage(bench.work).free / 2**30:.0f} GiB free)", flush=True)
     for phase in [p.strip() for p in args.phases.split(",") if p.strip()]:
-        extra_phases = ["dist", "disttarget", "cachebench"]
+        extra_phases = ["dist", "disttarget", "cachebench", "serve"]
         if phase not in {*ALL_PHASES, *extra_phases}:
             raise SystemExit(f"unknown phase {phase!r}; choose from {', '.join([*ALL_PHASES, *extra_phases])}")
         t0 = time.perf_counter()

@@ -86,6 +86,9 @@ def build_tokenizer(s: Shapes, out_dir: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>", "<|MASK|>"])
+    # a ChatML-like template, so the evaluate stage's rendering (and serve-check's) works on it
+    fast.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
     fast.save_pretrained(str(out_dir))
 
 

@@ -136,7 +136,7 @@ def _write_native_config(model, work: Path) -> None:
     model.name_or_path = str(work)
 
 
-def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str], n_target: int) -> None:
+def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str], n_target: int) -> list[str]:
     """Compressed checkpoint in speculators layout: body tensors only, quantization_config in config.
 
     compressed-tensors writes `ignore` as the HF names of the layers it left dense
@@ -156,6 +156,7 @@ def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str],
         kept = {k: v for k, v in tensors.items() if not k.endswith(TARGET_KEYS) and k != "inv_freq"}
         (tmp / "model.safetensors").write_bytes(st_save(kept, metadata={"format": "pt"}))
         qc = dict(written["quantization_config"])
+        native = list(qc.get("ignore") or [])  # compressed-tensors' own list (HF names), kept for the record
         qc["ignore"] = contract.serving_ignore(ignore, user_ignore, n_target)
         config = speculators_config_dict(model.config, qc)
         export.rewrite_config(tmp, config)
@@ -163,6 +164,7 @@ def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str],
         if problems:
             raise bad_value("quant.ignore", qc["ignore"], f"vLLM 0.26 would not serve the written checkpoint as "
                             f"quantized: {problems[0]}", "fix quant.ignore (pipeline/serving/contract.py)")
+    return native
 
 
 def run(cfg) -> dict:
@@ -195,7 +197,7 @@ def run(cfg) -> dict:
         if search is not None:
             clock.lap("scale_search_s")
         scales = calibrate.input_global_scales(model)
-        write_quantized(model, out, ignore, list(q.ignore), int(dconf.num_target_layers))
+        native_ignore = write_quantized(model, out, ignore, list(q.ignore), int(dconf.num_target_layers))
         clock.lap("write_s")
     del model
     report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf, search)
@@ -204,6 +206,8 @@ def run(cfg) -> dict:
         "output": str(out), "reference": str(reference), "scheme": q.scheme, "observer": q.observer,
         "observer_kwargs": dict(q.observer_kwargs or {}), "algorithm": q.algorithm,
         "group_size": recipes.group_size(q), "ignore": ignore, "calibration": q.calibration,
+        "ignore_written": read_json(out / "config.json", "config.json")["quantization_config"]["ignore"],
+        "ignore_compressed_tensors": native_ignore,
         "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
         "seeds": {"seed": seed, "split_permutation": seed, "torch_manual_seed": seed,
                   "anchors": f"{seed} * {cache_batches.SAMPLE_SEED_STRIDE} + cache index",

@@ -78,6 +78,7 @@ def _layer_kernels(worker) -> list[dict]:
     """Every layer with a quantization scheme in the worker's models: (root, name, scheme, kernel)."""
     import torch
 
+    worker = getattr(worker, "worker", None) or worker  # a WorkerWrapperBase holds the real worker
     runner = getattr(worker, "model_runner", worker)
     roots: list[tuple[str, torch.nn.Module]] = []
     seen: set[int] = set()
