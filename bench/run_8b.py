@@ -212,7 +212,8 @@ class Bench:
             self.quant()
         rng = random.Random(self.args.seed)
         prompts = self.work / "serve-prompts.jsonl"
-        words = range(1000, self.shapes.vocab_size - 1000)
+        margin = min(1000, self.shapes.vocab_size // 4)  # clear of the special tokens at both ends
+        words = range(margin, self.shapes.vocab_size - margin)
         prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.choice(words)}" for _ in range(64))}) + "\n"
                                    for _ in range(self.args.serve_prompts)))
         extra = [f"serve.python={self.args.serve_python}", "serve.min_tau=1.0", "serve.min_tau_ratio=0.01",

@@ -111,6 +111,11 @@ def _w4a4(path: Path) -> bool:
                for g in (q.get("config_groups") or {}).values())
 
 
+def _quantized(target: Path) -> bool:
+    conf = target / "config.json"
+    return conf.is_file() and "quantization_config" in json.loads(conf.read_text(encoding="utf-8"))
+
+
 def _prompts(cfg) -> tuple[dict[str, list[list[int]]], list[int]]:
     """The evaluate stage's rendering: the same prompt ids and stop tokens the reference loop used."""
     from transformers import AutoTokenizer, GenerationConfig
@@ -146,11 +151,14 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
     jobs = []
     for t, tpath in targets.items():
         target = str(tpath.resolve()) if tpath.exists() else str(tpath)
+        # linear_backend is engine-wide and vLLM 0.26 has no emulation kernel for int4 (W4A16) layers, so a
+        # quantized target is paired with the drafters' default kernel only
+        emulate = bool(s.emulate_w4a4) and sm < 10 and not _quantized(tpath)
         jobs.append({**base, "name": f"{t}--target-only", "target_variant": t, "target": target, "drafter": None,
                      "variant": None, "linear_backend": "auto", "prompts": prompts})
         for v, dpath in drafters.items():
             k = int(load_drafter_config(dpath).block_size) - 1
-            backends = ["auto"] + (["emulation"] if _w4a4(dpath) and sm < 10 and s.emulate_w4a4 else [])
+            backends = ["auto"] + (["emulation"] if emulate and _w4a4(dpath) else [])
             for b in backends:
                 jobs.append({**base, "name": f"{t}--{v}" + ("" if b == "auto" else f"--{b}"), "target_variant": t,
                              "target": target, "drafter": str(dpath.resolve()), "variant": v, "linear_backend": b,

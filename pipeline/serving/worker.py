@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -26,7 +27,7 @@ from pathlib import Path
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
                  "vllm:spec_decode_num_draft_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-KERNEL_WORDS = ("Kernel", "kernel", "Weight-only", "weight-only", "Marlin", "Machete", "emulat")
+KERNEL_LINE = re.compile(r"^(Using \S+ for |Selected \S+ for )|Weight-only|weight-only|emulat", re.I)
 
 
 class _Lines(logging.Handler):
@@ -43,7 +44,7 @@ class _Lines(logging.Handler):
         except Exception:  # noqa: BLE001 - a malformed log call must not kill the check
             return
         self.tail = (self.tail + [msg])[-40:]
-        if any(w in msg for w in KERNEL_WORDS) and msg not in self.kernel_lines:
+        if KERNEL_LINE.search(msg) and len(msg) < 400 and msg not in self.kernel_lines:
             self.kernel_lines.append(msg)
 
 
@@ -94,12 +95,13 @@ def _layer_kernels(worker) -> list[dict]:
             inner = getattr(value, sub, None) if attr in ("drafter", "speculator", "proposer") else None
             add(f"{attr}.{sub}", inner)
             add(f"{attr}.{sub}.model", getattr(inner, "model", None))
-    out = []
+    out, layers_seen = [], set()
     for root, mod in roots:
         for name, m in mod.named_modules():
             scheme = getattr(m, "scheme", None)
-            if scheme is None:
+            if scheme is None or id(m) in layers_seen:  # a root nested in another is walked once
                 continue
+            layers_seen.add(id(m))
             kernel = getattr(scheme, "kernel", None)
             out.append({"root": root, "name": name, "scheme": type(scheme).__name__,
                         "kernel": type(kernel).__name__ if kernel is not None else None})
