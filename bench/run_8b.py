@@ -201,8 +201,9 @@ class Bench:
         """serve-check at 8B shape: the quantized drafters beside the 36-layer target in vLLM.
 
         Random weights make acceptance meaningless, so the tau floors are off (min_tau 1.0, ratio 0.01):
-        what is checked is that every drafter loads, which kernel vLLM builds, losslessness, load time
-        and GPU memory.
+        what is checked is that every drafter loads, which kernel vLLM builds, load time and GPU memory;
+        outputs are compared with the target alone and with the bf16 drafter's (near-tie logits of a
+        random model flip between vLLM's batch shapes, so exact equality is reported, not required).
         """
         import random
 
@@ -217,6 +218,7 @@ class Bench:
         prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.choice(words)}" for _ in range(64))}) + "\n"
                                    for _ in range(self.args.serve_prompts)))
         extra = [f"serve.python={self.args.serve_python}", "serve.min_tau=1.0", "serve.min_tau_ratio=0.01",
+                 "serve.require_lossless=false",
                  "serve.parallel=4", "eval.name=random-words", "eval.max_new_tokens=64",
                  f"eval.prompt_sets=[{{name:random,path:{prompts},field:prompt}}]", "serve.targets=[bf16]"]
         rec = self.stage("serve-check", "serve-check", "bench", extra)

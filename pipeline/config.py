@@ -157,6 +157,8 @@ class ServeConfig:
     variants: list[str] = field(default_factory=list)  # drafter variants; empty = every one of the run
     parallel: int = 4  # engines (worker processes) at once on the GPU
     kv_cache_memory_bytes: int = 1 << 30  # fixed KV budget per engine (skips profiling; engines share the GPU)
+    # vLLM still checks at start-up that this fraction of the GPU is free: None = 0.9 / parallel
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None  # None = longest prompt + eval.max_new_tokens + 64
     dtype: str = "bfloat16"  # what vLLM computes in (FLASH_ATTN needs 16-bit)
     attention_backend: str = "FLASH_ATTN"  # must support non-causal attention (DFlash drafts a block at once)
@@ -164,6 +166,9 @@ class ServeConfig:
     emulate_w4a4: bool = True  # NVFP4 W4A4 drafters run again with linear_backend=emulation below sm100
     min_tau_ratio: float = 0.9  # fail a variant whose vLLM tau is below this x the bf16 drafter's
     min_tau: float = 1.05  # fail any variant below this (zero acceptance)
+    # fail a pair whose outputs differ from the target alone; false = report only (random-weight models,
+    # whose near-tie logits flip between vLLM's batch shapes)
+    require_lossless: bool = True
 
 
 @dataclass

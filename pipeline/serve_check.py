@@ -145,6 +145,7 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
     sm = float(info.get("capability") or 0)
     base = {"max_tokens": int(cfg.eval.max_new_tokens), "stop_token_ids": stop, "max_model_len": max_len,
             "kv_cache_memory_bytes": int(s.kv_cache_memory_bytes), "seed": int(cfg.seed), "dtype": s.dtype,
+            "gpu_memory_utilization": float(s.gpu_memory_utilization or round(0.9 / max(1, int(s.parallel)), 3)),
             "attention_backend": s.attention_backend, "enforce_eager": bool(s.enforce_eager),
             "tokenizer": str(Path(str(cfg.target.tokenizer or cfg.target.path)).resolve())
             if Path(str(cfg.target.tokenizer or cfg.target.path)).exists() else str(cfg.target.tokenizer or cfg.target.path)}
@@ -240,7 +241,8 @@ def run(cfg) -> dict:
           f"+ target alone), {int(s.parallel)} at a time, on {info.get('gpu')}", file=sys.stderr)
     results = run_jobs(str(s.python), jobs, rd.eval / "serve_check", int(s.parallel))
     ref_target, ref_tau = _reference_tau(rd)
-    summary = verdict.summarize(results, prompts, float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau)
+    summary = verdict.summarize(results, prompts, float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau,
+                                require_lossless=bool(s.require_lossless))
     summary["probe"] = info
     summary["settings"] = {k: (list(v) if k in ("targets", "variants") else v) for k, v in
                            ((k, s[k]) for k in s if k != "python")}

@@ -50,8 +50,19 @@ def _main_kernel(result: dict, role: str) -> str | None:
     return ", ".join(kernels) if kernels else None
 
 
+def _prefix_share(r: dict, base: dict, prompts: dict) -> float:
+    """Share of the target-alone tokens reproduced before the first difference (1.0 = every output equal)."""
+    same = total = 0
+    for s in prompts:
+        for a, b in zip(r["subsets"][s]["outputs"], base["subsets"][s]["outputs"]):
+            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            same, total = same + k, total + len(b)
+    return round(same / total, 4) if total else 1.0
+
+
 def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, min_tau: float,
-              ref_target: str | None, ref_tau: dict[str, dict[str, float]]) -> dict[str, Any]:
+              ref_target: str | None, ref_tau: dict[str, dict[str, float]], require_lossless: bool = True
+              ) -> dict[str, Any]:
     alone = {r["job"]["target_variant"]: r for r in results if r["job"].get("variant") is None}
     pairs: dict[str, dict] = {}
     failures: list[str] = []
@@ -82,7 +93,14 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
             equal = sum(int(a == b) for s in prompts for a, b in
                         zip(r["subsets"][s]["outputs"], base["subsets"][s]["outputs"]))
         p["lossless"] = {"equal": equal, "prompts": n}
-        if equal is not None and equal != n:
+        if base is not None and base.get("ok"):
+            p["lossless"]["agreeing_prefix"] = _prefix_share(r, base, prompts)
+        bf16 = next((x for x in results if x["job"]["target_variant"] == t and x["job"].get("variant") == "bf16"
+                     and x["job"].get("linear_backend", "auto") == "auto" and x.get("ok")), None)
+        if bf16 is not None and v != "bf16":  # same served numerics but the drafter's rounding
+            p["lossless"]["equal_to_bf16_drafter"] = sum(
+                int(a == b) for s in prompts for a, b in zip(r["subsets"][s]["outputs"], bf16["subsets"][s]["outputs"]))
+        if equal is not None and equal != n and require_lossless:
             p["problems"].append(f"not lossless ({equal}/{n} outputs equal the target alone)")
         tau, per_pos = {}, {}
         drafts = accepted = 0
@@ -119,6 +137,7 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
                      + f": {x}" for x in p["problems"]]
     versions = next((r.get("versions") for r in results if r.get("versions") and "vllm" in r["versions"]), {})
     return {"schema": "specquant.serve_check/v1", "versions": versions, "min_tau_ratio": min_ratio,
+            "require_lossless": require_lossless,
             "min_tau": min_tau, "reference_target": ref_target, "pairs": pairs,
             "targets_alone": {t: {"ok": r.get("ok"), "error": r.get("error"), "load_s": r.get("load_s"),
                                   "kernel": _main_kernel(r, "target"), "layers": layer_kernels(r),

@@ -141,6 +141,8 @@ def run_job(job: dict) -> dict:
                       enforce_eager=bool(job.get("enforce_eager", True)), max_model_len=int(job["max_model_len"]),
                       kv_cache_memory_bytes=int(job.get("kv_cache_memory_bytes", 1 << 30)), disable_log_stats=False,
                       seed=int(job.get("seed", 0)), dtype=job.get("dtype", "auto"), enable_prefix_caching=False)
+        if job.get("gpu_memory_utilization"):
+            kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
         if job.get("linear_backend", "auto") != "auto":
             kwargs["linear_backend"] = job["linear_backend"]
         if job.get("drafter"):
