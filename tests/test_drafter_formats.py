@@ -59,8 +59,12 @@ def test_our_speculators_config_matches_speculators_converter(tmp_path):
     """Against the fixture written by speculators' own DFlashConverter (README, fixture B)."""
     convert(ZLAB, tmp_path / "spec", "speculators", verifier="target")
     ours, ref = read(tmp_path / "spec"), read(SPEC)
-    # left out on purpose: auto_map points at a config.py we do not ship; transformers_version is the writer's
-    assert {k for k in ref if ref[k] != ours.get(k)} == {"auto_map", "transformers_version", "transformer_layer_config"}
+    # left out on purpose: auto_map points at a config.py we do not ship; transformers_version is the writer's;
+    # sliding_window_non_causal: speculators writes false, which vLLM 0.26 applies to EVERY layer (causal
+    # drafting); we write true (pipeline/serving/contract.py)
+    assert {k for k in ref if ref[k] != ours.get(k)} == {"auto_map", "transformers_version", "transformer_layer_config",
+                                                          "sliding_window_non_causal"}
+    assert ref["sliding_window_non_causal"] is False and ours["sliding_window_non_causal"] is True
     tlc = dict(ours["transformer_layer_config"])
     assert tlc.pop("num_target_layers") == 6  # our addition, ignored by vLLM and speculators
     assert tlc == ref["transformer_layer_config"]

@@ -230,8 +230,9 @@ def test_vllm_serve_command_runs(run, tmp_path):
     out = subprocess.run(["bash", str(run / "provenance" / "vllm_serve.sh"), "nvfp4"], env=env, check=True,
                          capture_output=True, text=True).stdout
     argv = json.loads(out)
-    assert argv[:2] == ["serve", str(FIX / "target")] and argv[2] == "--speculative-config"
-    spec = json.loads(argv[3])
+    assert argv[:2] == ["serve", str(FIX / "target")]
+    assert argv[2:5] == ["--attention-backend", "FLASH_ATTN", "--speculative-config"]  # non-causal drafting
+    spec = json.loads(argv[5])
     assert spec == {"method": "dflash", "model": f"{run.resolve()}/drafter/nvfp4", "num_speculative_tokens": 3}
     bad = subprocess.run(["bash", str(run / "provenance" / "vllm_serve.sh"), "nope"], env=env, capture_output=True)
     assert bad.returncode == 2

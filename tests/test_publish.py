@@ -178,7 +178,7 @@ def test_dry_run_assembles_verified_folder_with_card(run_root, tmp_path, capsys)
         assert t in meta["tags"]
     q = compose([]).quant
     for text in ("not** a chat", TARGET, f"`{q.num_samples}`", f"`{q.max_seq_len}`", f"`{q.observer}`",
-                 "vllm serve Qwen/Qwen3-8B --speculative-config", '"num_speculative_tokens":3',
+                 "vllm serve Qwen/Qwen3-8B --attention-backend FLASH_ATTN --speculative-config", '"num_speculative_tokens":3',
                  "python -m pipeline verify", "Not measured", "![eval/tau.png](eval/tau.png)", "-4.0%", "-10.0%"):
         assert text in readme, text
 

@@ -106,7 +106,7 @@ def test_shipped_tiny_drafter_is_lossless_with_tau_above_1_5():
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(TINY / "target")
     target = AutoModelForCausalLM.from_pretrained(TINY / "target", dtype=torch.float32).eval()
-    d = load_drafter(TINY / "drafter")  # the verifier is resolved from the config (../target)
+    d = load_drafter(TINY / "drafter")  # the verifier is resolved from the config (assets/tiny/target, from the checkout root)
     assert d.config.block_size == 8 and d.config.aux_layer_ids == [1, 3]
     taus = []
     for name, prompt_ids in load_prompts(TINY / "eval", tok, limit=2).items():
