@@ -9,7 +9,7 @@ NPROC ?= 1
 # an interpreter with vLLM 0.26 on a CUDA machine; serve-check needs it (make all skips the stage without it)
 SERVE_PYTHON ?=
 # the drafter variants `make all` produces on the embedded default
-DRAFTER_QUANTS ?= nvfp4 nvfp4-nocalib nvfp4a16 w4a16
+DRAFTER_QUANTS ?= nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1

@@ -76,7 +76,11 @@ def _variant_meta(rd: RunDir, variant: str, summary: dict) -> dict[str, Any]:
         quant = json.loads(record.read_text(encoding="utf-8")).get("resolved_config", {}).get("quant", {})
         cal = quant.get("calibration")
         method = quant.get("activation_scale") if cal == "cache" and q.get("activations_quantized") else None
-        return {"scheme": quant.get("scheme"), "calibration": cal, "activation_scale": method}
+        algo = quant.get("algorithm")
+        parts = ([f"weights ({algo})"] if cal == "cache" and algo == "gptq" else []) + \
+            ([f"activation scale ({method})"] if method else [])
+        return {"scheme": quant.get("scheme"), "calibration": cal, "activation_scale": method,
+                "algorithm": algo, "what_is_calibrated": " + ".join(parts) or "nothing (data-free)"}
     calibration = "none" if "nocalib" in variant else ("cache" if q.get("activations_quantized") else None)
     return {"scheme": _scheme_of(q), "calibration": calibration, "activation_scale": None}
 
@@ -144,7 +148,10 @@ def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: in
                   for v in (cal, free)} if REFERENCE in per_prompt else {}
         band = rounding_noise(reports.get(free))
         band_cal = rounding_noise(reports.get(cal))  # shown beside it: the calibrated scales' own lottery
+        out_err = {v: (r.get("layer_output_error_summary") or None) for v, r in reports.items()}
         out.append({"calibrated": cal, "calibration_free": free, "scheme": results["variants"][cal]["scheme"],
+                    "what_is_calibrated": results["variants"][cal].get("what_is_calibrated"),
+                    "layer_output_error_heldout": out_err,
                     "activation_scale": results["variants"][cal].get("activation_scale"),
                     "top1_heldout": top1, "kl_heldout": {v: (r.get("served") or {}).get("kl")
                                                          for v, r in reports.items()},
@@ -169,9 +176,14 @@ def rounding_noise(report: dict | None) -> dict | None:
 
 def verdict(top1: dict | None, band: dict | None, alpha: float = 0.05) -> str:
     """better / worse only when the paired test rejects "no difference" at `alpha` AND the calibrated
-    top-1 lies outside every rounding-lottery draw of the calibration-free scales; else within noise."""
-    if not top1 or not band:
+    top-1 lies outside every rounding-lottery draw of the calibration-free scales; else within noise.
+    Weight-only pairs (no activation scale, so no rounding band): the paired test alone decides."""
+    if not top1:
         return "not measured"
+    if not band:
+        if top1["mcnemar_p"] < alpha:
+            return "better" if top1["top1_a"] > top1["top1_b"] else "worse"
+        return "within noise"
     significant = top1["mcnemar_p"] < alpha
     if significant and top1["top1_a"] > band["max"]:
         return "better"
@@ -259,6 +271,7 @@ def _write_outputs(out: Path, results: dict, timings: dict, subsets) -> list[str
     (out / "vllm_commands.sh").chmod(0o755)
     plots.tau_bars(results, out / "tau_per_subset.png")
     plots.acceptance_curves(results, out / "acceptance_per_position.png")
+    plots.calibration_pairs(results, out / "calibration_vs_datafree.png")
     return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
 
 

@@ -136,7 +136,8 @@ def _write_native_config(model, work: Path) -> None:
     model.name_or_path = str(work)
 
 
-def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str], n_target: int) -> list[str]:
+def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str], n_target: int,
+                    quantize_qkv: bool = False) -> list[str]:
     """Compressed checkpoint in speculators layout: body tensors only, quantization_config in config.
 
     compressed-tensors writes `ignore` as the HF names of the layers it left dense
@@ -161,6 +162,14 @@ def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str],
         config = speculators_config_dict(model.config, qc)
         export.rewrite_config(tmp, config)
         problems = contract.checkpoint_problems(config, kept.keys(), n_target)
+        qkv = [p for p in problems if "qkv_proj" in p and ("slices a dense" in p or "vLLM builds it quantized" in p
+                                                         or "stores it quantized" in p)]
+        if qkv and quantize_qkv:  # asked for (quant.quantize_qkv=true): written, but said plainly
+            import sys
+
+            print("warning: quant.quantize_qkv=true: vLLM 0.26 cannot serve this drafter (its DFlash context-KV "
+                  "precompute needs a dense qkv_proj, vLLM #51581); serve-check will fail it", file=sys.stderr)
+            problems = [p for p in problems if p not in qkv]
         if problems:
             raise bad_value("quant.ignore", qc["ignore"], f"vLLM 0.26 would not serve the written checkpoint as "
                             f"quantized: {problems[0]}", "fix quant.ignore (pipeline/serving/contract.py)")
@@ -170,6 +179,9 @@ def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str],
 def run(cfg) -> dict:
     q, ignore, dconf = validate(cfg)
     rd = RunDir.from_cfg(cfg)
+    from pipeline.quant import variants
+
+    variants.refuse_overwrite(rd.stages / f"quantize-drafter-{q.name}.json", rd.drafter(q.name), FIELD, q, cfg.seed)
     index = check_cache(rd, dconf)
     export.remove_partials(rd.root / ".work")  # scratch left by a killed run
     need_data = recipes.needs_data(q)
@@ -197,7 +209,8 @@ def run(cfg) -> dict:
         if search is not None:
             clock.lap("scale_search_s")
         scales = calibrate.input_global_scales(model)
-        native_ignore = write_quantized(model, out, ignore, list(q.ignore), int(dconf.num_target_layers))
+        native_ignore = write_quantized(model, out, ignore, list(q.ignore), int(dconf.num_target_layers),
+                                        bool(q.quantize_qkv))
         clock.lap("write_s")
     del model
     report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf, search)
@@ -224,7 +237,7 @@ def run(cfg) -> dict:
                    "cache_content_hash": index.get("content_hash"),
                    "target_head": checkpoint_sha256(cfg.target.path, cfg.target.revision, weights_only=True)},
         "outputs": export.output_hashes(out),
-        "check": {k: report[k] for k in ("weight_error_summary", "served", "weights_only", "served_rounding_band",
+        "check": {k: report[k] for k in ("weight_error_summary", "layer_output_error_summary", "served", "weights_only", "served_rounding_band",
                                          "activation_error_summary")
                   if k in report},
         "timings": clock.laps, "device": str(recipes.resolve_device(q.device)),

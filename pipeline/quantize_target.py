@@ -67,6 +67,9 @@ def run(cfg) -> dict:
                         f"a data-free recipe has no calibration forward to spread over {world} processes",
                         "run it without torchrun, or use algorithm=gptq / an activation-quantized scheme")
     rd = RunDir.from_cfg(cfg)
+    from pipeline.quant import variants
+
+    variants.refuse_overwrite(rd.stages / f"quantize-target-{q.name}.json", rd.target(q.name), FIELD, q, cfg.seed)
     samples_sha = None
     batches = None
     if recipes.needs_data(q):

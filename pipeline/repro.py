@@ -181,7 +181,8 @@ def check_reference(ref_dir: Path, view: dict[str, str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.repro", description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", help="where the two runs go (default: a new temporary directory)")
-    ap.add_argument("--quants", default="nvfp4 nvfp4-nocalib nvfp4a16 w4a16", help="drafter variants to quantize")
+    ap.add_argument("--quants", default="nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix",
+                    help="drafter variants to quantize")
     ap.add_argument("--stages", default=" ".join(STAGES), help="stages to run, in order")
     ap.add_argument("--reference", default=str(prov.REPO_ROOT / "manifests" / "tiny"))
     ap.add_argument("--update-reference", action="store_true", help="write the reference from the first run")

@@ -26,7 +26,9 @@ from pipeline.io import TMP_PREFIX, hash_tree, read_json
 from tests.conftest import REPO
 
 QUANT = ["quant=nvfp4", "quant.num_samples=6", "quant.heldout_samples=4", "quant.anchors_per_sequence=8",
-         "quant.max_seq_len=64"]
+         "quant.max_seq_len=64",
+         # the drafter names its target by Hub id, as a pushed drafter must (pipeline/serving/contract.py)
+         "publish.target_model=Qwen/Qwen3-8B"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 PARTIAL = ".partial-"  # pipeline.quant.export.PARTIAL_PREFIX
 

@@ -184,7 +184,7 @@ def test_quant_run_manifest_fields(run):
     # a stage's own timings move out of its result into the timing section
     assert "timings" not in ck["stage"]["result"] and "load_s" not in ck["stage"]["result"]
     assert q["timing"]["quantize-drafter-nvfp4"]["result"] == {"timings": {"oneshot_s": 1.5}, "load_s": 0.25}
-    assert q["not_run"] == ["quantize-target", "evaluate"]
+    assert q["not_run"] == ["quantize-target", "evaluate", "serve-check"]
 
 
 def test_provenance_folder(run):
@@ -286,7 +286,7 @@ def test_degrades_when_stages_missing(tmp_path, monkeypatch):
     _validate(cal, "calibration_manifest")
     _validate(q, "quant_run_manifest")
     assert cal["cache"] is None and cal["not_run"] == ["cache"] and q["checkpoints"] == []
-    assert result["not_run"] == ["cache", "evaluate", "quantize-drafter", "quantize-target"]
+    assert result["not_run"] == ["cache", "evaluate", "quantize-drafter", "quantize-target", "serve-check"]
     assert "vllm serve" not in (rd / "provenance" / "vllm_serve.sh").read_text().split("case")[1].split("*)")[0]
 
 

@@ -51,6 +51,8 @@ def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
     q.mkdir()
     conf = json.loads((CKPT / "config.json").read_text())
     conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    # what quantize-drafter writes with publish.target_model set: the target's Hub id (a push refuses a path)
+    conf["speculators_config"]["verifier"]["name_or_path"] = TARGET
     (q / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
     g = torch.Generator().manual_seed(seed)
     tensors = {k: (v + 0.01 * torch.randn(v.shape, generator=g)).contiguous()

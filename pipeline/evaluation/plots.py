@@ -66,3 +66,41 @@ def acceptance_curves(results: dict, path: Path) -> Path:
                  f"(target {results['target']['variant']}, greedy)")
     fig.tight_layout()
     return save_png(fig, path, dpi=120, tight=True)
+
+
+def calibration_pairs(results: dict, path: Path) -> Path | None:
+    """Calibrated vs data-free per scheme: held-apart layer-output error, top-1 vs bf16 and tau, side by side."""
+    rows = results.get("calibration_comparison") or []
+    if not rows:
+        return None
+    plt = pyplot()
+    labels = [f"{r['calibrated']}\nvs {r['calibration_free']}" for r in rows]
+    panels = [("layer-output error (held-apart, mean)", "layer_output_error_heldout"),
+              ("top-1 vs bf16 drafter (held-apart)", "top1_heldout"), ("acceptance length τ (all)", "tau")]
+    fig, axes = plt.subplots(1, 3, figsize=(4.2 * 3, 3.8), squeeze=False)
+    xs = range(len(rows))
+    for ax, (title, key) in zip(axes[0], panels):
+        cal, free = [], []
+        for r in rows:
+            if key == "layer_output_error_heldout":
+                errs = r.get(key) or {}
+                a, b = ((errs.get(v) or {}).get("mean") for v in (r["calibrated"], r["calibration_free"]))
+            elif key == "top1_heldout":
+                t = r.get(key) or {}
+                a, b = t.get("top1_a"), t.get("top1_b")
+            else:
+                a, b = r["tau"]["calibrated"], r["tau"]["calibration_free"]
+            cal.append(float("nan") if a is None else a)
+            free.append(float("nan") if b is None else b)
+        b1 = ax.bar([x - 0.2 for x in xs], free, width=0.38, label="data-free / calibration-free", color="#bbbbbb")
+        b2 = ax.bar([x + 0.2 for x in xs], cal, width=0.38, label="calibrated", color="#4c72b0")
+        for bars in (b1, b2):
+            ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"Calibration on the target's hidden states vs data-free: {results['drafter']['name']} "
+                 f"(verdicts in report.md)", fontsize=10)
+    fig.tight_layout()
+    return save_png(fig, path, dpi=120, tight=True)

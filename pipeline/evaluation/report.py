@@ -75,12 +75,17 @@ def _paired_section(rows: list[dict]) -> list[str]:
            "the fixed scale's 2688, the factors also move the clip point, so the band then also holds part of "
            "what calibration changes); "
            "the verdict is better / worse only when McNemar p < 0.05 and the calibrated top-1 lies outside "
-           "that band. The calibrated drafter's own band (the same factors on its scales) is shown beside it.", "",
-           "| calibrated | calibration-free | rows | top-1 calibrated | top-1 calibration-free | only calibrated "
-           "| only calibration-free | McNemar p | τ calibrated | τ calibration-free | Δτ [95% CI] "
+           "that band. The calibrated drafter's own band (the same factors on its scales) is shown beside it. "
+           "Weight-only schemes have no activation scale and so no band: McNemar alone decides. "
+           "Layer-output error: mean over the quantized layers of ||x W_q - x W|| / ||x W|| on the held-apart "
+           "rows, x = each layer's real input in the bf16 drafter (weights only; what GPTQ minimizes on its "
+           "calibration rows).", "",
+           "| calibrated | what is calibrated | calibration-free | rows | top-1 calibrated | top-1 calibration-free "
+           "| only calibrated | only calibration-free | McNemar p | layer-output error calibrated / free "
+           "| τ calibrated | τ calibration-free | Δτ [95% CI] "
            "| Δτ vs bf16: calibrated, calibration-free [95% CI] | rounding band (top-1) "
            "| calibrated's own band (top-1) | verdict |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t, tau = r.get("top1_heldout"), r["tau"]
         b = tau["paired_bootstrap"]
@@ -90,7 +95,12 @@ def _paired_section(rows: list[dict]) -> list[str]:
         noise = ", ".join(_interval(ref[v]) for v in (r["calibrated"], r["calibration_free"]) if v in ref) or "n/a"
         band_txt = [f"{band['min']:.4f} - {band['max']:.4f}" if band else "n/a"
                     for band in (r.get("top1_rounding_band"), r.get("top1_rounding_band_calibrated"))]
-        out.append(f"| `{r['calibrated']}` | `{r['calibration_free']}` | {top} | {tau['calibrated']:.3f} "
+        errs = r.get("layer_output_error_heldout") or {}
+        e_cal, e_free = ((errs.get(v) or {}).get("mean") for v in (r["calibrated"], r["calibration_free"]))
+        err_txt = f"{e_cal:.4f} / {e_free:.4f}" if e_cal is not None and e_free is not None else "n/a"
+        top = top.replace(f"| {_p(t['mcnemar_p'])}", f"| {_p(t['mcnemar_p'])} | {err_txt}") if t else top + " | n/a"
+        out.append(f"| `{r['calibrated']}` | {r.get('what_is_calibrated') or 'n/a'} | `{r['calibration_free']}` | {top} "
+                   f"| {tau['calibrated']:.3f} "
                    f"| {tau['calibration_free']:.3f} | {_interval(b)} | {noise} | {band_txt[0]} | {band_txt[1]} "
                    f"| **{r.get('verdict', 'n/a')}** |")
     return out + [""]

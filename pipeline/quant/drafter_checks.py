@@ -115,6 +115,38 @@ def rounding_band(reference, quantized, batches, block_size: int, factors) -> di
     return compare(reference, quantized, batches, block_size, factors).get("served_rounding_band", {})
 
 
+@torch.no_grad()
+def layer_output_errors(reference, quantized, batches) -> dict[str, float]:
+    """Per quantized Linear, on the held-apart batches: ||x W_q^T - x W^T|| / ||x W^T||, x = the layer's real
+    input in the bf16 drafter's forward (for `fc`, the target's concatenated hidden states). This is the
+    error GPTQ minimizes on its calibration inputs, measured on rows it never saw; weights only (the
+    activation-QDQ error is `activation_error_report`'s)."""
+    qmods = checks.quantized_modules(quantized)
+    ref_mods = dict(reference.named_modules())
+    num = {n: 0.0 for n in qmods}
+    den = {n: 0.0 for n in qmods}
+
+    def hook(name):
+        def fn(module, args, output):
+            x = args[0].float()
+            w_q = qmods[name].weight.float()
+            y = output.float()
+            err = torch.nn.functional.linear(x, w_q, None if module.bias is None else module.bias.float()) - y
+            num[name] += float(err.pow(2).sum())
+            den[name] += float(y.pow(2).sum())
+        return fn
+
+    handles = [ref_mods[n].register_forward_hook(hook(n)) for n in qmods]
+    try:
+        device = next(reference.parameters()).device
+        for batch in batches:
+            reference(**{k: v.to(device) for k, v in batch.items()})
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (num[n] / den[n]) ** 0.5 if den[n] else float("nan") for n in qmods}
+
+
 def activation_error_report(reference, quantized, held, q, search: dict | None) -> dict:
     """Per-layer activation-QDQ error: the search's calibration-data record and, on the held-apart
     batches, the checkpoint's scale against the calibration-free fixed one."""
@@ -145,12 +177,15 @@ def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict |
                                          int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET)
     metrics = compare(reference, quantized, held, dconf.block_size, q.rounding_band_factors) if len(held) else {}
     act = activation_error_report(reference, quantized, held, q, search)
+    out_err = layer_output_errors(reference, quantized, held) if len(held) else {}
     # paths relative to the run directory, so the report is byte-identical wherever the run lives
     report = {"kind": "drafter", "variant": q.name, "checkpoint": f"drafter/{q.name}", "reference": "drafter/bf16",
               "scheme": q.scheme, "observer": q.observer, "calibration": q.calibration, "reloaded": True,
               "heldout_samples": len(held_idx), "heldout_anchors": cache_batches.count_anchors(held),
               "heldout_sample_ids": [reader.index["samples"][i]["id"] for i in held_idx],
-              "weight_error": errors, "weight_error_summary": checks.summarize(errors), **metrics, **act}
+              "weight_error": errors, "weight_error_summary": checks.summarize(errors),
+              "layer_output_error_heldout": out_err, "layer_output_error_summary": checks.summarize(out_err),
+              **metrics, **act}
     checks.write_report(rd.checks, "drafter", q.name, report)
     if act:
         act_scale.plot(search, act["activation_error_heldout"],

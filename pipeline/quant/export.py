@@ -35,7 +35,47 @@ def save_compressed(model, out_dir: Path, writer: bool = True) -> dict | None:
     writes: the others pass writer=False and get None.
     """
     model.save_pretrained(str(out_dir), save_compressed=True, max_shard_size="1000GB")
+    recipe = out_dir / "recipe.yaml"
+    if writer and recipe.is_file():
+        text = recipe.read_text(encoding="utf-8")
+        plain = plain_recipe(text)
+        if plain != text:
+            recipe.write_text(plain, encoding="utf-8")
     return json.loads((out_dir / "config.json").read_text(encoding="utf-8")) if writer else None
+
+
+def plain_recipe(text: str) -> str:
+    """recipe.yaml as plain data: llm-compressor writes Python object tags for enums (GPTQ's
+    `actorder: !!python/object/apply:...ActivationOrdering [static]`), which a safe YAML loader (the
+    manifest's, the Hub's, a user's) refuses. Each such value becomes what it stands for (the enum's
+    value); a recipe without tags is returned unchanged, byte for byte."""
+    import yaml
+
+    if "!!python/" not in text:
+        return text
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    def apply(loader, suffix, node):
+        if isinstance(node, yaml.SequenceNode):
+            args = loader.construct_sequence(node, deep=True)
+        elif isinstance(node, yaml.MappingNode):
+            args = list(loader.construct_mapping(node, deep=True).get("args") or [])
+        else:
+            args = [loader.construct_scalar(node)]
+        return args[0] if len(args) == 1 else args
+
+    def obj(loader, suffix, node):
+        if isinstance(node, yaml.MappingNode):
+            return loader.construct_mapping(node, deep=True)
+        return loader.construct_scalar(node) if isinstance(node, yaml.ScalarNode) else loader.construct_sequence(node)
+
+    _Loader.add_multi_constructor("tag:yaml.org,2002:python/object/apply:", apply)
+    _Loader.add_multi_constructor("tag:yaml.org,2002:python/object/new:", apply)
+    _Loader.add_multi_constructor("tag:yaml.org,2002:python/", obj)
+    data = yaml.load(text, Loader=_Loader)  # noqa: S506 - the loader only builds plain values
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
 def copy_tokenizer(src: str | os.PathLike, out_dir: Path) -> list[str]:

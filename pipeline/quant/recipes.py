@@ -176,9 +176,14 @@ def build_modifier(q, ignore: list[str]):
     return QuantizationModifier(**kwargs)
 
 
+# observers that weight the weight error by the layer's input activations, gathered in a calibration forward
+DATA_OBSERVERS = ("imatrix-mse", "nvfp4-expanded-imatrix")
+
+
 def needs_data(q) -> bool:
-    """Whether the recipe runs a calibration forward (activation scales or GPTQ Hessians)."""
-    return q.calibration == "cache" and (SCHEMES[q.scheme].quantize_activations or q.algorithm == "gptq")
+    """Whether the recipe runs a calibration forward (activation scales, GPTQ Hessians, imatrix statistics)."""
+    return q.calibration == "cache" and (SCHEMES[q.scheme].quantize_activations or q.algorithm == "gptq"
+                                         or _observer_key(str(q.observer)) in DATA_OBSERVERS)
 
 
 def fixed_input_global_scale(amax: float) -> float:
