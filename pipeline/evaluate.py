@@ -77,7 +77,12 @@ def _variant_meta(rd: RunDir, variant: str, summary: dict) -> dict[str, Any]:
         cal = quant.get("calibration")
         method = quant.get("activation_scale") if cal == "cache" and q.get("activations_quantized") else None
         algo = quant.get("algorithm")
+        from pipeline.quant.recipes import DATA_OBSERVERS
+
+        observer = str(quant.get("observer") or "")
+        data_obs = observer.strip().lower().replace("_", "-") in DATA_OBSERVERS
         parts = ([f"weights ({algo})"] if cal == "cache" and algo == "gptq" else []) + \
+            ([f"weights ({observer} observer)"] if cal == "cache" and algo != "gptq" and data_obs else []) + \
             ([f"activation scale ({method})"] if method else [])
         return {"scheme": quant.get("scheme"), "calibration": cal, "activation_scale": method,
                 "algorithm": algo, "what_is_calibrated": " + ".join(parts) or "nothing (data-free)"}
