@@ -71,6 +71,10 @@ class Store:
 
     # -- repos and refs
     def _repo_file(self, repo_id: str) -> Path:
+        """The one place a repo id becomes a path: anything but `<owner>/<name>` is "not found" on every route
+        (never a path outside the storage root, and no 400-vs-404 hint that some file exists)."""
+        if not _REPO_ID.match(repo_id) or ".." in repo_id:
+            raise HubError(404, "Repository not found", "RepoNotFound")
         return self.root / "repos" / f"{repo_id}.json"
 
     def repo(self, repo_id: str) -> dict:

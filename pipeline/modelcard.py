@@ -40,6 +40,30 @@ def front_matter(info: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def calibration_lines(results: Any, variant: str) -> list[str]:
+    """This variant against its data-free / calibration-free twin (evaluate's paired comparison), if any."""
+    rows = [r for r in ((results or {}).get("calibration_comparison") or []) if isinstance(results, dict)
+            and variant in (r.get("calibrated"), r.get("calibration_free"))]
+    out = []
+    for r in rows:
+        t, tau = r.get("top1_heldout") or {}, r.get("tau") or {}
+        errs = r.get("layer_output_error_heldout") or {}
+        e = [((errs.get(v) or {}).get("mean")) for v in (r["calibrated"], r["calibration_free"])]
+        boot = tau.get("paired_bootstrap") or {}
+        ci = boot.get("ci95") or [None, None]
+        line = (f"- `{r['calibrated']}` ({r.get('what_is_calibrated') or 'calibrated'}) vs `{r['calibration_free']}`: "
+                f"tau {tau.get('calibrated', float('nan')):.3f} vs {tau.get('calibration_free', float('nan')):.3f}")
+        if boot:
+            line += f" (difference {boot['difference']:+.3f}, 95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}])"
+        if t:
+            line += (f"; top-1 vs the bf16 drafter {t['top1_a']:.4f} vs {t['top1_b']:.4f} on {t['rows']} held-apart "
+                     f"rows (McNemar p {t['mcnemar_p']:.3g})")
+        if None not in e:
+            line += f"; held-apart layer-output error {e[0]:.4f} vs {e[1]:.4f}"
+        out.append(line + f"; verdict **{r.get('verdict')}**.")
+    return out
+
+
 def acceptance_table(results: Any, variant: str) -> str | None:
     """A markdown table subset x variant of mean acceptance length, from eval/results.json rows.
 
@@ -138,6 +162,9 @@ def render(info: dict[str, Any]) -> str:
     else:
         out += ["Not measured in this run (no `eval/results.json`).", ""]
     out += [f"![{p}]({p})" for p in plots] + ([""] if plots else [])
+    if info.get("calibration_comparison"):
+        out += ["## Calibrated vs data-free", "Paired on the same prompts and held-apart rows (details and the "
+                "verdict rule in `eval/report.md`):", "", *info["calibration_comparison"], ""]
     out += ["## Serving with vLLM", "```bash", vllm_command(target, repo, info.get("block_size")), "```",
             "Needs an attention backend that supports non-causal attention (e.g. `flash_attn`). "
             "vLLM copies the target's quantization to the draft unless the draft's own is used; this "

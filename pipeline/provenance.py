@@ -43,7 +43,7 @@ from pipeline.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFIX: th
     sha256_bytes,
     sha256_file,
 )
-from pipeline.secrets import scrub_obj, scrub_values
+from pipeline.secrets import scrub_config_text, scrub_obj, scrub_values
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FILE_LIST = "provenance/files.sha256.json"
@@ -198,7 +198,8 @@ def write_source_snapshot(dest: Path, info: dict[str, Any]) -> dict[str, Any]:
     for rel, data in info["_blobs"].items():
         entry = dict(info["files"][rel])
         try:
-            clean = scrub_values(data.decode("utf-8")).encode("utf-8")
+            text = data.decode("utf-8")
+            clean = (scrub_config_text(text) if rel.endswith((".yaml", ".yml")) else scrub_values(text)).encode("utf-8")
         except UnicodeDecodeError:
             clean = data
         if clean != data:  # a secret in a source file is never copied out
@@ -206,7 +207,7 @@ def write_source_snapshot(dest: Path, info: dict[str, Any]) -> dict[str, Any]:
         atomic_write_bytes(dest / rel, clean)
         files[rel] = entry
     if info["git"]["diff"]:
-        atomic_write_text(dest / "git.diff", scrub_values(info["_diff"]))
+        atomic_write_text(dest / "git.diff", scrub_config_text(info["_diff"]))
     public = {"git": info["git"], "files": files, "tree_sha256": info["tree_sha256"]}
     atomic_write_json(dest / "SOURCE.json", public)
     return public

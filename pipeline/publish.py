@@ -202,6 +202,7 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path) -> dict
                         "ignore": entry.get("ignore") or q.get("ignore"),
                         "data": ", ".join(sources) if sources else None},
         "acceptance_table": modelcard.acceptance_table(_read_json(folder / "eval" / "results.json"), variant),
+        "calibration_comparison": modelcard.calibration_lines(_read_json(folder / "eval" / "results.json"), variant),
         "plots": sorted(p.relative_to(folder).as_posix() for p in (folder / "eval").glob("*.png")),
         "serving": serve_check.status_for(rd, variant),
     }

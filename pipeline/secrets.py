@@ -18,8 +18,21 @@ def remember(secret: str | None) -> None:
         _known.add(secret)
 
 
+# a Hugging Face access token wherever it appears (a config file, a diff), known or not
+_HF_TOKEN = re.compile(r"(?<![A-Za-z0-9_])hf_[A-Za-z0-9]{20,}(?![A-Za-z0-9])")
+# `token: <value>` in a YAML config (conf/publish/*.yaml documents the field); null / *** / ${...} are kept
+_YAML_TOKEN = re.compile(r"(?m)^([+\- ]?\s*(?:hf_)?token\s*:\s*)(?!null\b|~|\*\*\*|\$\{|['\"]?\s*$)(['\"]?)[^\s#'\"]+\2")
+
+
+def scrub_config_text(text: str) -> str:
+    """scrub_values plus any `token:` value of a YAML config (for config files copied into snapshots)."""
+    return _YAML_TOKEN.sub(lambda m: m.group(1) + "***", scrub_values(text))
+
+
 def scrub_values(text: str) -> str:
-    """Replace only the known secret values (remembered tokens, token env vars): safe for source code."""
+    """Replace the known secret values (remembered tokens, token env vars) and anything shaped like a
+    Hugging Face token: safe for source code."""
+    text = _HF_TOKEN.sub("***", text)
     secrets = set(_known)
     for env in _TOKEN_ENVS:
         v = os.environ.get(env)

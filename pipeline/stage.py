@@ -75,6 +75,9 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
             raise SpecquantError(f"stage `{stage}` is not built yet ({module} is missing); "
                                  "see the open issues for its status.") from None
         raise
+    from pipeline.secrets import remember
+
+    remember(OmegaConf.select(cfg, "publish.token"))  # a token in a config file is scrubbed from what any stage writes
     rd = RunDir.from_cfg(cfg)
     rd.check_confined()
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under torchrun the cache stage cleans up after its barrier

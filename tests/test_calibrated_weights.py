@@ -134,3 +134,9 @@ def test_gptq_drafter_and_gptq_target_go_through_manifest_verify_and_publish(wor
     assert verify_dir(folder) == []
     assert yaml.safe_load((folder / "recipe.yaml").read_text())
     assert "not checked in vLLM" in (folder / "README.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_awq_without_cuda_is_refused_in_one_sentence(world):
+    with pytest.raises(SpecquantError, match=r"^`quant.algorithm` = 'awq': llm-compressor 0.14's AWQ needs a CUDA"):
+        quantize_drafter.validate(world_cfg(world, "quant=w4a16-awq", f"quant.group_size={G}"))

@@ -174,3 +174,20 @@ def test_subprocess_server_survives_sigkill_with_consistent_storage(tmp_path):
         finally:
             proc2.kill()
             proc2.wait()
+
+
+def test_repo_ids_never_reach_outside_the_storage_root(srv, tmp_path):
+    """Every route takes its repo id through one check: a traversal is 404 (no file read or written, and no
+    400-vs-404 hint whether a file exists), with or without a token."""
+    outside = srv.httpd.store.root.parent / "victim" / "x.json"  # where repos/../../victim/x.json points
+    outside.parent.mkdir()
+    outside.write_text(json.dumps({"id": "x", "refs": {"main": "0" * 40}, "tags": {}, "private": False}))
+    before = outside.read_bytes()
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    for rid in ("..%2F..%2Fvictim/x", "..%2Fvictim/x", "me/..", "..%2F..%2Fnot-there/x"):
+        for method, path, kw in (("GET", f"/api/models/{rid}", {}), ("GET", f"/api/models/{rid}/revision/main", {}),
+                                 ("POST", f"/api/models/{rid}/tag/main", {"json": {"tag": "t"}, "headers": auth}),
+                                 ("POST", f"/{rid}.git/info/lfs/objects/batch", {"json": {}, "headers": auth})):
+            r = httpx.request(method, f"{srv.url}{path}", **kw)
+            assert r.status_code == 404, (method, path, r.status_code, r.text)
+    assert outside.read_bytes() == before

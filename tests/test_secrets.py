@@ -123,3 +123,22 @@ def test_security_defaults_no_unpickling_no_remote_code():
         assert cfg.target.trust_remote_code is False and cfg.drafter.trust_remote_code is False, exp
     for y in sorted(CONF_DIR.rglob("*.yaml")):
         assert "trust_remote_code: true" not in y.read_text(encoding="utf-8").lower(), y
+
+
+def test_a_token_written_into_a_config_file_never_reaches_the_source_snapshot(tmp_path):
+    """`publish.token: hf_...` in conf/publish/default.yaml (the documented field) and in the diff: the real
+    source_info of this checkout, with that edit, through the real snapshot writer."""
+    from pipeline import provenance as prov
+
+    info = prov.source_info()
+    rel = "conf/publish/default.yaml"
+    planted = "hf_" + "Zq7" * 12
+    text = info["_blobs"][rel].decode().replace("token: null", f"token: {planted}")
+    assert planted in text
+    info["_blobs"][rel] = text.encode()
+    info["_diff"] = f"--- a/{rel}\n+++ b/{rel}\n-token: null\n+token: {planted}\n+hf_token: 'plain-secret-9'\n"
+    info["git"]["diff"] = "git.diff"
+    out = prov.write_source_snapshot(tmp_path / "source", info)
+    assert _files_holding(tmp_path, planted) == [] and _files_holding(tmp_path, "plain-secret-9") == []
+    assert out["files"][rel].get("redacted") is True
+    assert "token: ***" in (tmp_path / "source" / rel).read_text()

@@ -24,14 +24,15 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
     from torch.utils.data import DataLoader
 
     modifier = build_modifier(q, ignore)
+    recipe = modifier if isinstance(modifier, list) else [modifier]
     # llm-compressor seeds nothing itself; observers and GPTQ are deterministic once this is fixed
     torch.manual_seed(seed)
     if batches:
         loader = DataLoader(batches, batch_size=None, shuffle=False)
-        oneshot(model=model, dataset=loader, recipe=[modifier], processor=NullProcessor(),
+        oneshot(model=model, dataset=loader, recipe=recipe, processor=NullProcessor(),
                 pipeline=q.pipeline, num_calibration_samples=len(batches))
     else:
-        oneshot(model=model, recipe=[modifier], pipeline="datafree")
+        oneshot(model=model, recipe=recipe, pipeline="datafree")
     return modifier
 
 

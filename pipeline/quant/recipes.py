@@ -34,7 +34,7 @@ SCHEMES: dict[str, Scheme] = {
     "nvfp4a16": Scheme("nvfp4a16", "float", 4, 16, "tensor_group", False, True),
     "w4a16": Scheme("w4a16", "int", 4, 128, "group", False, False),
 }
-ALGORITHMS = ("rtn", "gptq")
+ALGORITHMS = ("rtn", "gptq", "awq")
 CALIBRATIONS = ("cache", "none")
 PIPELINES = ("basic", "sequential", "independent", "datafree")
 
@@ -87,7 +87,7 @@ def validate_settings(q, field: str) -> None:
     if q.pipeline not in PIPELINES:
         raise bad_value(f"{field}.pipeline", q.pipeline, "it is not an llm-compressor calibration pipeline",
                         f"use one of {', '.join(PIPELINES)}")
-    if q.algorithm == "gptq" and q.calibration == "none":
+    if q.algorithm in ("gptq", "awq") and q.calibration == "none":
         raise bad_value(f"{field}.algorithm", q.algorithm, "GPTQ needs calibration data but calibration is 'none'",
                         f"set {field}.calibration=cache or {field}.algorithm=rtn")
     gs = group_size(q)
@@ -102,6 +102,12 @@ def validate_settings(q, field: str) -> None:
         raise bad_value(f"{field}.device", q.device, "it is not a torch device", "use auto, cpu, cuda or cuda:N")
     if str(q.device).startswith("cuda") and not torch.cuda.is_available():
         raise bad_value(f"{field}.device", q.device, "no CUDA device is visible", "use auto or cpu")
+    if q.algorithm == "awq" and resolve_device(str(q.device)).type != "cuda":
+        # llm-compressor 0.14's AWQ pins its cached activations (pipelines/cache.py:155, `pin_memory`),
+        # which torch refuses without an accelerator
+        raise bad_value(f"{field}.algorithm", q.algorithm, "llm-compressor 0.14's AWQ needs a CUDA device "
+                        "(it pins host memory for its activation cache)",
+                        f"run it on a GPU machine, or use {field}.algorithm=gptq")
     if q.num_samples <= 0 and q.calibration == "cache":
         raise bad_value(f"{field}.num_samples", q.num_samples, "calibration needs at least one sample",
                         "use a positive number")
@@ -167,6 +173,16 @@ def build_modifier(q, ignore: list[str]):
         input_activations=_activation_args(q) if scheme.quantize_activations else None,
     )
     kwargs = {"config_groups": {"group_0": group}, "ignore": list(ignore)}
+    if q.algorithm == "awq":
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from llmcompressor.modifiers.transform.awq import AWQMapping, AWQModifier
+
+        # the drafter's MLPs only: their smoothing scale folds into post_attention_layernorm (gate/up) and
+        # up_proj (down). q/k/v stay dense, and fc reads the target's cached hidden states, with no layer
+        # of the drafter in front of it to fold a scale into, so neither is smoothed.
+        mappings = [AWQMapping("re:.*post_attention_layernorm$", ["re:.*mlp\\.gate_proj$", "re:.*mlp\\.up_proj$"]),
+                    AWQMapping("re:.*mlp\\.up_proj$", ["re:.*mlp\\.down_proj$"])]
+        return [AWQModifier(mappings=mappings), QuantizationModifier(**kwargs)]
     if q.algorithm == "gptq":
         from llmcompressor.modifiers.gptq import GPTQModifier
 
@@ -182,7 +198,7 @@ DATA_OBSERVERS = ("imatrix-mse", "nvfp4-expanded-imatrix")
 
 def needs_data(q) -> bool:
     """Whether the recipe runs a calibration forward (activation scales, GPTQ Hessians, imatrix statistics)."""
-    return q.calibration == "cache" and (SCHEMES[q.scheme].quantize_activations or q.algorithm == "gptq"
+    return q.calibration == "cache" and (SCHEMES[q.scheme].quantize_activations or q.algorithm in ("gptq", "awq")
                                          or _observer_key(str(q.observer)) in DATA_OBSERVERS)
 
 
