@@ -92,16 +92,55 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     cfg = _compose_or_exit(rest)
+    from pipeline.secrets import scrub
     from pipeline.stage import run_stage
 
     try:
+        _check_devices(name, cfg)
         run_stage(name, STAGES[name], cfg, rest)
     except SpecquantError as exc:
-        from pipeline.secrets import scrub
-
         print(f"error: {scrub(str(exc))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: `{name}` was interrupted (Ctrl-C); nothing half-written is kept: the next run of the "
+              "stage removes its partial files and starts that work again.", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        import errno
+
+        where = exc.filename or cfg.run_dir
+        fix = {errno.ENOSPC: "free space there or point runs_root at a larger disk",
+               errno.EROFS: "point runs_root at a writable file system",
+               errno.EACCES: "fix the permissions or point runs_root elsewhere",
+               errno.ENOENT: "restore the missing file (or re-download the checkpoint) and run the stage again"}
+        print(f"error: `{name}` could not use {where!s}: {exc.strerror or exc}; "
+              f"{fix.get(exc.errno, 'fix the file system problem and run the stage again')} "
+              "(no partial output is kept).", file=sys.stderr)
+        return 2
     return 0
+
+
+# stages whose configured torch device must exist (serve-check runs vLLM in its own interpreter)
+_DEVICE_FIELDS = {"cache": ("target.device",), "quantize-drafter": ("quant.device",),
+                  "quantize-target": ("target_quant.device",), "evaluate": ("target.device",)}
+
+
+def _check_devices(stage: str, cfg) -> None:
+    """A CUDA device configured on a machine without one: one sentence, before anything loads."""
+    from omegaconf import OmegaConf
+
+    from pipeline.errors import bad_value
+
+    wanted = [(f, str(OmegaConf.select(cfg, f))) for f in _DEVICE_FIELDS.get(stage, ())]
+    cuda = [(f, v) for f, v in wanted if v.startswith("cuda")]
+    if not cuda:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        field, value = cuda[0]
+        raise bad_value(field, value, "this machine has no CUDA device (torch sees none)",
+                        f"set {field}=cpu" + (" or auto" if field.endswith("quant.device") else ""))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline import quantize_drafter, quantize_target
+from pipeline import quantize_drafter
 from pipeline.config import compose
 from pipeline.errors import SpecquantError
 from pipeline.io import hash_tree, read_json

@@ -186,3 +186,31 @@ def test_serve_check_without_gpu_or_vllm_says_so_and_writes_nothing(world, writt
     after = sorted((p.relative_to(run_dir).as_posix(), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
     assert after == before
     assert json.dumps(after).count("serve_check") == 0
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_one_sentence(world, written):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    r = run_cli("quantize-drafter", f"runs_root={world}", "run_name=qw", f"target.path={TARGET}",
+                f"target.tokenizer={TARGET}", f"drafter.path={DRAFTER}", "quant=w4a16", "quant.device=cuda")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: `quant.device` = 'cuda': this machine has no CUDA device")
+
+
+def test_ctrl_c_is_one_sentence_and_exit_130(world):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # the tiny world (its target has a chat template), in a run directory of its own
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "evaluate", f"runs_root={world / 'ctrl-c'}"],
+                            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    time.sleep(12)  # past the imports, into the work
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    # (a progress bar may end without a newline, so the sentence can follow its carriage return)
+    assert err.count("error:") == 1 and (
+        "error: `evaluate` was interrupted (Ctrl-C); nothing half-written is kept: the next run of the "
+        "stage removes its partial files and starts that work again.") in err

@@ -92,6 +92,10 @@ def load_prompt_sets(eval_cfg, tokenizer) -> list[PromptSubset]:
                             "'.', '_' and '-'", "rename the subset")
     if len(set(names)) != len(names):
         raise bad_value("eval.prompt_sets", names, "two subsets share a name", "give every subset its own name")
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_value("target.tokenizer", getattr(tokenizer, "name_or_path", None), "the tokenizer has no chat "
+                        "template, and prompts are rendered with the target's chat template as it is served",
+                        "point target.tokenizer at the target's own tokenizer (with its chat_template)")
     subsets = []
     for i, ps in enumerate(eval_cfg.prompt_sets):
         rows = _open_rows(ps, i)
