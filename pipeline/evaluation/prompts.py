@@ -41,6 +41,8 @@ def _open_rows(ps, i: int):
                             "set a commit sha or tag so the evaluation is reproducible")
         return datasets.load_dataset(ps.hub_id, revision=ps.revision, split=ps.split)
     path = Path(ps.path)
+    if path.is_file() and path.suffix in {".json", ".jsonl"} and not path.read_bytes().strip():
+        raise bad_value(f"{where}.path", ps.path, "the file is empty", "put one prompt per line in it, or drop the subset")
     if path.is_file() and path.suffix in {".json", ".jsonl"}:
         return datasets.load_dataset("json", data_files=str(path), split="train")
     if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):

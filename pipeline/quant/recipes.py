@@ -108,6 +108,9 @@ def validate_settings(q, field: str) -> None:
         raise bad_value(f"{field}.algorithm", q.algorithm, "llm-compressor 0.14's AWQ needs a CUDA device "
                         "(it pins host memory for its activation cache)",
                         f"run it on a GPU machine, or use {field}.algorithm=gptq")
+    if int(q.max_seq_len) < 2:
+        raise bad_value(f"{field}.max_seq_len", q.max_seq_len, "a calibration or check sequence needs at least "
+                        "two tokens (a context row and an anchor)", "use e.g. 2048, or leave the preset's value")
     if q.num_samples <= 0 and q.calibration == "cache":
         raise bad_value(f"{field}.num_samples", q.num_samples, "calibration needs at least one sample",
                         "use a positive number")
