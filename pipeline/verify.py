@@ -64,8 +64,13 @@ def _claims(folder: Path, doc: dict, problems: list[str]) -> dict[str, dict[str,
             claims.setdefault(rel, {})[source] = digest
 
     att = _load(folder / prov.ATTESTATION, prov.ATTESTATION, problems) if (folder / prov.ATTESTATION).is_file() else None
-    subjects = {s.get("name"): (s.get("digest") or {}).get("sha256") for s in (att or {}).get("subject", [])
-                if isinstance(s, dict)}
+    raw = (att or {}).get("subject", []) if isinstance(att, dict) else []
+    raw = raw if isinstance(raw, list) else []
+    subjects = {s["name"]: (s.get("digest") if isinstance(s.get("digest"), dict) else {}).get("sha256")
+                for s in raw if isinstance(s, dict) and isinstance(s.get("name"), str)}
+    if len(subjects) != len(raw):
+        problems.append(f"{prov.ATTESTATION}: {len(raw) - len(subjects)} subject(s) without a file name; "
+                        "the statement was altered")
     if doc["kind"] == "published":
         for rel, e in doc["files"].items():
             if e.get("origin") and subjects:

@@ -153,3 +153,14 @@ def test_cli_on_a_missing_path_is_one_sentence(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipeline", "verify", str(tmp_path / "nope")], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "`path` = " in out.stderr
+
+
+def test_an_attestation_subject_whose_name_key_was_altered_is_named_not_a_traceback(run):
+    """A flipped byte can turn `"name"` into `"oame"` (0x6e ^ 0x01): verify says so; CI hit this as a TypeError."""
+    att = run / provenance.ATTESTATION
+    text = att.read_text()
+    first = text.index('"name"', text.index('"subject"'))
+    att.write_text(text[:first] + '"oame"' + text[first + 6:])
+    json.loads(att.read_text())  # still valid JSON: only the key changed
+    problems = verify.verify_dir(run)
+    assert any(p.startswith(f"{provenance.ATTESTATION}: 1 subject(s) without a file name") for p in problems), problems
