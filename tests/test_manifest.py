@@ -24,7 +24,9 @@ from pipeline.stage import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = REPO / "tests" / "fixtures" / "dflash"
-TOKEN = "hf_PlantedSecretToken1234567890abcdef"
+# not shaped like an HF token (those are scrubbed by pattern wherever they appear): this one must be
+# caught as a known value (HF_TOKEN), the path a token of any shape takes
+TOKEN = "sq_PlantedSecretToken1234567890abcdef"
 RECIPE = """quant_stage:
   quant_modifiers:
     QuantizationModifier:
@@ -315,7 +317,8 @@ def test_committed_tiny_manifests_validate(name):
         pytest.skip("manifests/tiny/ is written by `python -m pipeline.repro --update-reference`")
     doc = json.loads(path.read_text())
     _validate(doc, name)
-    assert doc["not_run"] == [] and doc["run_name"] == "tiny"
+    # the reference is made on a CPU machine: serve-check (GPU + vLLM) is the one stage it says it did not run
+    assert doc["not_run"] == ([] if name == "calibration_manifest" else ["serve-check"]) and doc["run_name"] == "tiny"
 
 
 def test_tokenizer_section_agrees_with_the_data_stage(chat_tokenizer):

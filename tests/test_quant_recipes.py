@@ -34,7 +34,7 @@ def _fails(cfg, stage=quantize_drafter) -> str:
 @pytest.mark.parametrize("override, field, words", [
     ("quant.scheme=int3", "`quant.scheme` = 'int3'", "nvfp4, nvfp4a16, w4a16"),
     ("quant.observer=no_such_observer", "`quant.observer` = 'no_such_observer'", "nvfp4_expanded_mse"),
-    ("quant.algorithm=awq", "`quant.algorithm` = 'awq'", "rtn, gptq"),
+    ("quant.algorithm=hqq", "`quant.algorithm` = 'hqq'", "rtn, gptq, awq"),
     ("quant.group_size=32", "`quant.group_size` = 32", "set it to 16"),
     # the activation-scale search of quant=nvfp4 (pipeline/quant/act_scale.py)
     ("quant.activation_scale=l2", "`quant.activation_scale` = 'l2'", "minmax, mse"),
