@@ -161,15 +161,12 @@ def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str],
         qc["ignore"] = contract.serving_ignore(ignore, user_ignore, n_target)
         config = speculators_config_dict(model.config, qc)
         export.rewrite_config(tmp, config)
-        problems = contract.checkpoint_problems(config, kept.keys(), n_target)
-        qkv = [p for p in problems if "qkv_proj" in p and ("slices a dense" in p or "vLLM builds it quantized" in p
-                                                         or "stores it quantized" in p)]
-        if qkv and quantize_qkv:  # asked for (quant.quantize_qkv=true): written, but said plainly
+        problems = contract.checkpoint_problems(config, kept.keys(), n_target, allow_quantized_qkv=quantize_qkv)
+        if quantize_qkv:  # asked for: written, but said plainly
             import sys
 
             print("warning: quant.quantize_qkv=true: vLLM 0.26 cannot serve this drafter (its DFlash context-KV "
                   "precompute needs a dense qkv_proj, vLLM #51581); serve-check will fail it", file=sys.stderr)
-            problems = [p for p in problems if p not in qkv]
         if problems:
             raise bad_value("quant.ignore", qc["ignore"], f"vLLM 0.26 would not serve the written checkpoint as "
                             f"quantized: {problems[0]}", "fix quant.ignore (pipeline/serving/contract.py)")

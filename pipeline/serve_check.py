@@ -248,10 +248,6 @@ def run(cfg) -> dict:
                            ((k, s[k]) for k in s if k != "python")}
     atomic_write_json(rd.eval / "serve_check.json", summary)
     update_report(rd, verdict.render(summary))
-    from pipeline.evaluation import plots
-
-    if hasattr(plots, "serve_tau_bars"):
-        plots.serve_tau_bars(summary, rd.eval / "serve_check_tau.png")
     failed = summary["failures"]
     if failed:
         raise SpecquantError(f"serve-check failed for {len(failed)} of {len(summary['pairs'])} pairs: "

@@ -110,11 +110,13 @@ def serving_ignore(quantized_ignore: list[str], user_ignore: Iterable[str], num_
     return list(dict.fromkeys(out))
 
 
-def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num_target_layers: int) -> list[str]:
+def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num_target_layers: int,
+                        allow_quantized_qkv: bool = False) -> list[str]:
     """Everything vLLM 0.26.0 would read differently from what a speculators DFlash checkpoint holds.
 
     `tensor_names` are the keys of its safetensors: a quantized layer has `<name>.weight_packed`, a
     dense one `<name>.weight`. Empty list = vLLM builds every layer as the checkpoint stores it.
+    `allow_quantized_qkv` skips the q/k/v rules (a drafter written with quant.quantize_qkv=true).
     """
     problems: list[str] = []
     tlc = config.get("transformer_layer_config") or {}
@@ -156,6 +158,8 @@ def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num
                 problems.append(str(exc))
                 continue
         got = stored.pop()
+        if allow_quantized_qkv and layer.endswith("qkv_proj"):  # asked for: quant.quantize_qkv=true
+            continue
         if got != want:
             problems.append(f"{layer}: the checkpoint stores it {got} but vLLM builds it {want} "
                             f"(ignore = {ignore})")
