@@ -10,6 +10,10 @@ NPROC ?= 1
 SERVE_PYTHON ?=
 # the drafter variants `make all` produces on the embedded default
 DRAFTER_QUANTS ?= nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix
+# the served pair: the quantized target whose hidden states are cached too, and the drafter recipes
+# calibrated on them as well (variants <quant>-on-<target>); PAIR_TARGET= (empty) skips the pair
+PAIR_TARGET ?= w4a16
+PAIR_QUANTS ?= w4a16-gptq w4a16-imatrix
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
@@ -62,7 +66,7 @@ publish: setup
 
 # run the tiny pipeline twice from scratch and compare every output's sha256 (pipeline/repro.py)
 repro-check: setup
-	$(PYTHON) -m pipeline.repro --quants "$(DRAFTER_QUANTS)" $(ARGS)
+	$(PYTHON) -m pipeline.repro --quants "$(DRAFTER_QUANTS)" --pair-target "$(PAIR_TARGET)" --pair-quants "$(PAIR_QUANTS)" $(ARGS)
 
 verify: setup
 	$(PYTHON) -m pipeline verify $(if $(RUN),$(RUN),$$($(PYTHON) -m pipeline run-dir $(ARGS)))
@@ -70,8 +74,14 @@ verify: setup
 all: setup
 	$(MAKE) data ARGS="$(ARGS)"
 	$(MAKE) cache ARGS="$(ARGS)"
-	@for q in $(DRAFTER_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q $(ARGS)" || exit 1; done
 	$(MAKE) quantize-target ARGS="$(ARGS)"
+ifneq ($(PAIR_TARGET),)
+	$(MAKE) cache ARGS="cache.target=$(PAIR_TARGET) $(ARGS)"
+endif
+	@for q in $(DRAFTER_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q $(ARGS)" || exit 1; done
+ifneq ($(PAIR_TARGET),)
+	@for q in $(PAIR_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q quant.calibration_target=$(PAIR_TARGET) $(ARGS)" || exit 1; done
+endif
 	$(MAKE) evaluate ARGS="$(ARGS)"
 ifneq ($(SERVE_PYTHON),)
 	$(MAKE) serve-check ARGS="$(ARGS)" SERVE_PYTHON="$(SERVE_PYTHON)"

@@ -59,13 +59,14 @@ def _find(d: dict, keys: tuple[str, ...]):
     return None
 
 
-def cache_summary(run_dir: Path, bench_rec: dict | None = None) -> dict:
+def cache_summary(run_dir: Path, bench_rec: dict | None = None, target: str = "bf16") -> dict:
     """Bytes, tokens, bytes/token, content hash and tokens/s of a finished cache stage.
 
     tok_s is the stage's own figure (its clock includes loading the target); tok_s_steady takes the
     probe's timing of `load_target` out (the slowest rank's, under torchrun)."""
     out: dict = {}
-    cache, meta_p = run_dir / "cache", run_dir / "data" / "meta.json"
+    cache = run_dir / ("cache" if target == "bf16" else f"cache-{target}")
+    meta_p = run_dir / "data" / "meta.json"
     tokens = json.loads(meta_p.read_text())["num_tokens"] if meta_p.is_file() else None
     out["tokens"] = tokens
     if cache.is_dir():
@@ -78,7 +79,7 @@ def cache_summary(run_dir: Path, bench_rec: dict | None = None) -> dict:
     if index.is_file():
         idx = json.loads(index.read_text())
         out["content_sha256"] = _find(idx, CONTENT_KEYS)
-    stage = run_dir / "stages" / "cache.json"
+    stage = run_dir / "stages" / ("cache.json" if target == "bf16" else f"cache-{target}.json")
     if stage.is_file():
         rec = json.loads(stage.read_text())
         result = rec.get("result") or {}

@@ -236,6 +236,19 @@ class Bench:
             rec["versions"] = summary.get("versions")
         self.record("serve", rec)
 
+    def paircache(self) -> None:
+        """The cache stage on the quantized W4A16 target (loaded dequantized, cache.target=w4a16) next to
+        the bf16 target's: tokens/s and peak GPU / host memory of each, same blend."""
+        if not self._cache_done("bench"):
+            self.cache()
+        if not (self.runs / "bench" / "target" / "w4a16" / "config.json").is_file():
+            extra = ["target_quant=w4a16", f"target_quant.num_samples={self.args.target_samples}",
+                     f"target_quant.max_seq_len={self.args.seq_len}"]
+            self.record("quantize-target[w4a16]", self.stage("quantize-target-w4a16", "quantize-target", "bench", extra))
+        rec = self.stage("cache-bench-w4a16", "cache", "bench", ["cache.target=w4a16"])
+        rec.update(report.cache_summary(self.runs / "bench", rec, target="w4a16"))
+        self.record("cache[bench,target=w4a16]", rec)
+
     def stock(self) -> None:
         """Plain llm-compressor oneshot on the target, same scheme as quantize-target (the baseline)."""
         self.build()
@@ -347,6 +360,8 @@ def stage_file(stage: str, extra: list[str]) -> str:
             return f"{stage}-{e.split('=', 1)[1]}"
         if stage == "quantize-target" and e.startswith("target_quant="):
             return f"{stage}-{e.split('=', 1)[1]}"
+        if stage == "cache" and e.startswith("cache.target=") and e.split("=", 1)[1] != "bf16":
+            return f"{stage}-{e.split('=', 1)[1]}"
     return stage
 
 
@@ -394,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     print(f"[bench] work dir {bench.work} ({shutil.disk_usage(bench.work).free / 2**30:.0f} GiB free)", flush=True)
     for phase in [p.strip() for p in args.phases.split(",") if p.strip()]:
-        extra_phases = ["dist", "disttarget", "cachebench", "serve"]
+        extra_phases = ["dist", "disttarget", "cachebench", "serve", "paircache"]
         if phase not in {*ALL_PHASES, *extra_phases}:
             raise SystemExit(f"unknown phase {phase!r}; choose from {', '.join([*ALL_PHASES, *extra_phases])}")
         t0 = time.perf_counter()

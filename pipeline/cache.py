@@ -129,18 +129,19 @@ def _check_drafter(cfg, target_config) -> None:
     check_compatible(load_drafter_config(cfg.drafter.path, cfg.drafter.format), target_config)
 
 
-def target_files_sha256(cfg) -> str:
+def target_files_sha256(cfg, target_cfg=None) -> str:
     """One sha256 over the target's weight + config files (names and contents; `checkpoint_hashes`),
     from a local directory or the Hub cache's snapshot of target.revision. Download metadata such as
     `.cache/huggingface/` does not count, so a re-downloaded target reuses its cache."""
-    files = checkpoint_hashes(cfg.target.path, cfg.target.revision)
+    t = target_cfg if target_cfg is not None else cfg.target
+    files = checkpoint_hashes(t.path, t.revision)
     if not files:
         try:
-            local_snapshot(cfg.target.path, cfg.target.revision)
+            local_snapshot(t.path, t.revision)
             why = "it holds no weight or config files"
         except LookupError as exc:
             why = str(exc)
-        raise bad_value("target.path", cfg.target.path, why, "download it first or give a local directory")
+        raise bad_value("target.path", t.path, why, "download it first or give a local directory")
     return sha256_text(dumps_json({rel: e["sha256"] for rel, e in files.items()}))
 
 
@@ -172,7 +173,35 @@ def _device(cfg) -> torch.device:
     return dev
 
 
-def load_target(cfg, device: torch.device):
+def target_for_cache(cfg, rd: RunDir):
+    """(target config node, variant): `target.path` for bf16, else the run's quantized target/<variant>/
+    (same tokenizer, dtype and attention settings; loaded dequantized, as pipeline.evaluation loads it)."""
+    from omegaconf import OmegaConf
+
+    variant = str(cfg.cache.target)
+    if variant == "bf16":
+        return cfg.target, variant
+    have = rd.target_variants()
+    if variant not in have:
+        raise bad_value("cache.target", variant, f"no quantized target {rd.target(variant)} in this run "
+                        f"(have {have or 'none'})", f"run `make quantize-target ARGS=\"target_quant={variant}\"` "
+                        "first or use cache.target=bf16")
+    node = OmegaConf.create(OmegaConf.to_container(cfg.target, resolve=True))
+    node.path, node.revision = str(rd.target(variant)), None
+    node.tokenizer = cfg.target.tokenizer or cfg.target.path
+    return node, variant
+
+
+def load_target(cfg, device: torch.device, target_cfg=None):
+    target_cfg = target_cfg if target_cfg is not None else cfg.target
+    from pipeline.evaluation.fakequant import read_quantization_config
+
+    if Path(str(target_cfg.path)).is_dir() and read_quantization_config(target_cfg.path) is not None:
+        from pipeline.evaluation.fakequant import load_target as load_served
+
+        # a compressed-tensors target, dequantized (W4A4 inputs QDQ'd): the states its drafter reads
+        return load_served(str(target_cfg.path), _DTYPES[target_cfg.dtype], str(device), None,
+                           bool(target_cfg.trust_remote_code), target_cfg.attn_implementation)
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
@@ -183,7 +212,7 @@ def load_target(cfg, device: torch.device):
     hf_logging.set_verbosity_error()
     try:
         model = from_pretrained_safe(
-            AutoModel, cfg.target, dtype=_DTYPES[cfg.target.dtype], attn_implementation=cfg.target.attn_implementation,
+            AutoModel, target_cfg, dtype=_DTYPES[target_cfg.dtype], attn_implementation=target_cfg.attn_implementation,
             **({"device_map": str(device)} if device.type == "cuda" else {}))
     finally:
         hf_logging.set_verbosity(level)
@@ -253,10 +282,11 @@ def cache_shards(capture: LayerCapture, plans, samples, layout: Layout, out: Pat
     return sum(p.num_tokens for p in plans)
 
 
-def _cache_rank(cfg, plans, samples, layout, out: Path, resume_key: str, device, rank: int) -> tuple[int, int]:
+def _cache_rank(cfg, plans, samples, layout, out: Path, resume_key: str, device, rank: int,
+                target_cfg=None) -> tuple[int, int]:
     if not plans:
         return 0, 0
-    capture = LayerCapture(load_target(cfg, device), list(layout.aux_layer_ids))
+    capture = LayerCapture(load_target(cfg, device, target_cfg), list(layout.aux_layer_ids))
     if cfg.cache.get("compile_layers"):
         capture.compile_layers()
     try:
@@ -270,19 +300,21 @@ def _cache_rank(cfg, plans, samples, layout, out: Path, resume_key: str, device,
 def run(cfg) -> dict:
     _check_cfg(cfg)
     rd = RunDir.from_cfg(cfg)
-    out = confine(rd.cache, rd.root, "cache dir") if rd.root.exists() else rd.cache
+    tcfg, variant = target_for_cache(cfg, rd)
+    where = rd.cache_for(variant)
+    out = confine(where, rd.root, "cache dir") if rd.root.exists() else where
     samples = _load_samples(rd.data)
     if not samples:
         raise bad_value("data", str(rd.data), "it holds no samples", "re-run `make data` with a non-empty blend")
     data_meta = read_json(rd.data / "meta.json", "data/meta.json")
-    tconf = target_config(cfg.target).get_text_config()
+    tconf = target_config(tcfg).get_text_config()
     field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
     aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field)
     if not cfg.cache.get("aux_layer_ids"):
         _check_drafter(cfg, tconf)
-    check_safetensors_dir(cfg.target.path, "target.path")  # refuse pickles / truncated files before any work
+    check_safetensors_dir(tcfg.path, "target.path" if variant == "bf16" else "cache.target")  # refuse pickles / truncated files before any work
     layout = Layout(tuple(aux), int(tconf.hidden_size), cfg.cache.storage_dtype)
-    files_sha = target_files_sha256(cfg)
+    files_sha = target_files_sha256(cfg, tcfg)
     # what the cached values depend on (paths are not: a moved target or run dir reuses the cache)
     inputs = {"format_version": 1, "aux_layer_ids": aux, "storage_dtype": layout.storage_dtype,
               "target": {"files_sha256": files_sha, "dtype": cfg.target.dtype,
@@ -309,12 +341,14 @@ def run(cfg) -> dict:
         dist.barrier()
         mine = [p for p in plans if p.index % dist.world == dist.rank and read_sidecar(out, p.index, resume_key) is None]
         started = time.time()
-        written = _cache_rank(cfg, mine, samples, layout, out, resume_key, device, dist.rank)
+        written = _cache_rank(cfg, mine, samples, layout, out, resume_key, device, dist.rank, tcfg)
         per_rank = dist.gather([*written, time.time() - started])
         dist.barrier()
         index = None
         if dist.rank == 0:
-            extra = {"target_path": str(cfg.target.path), "target_revision": cfg.target.revision,
+            extra = {"target_variant": variant, "target_path": str(tcfg.path), "target_revision": tcfg.revision,
+                     "target_shape": {k: int(getattr(tconf, k)) for k in ("vocab_size", "hidden_size",
+                                                                           "num_hidden_layers")},
                      "device_type": device.type, "batch_tokens": int(cfg.cache.batch_tokens)}
             index = build_index(out, plans, layout, inputs, inputs_hash, resume_key, extra)
         dist.barrier()

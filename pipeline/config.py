@@ -73,6 +73,9 @@ class CacheConfig:
     aux_layer_ids: list[int] | None = None
     compile_layers: bool = False  # torch.compile each decoder layer's forward (GPU throughput; compile time)
     shards_in_flight: int = 1  # shards written at once (one sha256 stream each); a kill redoes up to this many
+    # whose hidden states: bf16 (target.path) or a quantized target variant of the run (target/<variant>/,
+    # loaded dequantized); each gets its own cache directory (RunDir.cache_for)
+    target: str = "bf16"
 
 
 @dataclass
@@ -109,6 +112,10 @@ class QuantConfig:
     # calibrated vs calibration-free difference is judged against ([] = skip)
     rounding_band_factors: list[float] = field(default_factory=lambda: [0.794, 0.891, 1.122, 1.26])
     device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N - where calibration runs
+    # the target whose cached hidden states calibrate the drafter: bf16 or a quantized target variant
+    # (its cache: `cache.target=<variant>`); a variant calibrated on another target is named
+    # `<name>-on-<target>` (pipeline.config.derive_names)
+    calibration_target: str = "bf16"
 
 
 @dataclass
@@ -128,7 +135,9 @@ class EvalConfig:
     max_new_tokens: int = 64
     limit: int | None = None  # prompts per subset, for quick runs
     variants: list[str] = field(default_factory=list)  # drafter variants; empty = every one in the run
-    target_variant: str = "bf16"
+    target_variant: str = "bf16"  # the target of the main table (and of the calibration comparison)
+    # the pair matrix: every listed target x every drafter variant; empty = bf16 + every target variant of the run
+    targets: list[str] = field(default_factory=list)
     include_source: bool = False  # also evaluate drafter.path as variant "source" (e.g. fp32, before bf16 rounding)
 
 
@@ -202,10 +211,27 @@ def compose(overrides: list[str] | None = None, config_dir: str | Path | None = 
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(Path(config_dir or CONF_DIR).resolve()), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides or []))
+        cfg = hydra_compose(config_name="config", overrides=list(overrides or []))
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        derive_names(cfg)
+    except MissingMandatoryValue:  # quant.name unset: reported by the caller's checks
+        pass
+    return cfg
 
 
-NAME_FIELDS = ("run_name", "quant.name", "target_quant.name")
+NAME_FIELDS = ("run_name", "quant.name", "target_quant.name", "quant.calibration_target", "cache.target")
+PAIR_SUFFIX = "-on-"
+
+
+def derive_names(cfg) -> None:
+    """A drafter calibrated on a quantized target's states gets its own variant directory,
+    `<quant.name>-on-<target>`, so it never takes the place of the one calibrated on bf16."""
+    target = str(cfg.quant.get("calibration_target") or "bf16")
+    name = str(cfg.quant.name)
+    if target != "bf16" and not name.endswith(f"{PAIR_SUFFIX}{target}"):
+        cfg.quant.name = f"{name}{PAIR_SUFFIX}{target}"
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 

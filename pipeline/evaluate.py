@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline import pairing
 from pipeline.errors import bad_value
 from pipeline.io import atomic_write_json, atomic_write_text, dumps_json, hash_tree, sha256_text
 from pipeline.rundir import RunDir
@@ -197,6 +198,55 @@ def verdict(top1: dict | None, band: dict | None, alpha: float = 0.05) -> str:
     return "within noise"
 
 
+def _matrix_targets(cfg, rd: RunDir, primary: str) -> dict[str, str]:
+    """{target variant: path} of the pair matrix (the main table's target first)."""
+    have = [REFERENCE, *rd.target_variants()]
+    wanted = [str(t) for t in cfg.eval.targets] or have
+    unknown = [t for t in wanted if t not in have]
+    if unknown:
+        raise bad_value("eval.targets", wanted, f"{unknown} is not a target of this run (have {have})",
+                        "run quantize-target for it first or drop it from the list")
+    order = [primary, *[t for t in wanted if t != primary]]
+    return {t: str(cfg.target.path) if t == REFERENCE else str(rd.target(t)) for t in order}
+
+
+def _matrix_drafters(drafters: dict) -> list[str]:
+    """Every drafter variant of the run (the drafter as given, `source`, only in the main table)."""
+    return [v for v in drafters if v != SOURCE]
+
+
+def _pair_entry(d: dict, rd: RunDir, variant: str) -> dict:
+    from pipeline import pairing
+
+    brief = ("tau", "steps", "acceptance_rate", "position_acceptance")
+    return {"calibration_target": (pairing.drafter_record(rd, variant) or {}).get("variant"),
+            "subsets": {s: {k: st[k] for k in brief} for s, st in d["subsets"].items()},
+            "overall": {k: d["overall"][k] for k in brief}, "lossless_mismatches": dict(d["lossless_mismatches"])}
+
+
+def pair_comparison(rd: RunDir, matrix: dict, per_prompt: dict, seed: int) -> list[dict]:
+    """A drafter calibrated on a quantized target's states vs the same recipe calibrated on the bf16
+    target's, paired over the same prompts with each target (95% paired-bootstrap interval of Δτ)."""
+    from pipeline import pairing
+    from pipeline.quant import paired
+
+    out = []
+    drafters = next(iter(matrix.values()), {})
+    for v in drafters:
+        rec = pairing.drafter_record(rd, v)
+        base = pairing.base_variant(v, rec)
+        if base is None or base not in drafters:
+            continue
+        for t in matrix:
+            b = paired.bootstrap_ratio_difference(per_prompt[t][v], per_prompt[t][base], seed)
+            lo, hi = b["ci95"]
+            out.append({"variant": v, "calibrated_on": rec["variant"], "base": base, "served_with": t,
+                        "tau": matrix[t][v]["overall"]["tau"], "tau_base": matrix[t][base]["overall"]["tau"],
+                        "paired_bootstrap": b,
+                        "verdict": "better" if lo > 0 else "worse" if hi < 0 else "within noise"})
+    return out
+
+
 def _merge(per_subset: dict[str, list], block_size: int) -> dict:
     return subset_stats([r for rs in per_subset.values() for r in rs], block_size)
 
@@ -277,6 +327,7 @@ def _write_outputs(out: Path, results: dict, timings: dict, subsets) -> list[str
     plots.tau_bars(results, out / "tau_per_subset.png")
     plots.acceptance_curves(results, out / "acceptance_per_position.png")
     plots.calibration_pairs(results, out / "calibration_vs_datafree.png")
+    plots.pair_matrix(results, out / "pair_matrix.png")
     return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
 
 
@@ -311,6 +362,17 @@ def run(cfg) -> dict:
                                                trust_remote_code=bool(cfg.target.trust_remote_code))
     for p in drafters.values():  # before any weights are loaded
         check_compatible(load_drafter_config(p), target_config, tokenizer, cfg.drafter.mask_token)
+    primary = str(cfg.eval.target_variant)
+    pair_targets = _matrix_targets(cfg, rd, primary)
+    served = {t: pairing.target_identity(path, t, cfg.target.revision if t == REFERENCE else None,
+                                         bool(cfg.target.trust_remote_code)) for t, path in pair_targets.items()}
+    for t, path in pair_targets.items():  # every pair is checked before any weight is loaded
+        if t != primary:
+            tc = AutoConfig.from_pretrained(path, revision=cfg.target.revision if t == REFERENCE else None,
+                                            trust_remote_code=bool(cfg.target.trust_remote_code))
+            for v in _matrix_drafters(drafters):
+                check_compatible(load_drafter_config(drafters[v]), tc, tokenizer, cfg.drafter.mask_token)
+    warnings = {t: pairing.check_pairs(rd, _matrix_drafters(drafters), served[t], "evaluate") for t in pair_targets}
 
     seed_everything(int(cfg.seed))
     dtype, device = getattr(torch, cfg.target.dtype), str(cfg.target.device)
@@ -335,6 +397,27 @@ def run(cfg) -> dict:
         timings["speculative_s"][v] = {k: round(x, 4) for k, x in spec_s.items()}
         timings["speedup"][v] = {k: round(target_s[k] / x, 4) if x else None for k, x in spec_s.items()}
 
+    matrix = {primary: {v: _pair_entry(variants[v], rd, v) for v in _matrix_drafters(drafters)}}
+    pair_prompts = {primary: per_prompt}
+    for t, path in pair_targets.items():
+        if t == primary:
+            continue
+        del target
+        target = load_target(path, dtype, device, cfg.target.revision if t == REFERENCE else None,
+                             bool(cfg.target.trust_remote_code), cfg.target.attn_implementation)
+        greedy_t, _ = _greedy_reference(target, subsets, max_new, stop, device)
+        matrix[t], pair_prompts[t] = {}, {}
+        for v in _matrix_drafters(drafters):
+            drafter, summary = load_drafter_variant(drafters[v], target, dtype, device)
+            runs, _, mismatches = _evaluate_variant(target, drafter, subsets, max_new, stop, device, greedy_t,
+                                                    f"evaluate {v} with target {t}")
+            del drafter
+            pair_prompts[t][v] = [(float(sum(r.acceptance_lengths)), len(r.acceptance_lengths))
+                                  for rs in runs.values() for r in rs]
+            matrix[t][v] = _pair_entry({"subsets": {s: subset_stats(rs, block_size) for s, rs in runs.items()},
+                                        "overall": _merge(runs, block_size), "lossless_mismatches": mismatches},
+                                       rd, v)
+
     results = {
         "stage": "evaluate", "config": _config_record(cfg), "block_size": block_size, "max_new_tokens": max_new,
         "stop_token_ids": stop, "reference_variant": REFERENCE if REFERENCE in variants else None,
@@ -347,8 +430,11 @@ def run(cfg) -> dict:
     }
     results["table"] = tau_table(results)
     results["calibration_comparison"] = calibration_comparison(rd, results, per_prompt, int(cfg.seed))
+    results["pairs"] = {"targets": list(matrix), "served": served, "matrix": matrix,
+                        "warnings": {t: w for t, w in warnings.items() if w},
+                        "comparison": pair_comparison(rd, matrix, pair_prompts, int(cfg.seed))}
     written = _write_outputs(rd.eval, results, timings, subsets)
-    lossless = all(n == 0 for d in variants.values() for n in d["lossless_mismatches"].values())
+    lossless = all(n == 0 for row in matrix.values() for d in row.values() for n in d["lossless_mismatches"].values())
     return {"output": str(rd.eval), "files": written, "lossless": lossless,
             "tau": {v: {s: d["subsets"][s]["tau"] for s in d["subsets"]} | {"all": d["overall"]["tau"]}
                     for v, d in variants.items()},

@@ -194,8 +194,12 @@ def calibration_manifest(rd: RunDir, records: dict, tree: dict, run_name: str) -
                 "samples_sha256": meta.get("samples_sha256"), "tokenizer": _tokenizer(meta, cfg),
                 "files": {r: e for r, e in tree.items() if r.startswith("data/")}, "meta": meta}
     cache = _cache_section(rd, index, tree, cache_rec) if index is not None else None
+    # caches of the quantized targets' hidden states (cache cache.target=<variant>), by target variant
+    pair_caches = {t: _cache_section(rd, _read(p / "index.json"), tree, records.get(f"cache-{t}"), p.name)
+                   for t, p in rd.caches().items() if t != "bf16"}
     stages = {n: _stage_summary(n, r) for n, r in records.items() if r.get("stage") in ("data", "cache")}
     return {"schema": "specquant.calibration_manifest/v1", "run_name": run_name, "data": data, "cache": cache,
+            "target_caches": pair_caches,
             "stages": stages, "timing": _timing({n: records[n] for n in stages}),
             "not_run": [s for s, sec in (("data", data), ("cache", cache)) if sec is None]}
 
@@ -214,12 +218,12 @@ def _shard_claims(index: dict) -> dict[str, str | None]:
     return claims
 
 
-def _cache_section(rd: RunDir, index: dict, tree: dict, rec: dict | None) -> dict:
+def _cache_section(rd: RunDir, index: dict, tree: dict, rec: dict | None, folder: str = "cache") -> dict:
     claims = _shard_claims(index)
-    on_disk = {Path(r).name for r in tree if r.startswith("cache/") and r.endswith(".safetensors")}
+    on_disk = {Path(r).name for r in tree if r.startswith(f"{folder}/") and r.endswith(".safetensors")}
     shards = []
     for name in sorted(set(claims) | on_disk):
-        rel = f"cache/{name}"
+        rel = f"{folder}/{name}"
         if rel not in tree:
             raise bad_value("cache", rel, "cache/index.json lists this shard but the file is missing",
                             "re-run `make cache` to rebuild the cache")
@@ -230,7 +234,8 @@ def _cache_section(rd: RunDir, index: dict, tree: dict, rec: dict | None) -> dic
         shards.append({"file": rel, **tree[rel], "in_index": name in claims})
     cfg = (rec or {}).get("resolved_config") or {}
     content = index.get("content_sha256") or index.get("content_hash")
-    return {"index_sha256": tree["cache/index.json"]["sha256"],
+    return {"folder": folder, "target_variant": index.get("target_variant", "bf16"),
+            "index_sha256": tree[f"{folder}/index.json"]["sha256"],
             "content_sha256": content or sha256_bytes(dumps_json([s["sha256"] for s in shards]).encode()),
             "content_sha256_from": "cache/index.json" if content else "shard sha256 list (index has none)",
             "aux_layer_ids": index.get("aux_layer_ids", index.get("aux_hidden_state_layer_ids")),
@@ -267,7 +272,9 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
     seeds = {"seed": (rec or {}).get("seed"), **{k: v for k, v in res.items() if "seed" in k and isinstance(v, int)},
              **(res.get("seeds") if isinstance(res.get("seeds"), dict) else {})}
     check_rel = f"checks/{kind}-{variant}.json"
-    cache = calib.get("cache") or {}
+    cal_target = res.get("calibration_target") if kind == "drafter" else None
+    cal_variant = (cal_target or {}).get("variant") or "bf16"
+    cache = (calib.get("cache") if cal_variant == "bf16" else (calib.get("target_caches") or {}).get(cal_variant)) or {}
     return {
         "kind": kind, "variant": variant, "path": rel, "scheme": scheme, "quant_config": qcfg,
         "observer": res.get("observer", q.get("observer")),
@@ -280,6 +287,8 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
                                           "index_sha256": cache.get("index_sha256")}
                                          if kind == "drafter" and cache and qcfg and qcfg.get("calibration") != "none"
                                          else None)},
+        # the target whose cached hidden states calibrated this drafter (pipeline.pairing)
+        "calibration_target": cal_target,
         "files": {r[len(rel) + 1:]: e for r, e in tree.items() if r.startswith(rel + "/")},
         "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"], "report": _read(rd.root / check_rel)}
                    if check_rel in tree else None),

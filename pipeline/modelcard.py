@@ -126,6 +126,27 @@ def _calibration_lines(c: dict[str, Any]) -> list[str]:
             f"- not quantized (ignore list): {show(c.get('ignore'))}"]
 
 
+def pairing_lines(p: dict[str, Any]) -> list[str]:
+    """Which target precision the drafter was calibrated with, and which it was measured with."""
+    cal, measured = p.get("calibrated_on"), p.get("measured_with") or {}
+    if not cal and not measured:
+        return []
+    out = ["## Target precision: calibrated and measured with"]
+    if cal:
+        what = "the unquantized target" if cal.get("variant") == "bf16" else f"the quantized target `{cal.get('variant')}`"
+        used = "calibrated on the cached hidden states of" if cal.get("used") else \
+            "data-free (no hidden states calibrate it); its checks read the cached hidden states of"
+        out.append(f"- {used[0].upper() + used[1:]} {what} (checkpoint files sha256 "
+                   f"`{(cal.get('files_sha256') or 'not recorded')[:16]}`"
+                   + (f", `{cal['hub_id']}`" if cal.get("hub_id") else "") + ").")
+    if measured:
+        out.append("- Measured with: " + "; ".join(f"target `{t}`: tau {tau:.3f}" for t, tau in measured.items())
+                   + " (reference loop, all prompts; `eval/report.md` has the pair matrix).")
+    if p.get("warning"):
+        out.append(f"- **Note:** {p['warning']}")
+    return out + [""]
+
+
 def render(info: dict[str, Any]) -> str:
     """The whole README.md. `info` keys: see pipeline.publish.card_info."""
     meta = yaml.safe_dump(front_matter(info), sort_keys=False, allow_unicode=True)
@@ -165,6 +186,7 @@ def render(info: dict[str, Any]) -> str:
     if info.get("calibration_comparison"):
         out += ["## Calibrated vs data-free", "Paired on the same prompts and held-apart rows (details and the "
                 "verdict rule in `eval/report.md`):", "", *info["calibration_comparison"], ""]
+    out += pairing_lines(info.get("pairing") or {})
     out += ["## Serving with vLLM", "```bash", vllm_command(target, repo, info.get("block_size")), "```",
             "Needs an attention backend that supports non-causal attention (e.g. `flash_attn`). "
             "vLLM copies the target's quantization to the draft unless the draft's own is used; this "

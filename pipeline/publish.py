@@ -205,7 +205,28 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path) -> dict
         "calibration_comparison": modelcard.calibration_lines(_read_json(folder / "eval" / "results.json"), variant),
         "plots": sorted(p.relative_to(folder).as_posix() for p in (folder / "eval").glob("*.png")),
         "serving": serve_check.status_for(rd, variant),
+        "pairing": pairing_info(rd, variant, target, _read_json(folder / "eval" / "results.json")),
     }
+
+
+def pairing_info(rd: RunDir, variant: str, target: str, results: Any) -> dict[str, Any]:
+    """The target the drafter was calibrated on, the targets it was measured with, and the one-sentence
+    warning when the card's target is not the one it was calibrated on."""
+    from pipeline import pairing
+
+    cal = pairing.drafter_record(rd, variant)
+    matrix = ((results or {}).get("pairs") or {}).get("matrix") or {}
+    measured = {t: row[variant]["overall"]["tau"] for t, row in matrix.items() if variant in row}
+    if not measured and isinstance(results, dict) and variant in (results.get("variants") or {}):
+        measured = {(results.get("target") or {}).get("variant") or "bf16":
+                    results["variants"][variant]["overall"]["tau"]}
+    warning = None
+    if cal and cal.get("used") and cal.get("variant") != "bf16" and target != cal.get("hub_id"):
+        warning = (f"drafter `{variant}` was calibrated on the hidden states of target `{cal['variant']}`, but its "
+                   f"card and config name `{target}` as its target; serve it with the `{cal['variant']}` target "
+                   "(publish.target_model=<that checkpoint's Hub id> names it)")
+        pairing.warn(warning, "publish")
+    return {"calibrated_on": cal, "measured_with": measured, "warning": warning}
 
 
 def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Path]) -> Path:

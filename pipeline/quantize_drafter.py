@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import pairing
 from pipeline.errors import bad_value
 from pipeline.io import atomic_write_json, read_json
 from pipeline.loading import checkpoint_sha256
@@ -62,10 +63,25 @@ def drafter_linears(dconf, ignore: list[str]) -> list[tuple[str, int]]:
     return recipes.quantized_linears(model, ignore)
 
 
-def check_cache(rd: RunDir, dconf) -> dict:
-    index = read_json(rd.cache / "index.json", "cache/index.json")
+def calibration_cache(cfg, rd: RunDir) -> Path:
+    """The cache the drafter calibrates on: the bf16 target's, or `quant.calibration_target`'s."""
+    target = str(cfg[FIELD].calibration_target)
+    if target != "bf16" and target not in rd.target_variants():
+        raise bad_value(f"{FIELD}.calibration_target", target, f"this run has no quantized target "
+                        f"{rd.target(target)} (have {rd.target_variants() or 'none'})",
+                        "run quantize-target for it first, or use bf16")
+    where = rd.cache_for(target)
+    if target != "bf16" and not (where / "index.json").is_file():
+        raise bad_value(f"{FIELD}.calibration_target", target, f"no cache of that target's hidden states in {where}",
+                        f"run `make cache ARGS=\"cache.target={target}\"` first")
+    return where
+
+
+def check_cache(rd: RunDir, dconf, cache_dir: Path | None = None) -> dict:
+    cache_dir = cache_dir or rd.cache
+    index = read_json(cache_dir / "index.json", f"{cache_dir.name}/index.json")
     if list(index.get("aux_layer_ids") or []) != list(dconf.aux_layer_ids or []):
-        raise bad_value("cache/index.json", str(rd.cache), f"it holds aux layers {index.get('aux_layer_ids')} but "
+        raise bad_value("cache/index.json", str(cache_dir), f"it holds aux layers {index.get('aux_layer_ids')} but "
                         f"the drafter reads {dconf.aux_layer_ids}", "re-run the cache stage for this drafter")
     return index
 
@@ -74,6 +90,10 @@ def validate(cfg):
     """Everything that can fail before weights are read: settings, shapes, cache layout."""
     q = cfg[FIELD]
     recipes.validate_settings(q, FIELD)
+    if str(q.calibration_target) != "bf16" and not recipes.needs_data(q):
+        raise bad_value(f"{FIELD}.calibration_target", q.calibration_target, f"quant `{str(q.name).rsplit('-on-', 1)[0]}` is data-free (it reads no "
+                        "cached hidden states), so no target's states can calibrate it",
+                        "leave calibration_target=bf16, or pick a calibrated preset (e.g. quant=w4a16-gptq)")
     ignore = recipes.resolve_ignore(q)
     dconf = drafter_config(cfg)
     recipes.validate_group_size(q, FIELD, drafter_linears(dconf, ignore))
@@ -179,7 +199,8 @@ def run(cfg) -> dict:
     from pipeline.quant import variants
 
     variants.refuse_overwrite(rd.stages / f"quantize-drafter-{q.name}.json", rd.drafter(q.name), FIELD, q, cfg.seed)
-    index = check_cache(rd, dconf)
+    cache_dir = calibration_cache(cfg, rd)
+    index = check_cache(rd, dconf, cache_dir)
     export.remove_partials(rd.root / ".work")  # scratch left by a killed run
     need_data = recipes.needs_data(q)
     seed = int(cfg.seed)
@@ -187,7 +208,7 @@ def run(cfg) -> dict:
                                                       int(q.heldout_samples), seed, need_data, FIELD)
     from pipeline.cache import CacheReader
 
-    reader = CacheReader(rd.cache)
+    reader = CacheReader(cache_dir)
     clock = _Clock()
     seed_everything(seed)
     model = load_working_drafter(cfg, dconf)
@@ -230,6 +251,7 @@ def run(cfg) -> dict:
         "calibration_free": baseline, "input_global_scales": scales,
         "activation_scale": q.activation_scale if minmax_scales else None, "minmax_input_global_scales": minmax_scales,
         "activation_scale_search": search,
+        "calibration_target": pairing.calibration_record(cfg, index, need_data),
         "inputs": {"drafter": checkpoint_sha256(cfg.drafter.path, cfg.drafter.revision),
                    "cache_content_hash": index.get("content_hash"),
                    "target_head": checkpoint_sha256(cfg.target.path, cfg.target.revision, weights_only=True)},

@@ -46,8 +46,9 @@ TIMING_FIELDS = {"calibration_manifest.json": [("timing",)], "quant_run_manifest
                                                         ("predicate", "runDetails", "metadata", "finishedOn")]}
 # fields that name the machine or the commit rather than the computation: dropped only against the reference
 MACHINE_FIELDS = [("environment",), ("stages",), ("checkpoints", "*", "stage"), ("source",)]
-REFERENCE_PARTS = ("data/", "cache/", "drafter/", "target/", "checks/", "eval/")
-STAGES = ("data", "cache", "quantize-drafter", "quantize-target", "evaluate", "manifest", "publish")
+REFERENCE_PARTS = ("data/", "cache/", "cache-", "drafter/", "target/", "checks/", "eval/")
+# `make all`'s order; cache-pair = the cache on the quantized target (cache.target=<pair target>)
+STAGES = ("data", "cache", "quantize-target", "cache-pair", "quantize-drafter", "evaluate", "manifest", "publish")
 
 
 # ---------------------------------------------------------------- normalization
@@ -125,16 +126,31 @@ def compare(a: dict[str, str], b: dict[str, str]) -> list[str]:
 
 
 # ---------------------------------------------------------------- running the pipeline
-def run_pipeline(runs_root: Path, overrides: list[str], quants: list[str], stages: list[str]) -> float:
+def steps(stages: list[str], quants: list[str], pair_target: str, pair_quants: list[str]) -> list[tuple[str, list]]:
+    """(stage, its extra overrides) in order, as `make all` runs them."""
+    out = []
+    for stage in stages:
+        if stage == "quantize-drafter":
+            out += [(stage, [f"quant={q}"]) for q in quants]
+            out += [(stage, [f"quant={q}", f"quant.calibration_target={pair_target}"]) for q in pair_quants
+                    if pair_target]
+        elif stage == "cache-pair":
+            out += [("cache", [f"cache.target={pair_target}"])] if pair_target else []
+        else:
+            out.append((stage, []))
+    return out
+
+
+def run_pipeline(runs_root: Path, overrides: list[str], quants: list[str], stages: list[str],
+                 pair_target: str = "", pair_quants: list[str] | None = None) -> float:
     env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.time()
-    for stage in stages:
-        for extra in ([[f"quant={q}"] for q in quants] if stage == "quantize-drafter" else [[]]):
-            argv = [sys.executable, "-m", "pipeline", stage, f"runs_root={runs_root}", *extra, *overrides]
-            print(f"[repro] {' '.join(argv[2:])}", flush=True)
-            if subprocess.run(argv, cwd=prov.REPO_ROOT, env=env).returncode != 0:
-                raise SystemExit(f"repro-check: stage {stage} {' '.join(extra)} failed in {runs_root}")
+    for stage, extra in steps(stages, quants, pair_target, list(pair_quants or [])):
+        argv = [sys.executable, "-m", "pipeline", stage, f"runs_root={runs_root}", *extra, *overrides]
+        print(f"[repro] {' '.join(argv[2:])}", flush=True)
+        if subprocess.run(argv, cwd=prov.REPO_ROOT, env=env).returncode != 0:
+            raise SystemExit(f"repro-check: stage {stage} {' '.join(extra)} failed in {runs_root}")
     return time.time() - started
 
 
@@ -183,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="where the two runs go (default: a new temporary directory)")
     ap.add_argument("--quants", default="nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix",
                     help="drafter variants to quantize")
+    ap.add_argument("--pair-target", default="w4a16", help="quantized target whose states are cached too ('' = none)")
+    ap.add_argument("--pair-quants", default="w4a16-gptq w4a16-imatrix",
+                    help="drafter variants also calibrated on the pair target's states")
     ap.add_argument("--stages", default=" ".join(STAGES), help="stages to run, in order")
     ap.add_argument("--reference", default=str(prov.REPO_ROOT / "manifests" / "tiny"))
     ap.add_argument("--update-reference", action="store_true", help="write the reference from the first run")
@@ -196,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for side in ("a", "b"):
         root = work / side
-        secs = run_pipeline(root, args.overrides, args.quants.split(), args.stages.split())
+        secs = run_pipeline(root, args.overrides, args.quants.split(), args.stages.split(), args.pair_target,
+                            args.pair_quants.split())
         print(f"[repro] run {side}: {secs:.0f}s -> {root / run_name}", flush=True)
         runs[side] = (root / run_name, root)
     (da, skipped), (db, _) = digests(*runs["a"]), digests(*runs["b"])

@@ -2,7 +2,8 @@
 
     runs/<run_name>/
       data/            samples.jsonl, counts.json, meta.json            (data)
-      cache/           index.json, shard-*.safetensors                  (cache)
+      cache/           index.json, shard-*.safetensors                  (cache, bf16 target)
+      cache-<variant>/ the same, on the quantized target target/<variant>/ (cache cache.target=<variant>)
       drafter/<variant>/   checkpoints: bf16 reference + each quantized one (quantize-drafter)
       target/<variant>/    quantized targets                             (quantize-target)
       checks/<kind>-<variant>.json  reload / dequantize / error reports
@@ -33,6 +34,18 @@ class RunDir:
     @property
     def cache(self) -> Path:
         return self.root / "cache"
+
+    def cache_for(self, target: str = "bf16") -> Path:
+        """The hidden states of the bf16 target (`cache/`) or of a quantized target variant (`cache-<variant>/`)."""
+        return self.cache if target == "bf16" else self.root / f"cache-{target}"
+
+    def caches(self) -> dict[str, Path]:
+        """{target variant: cache dir} of every finished cache in the run."""
+        found = {"bf16": self.cache} if (self.cache / "index.json").is_file() else {}
+        for p in sorted(self.root.glob("cache-*")):
+            if (p / "index.json").is_file():
+                found[p.name[len("cache-"):]] = p
+        return found
 
     def drafter(self, variant: str) -> Path:
         return self.root / "drafter" / variant

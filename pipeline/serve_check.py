@@ -204,15 +204,39 @@ def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int) -> list
 
 
 # ---------------------------------------------------------------- the stage
-def _reference_tau(rd: RunDir) -> tuple[str | None, dict]:
-    """{variant: {subset|all: tau}} of the reference loop (evaluate), and which target it ran with."""
+def _reference_tau(rd: RunDir) -> tuple[str | None, dict, dict]:
+    """{variant: {subset|all: tau}} of the reference loop (evaluate), which target it ran with, and the
+    same for every target of its pair matrix ({target: {variant: ...}})."""
     p = rd.eval / "results.json"
     if not p.is_file():
-        return None, {}
+        return None, {}, {}
     res = json.loads(p.read_text(encoding="utf-8"))
-    out = {v: {**{s: d["subsets"][s]["tau"] for s in d["subsets"]}, "all": d["overall"]["tau"]}
-           for v, d in res.get("variants", {}).items()}
-    return (res.get("target") or {}).get("variant"), out
+
+    def taus(d):
+        return {**{s: d["subsets"][s]["tau"] for s in d["subsets"]}, "all": d["overall"]["tau"]}
+
+    out = {v: taus(d) for v, d in res.get("variants", {}).items()}
+    matrix = {t: {v: taus(d) for v, d in row.items()} for t, row in ((res.get("pairs") or {}).get("matrix") or {}).items()}
+    return (res.get("target") or {}).get("variant"), out, matrix
+
+
+def check_pairing(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str, Path]) -> tuple[list[str], dict]:
+    """Every drafter against every target it will be served with (a refusal or a warning sentence each),
+    and {variant: (calibration target, base variant)} for the drafters calibrated on a quantized target."""
+    from pipeline import pairing
+
+    warnings = []
+    for t, path in targets.items():
+        served = pairing.target_identity(path, t, cfg.target.revision if t == REFERENCE else None,
+                                         bool(cfg.target.trust_remote_code))
+        warnings += list(pairing.check_pairs(rd, list(drafters), served, "serve-check").values())
+    calibrated_on = {}
+    for v in drafters:
+        rec = pairing.drafter_record(rd, v)
+        base = pairing.base_variant(v, rec)
+        if base in drafters:
+            calibrated_on[v] = (rec["variant"], base)
+    return warnings, calibrated_on
 
 
 def update_report(rd: RunDir, section: str) -> None:
@@ -234,15 +258,18 @@ def run(cfg) -> dict:
     if not rd.root.is_dir():
         raise bad_value("run_dir", str(rd.root), "the run directory does not exist", "run the earlier stages first")
     targets, drafters = _targets(cfg, rd), _drafters(cfg, rd)  # bad names fail before the probe
+    pairing_warnings, calibrated_on = check_pairing(cfg, rd, targets, drafters)
     info = probe(s.python)  # no GPU / no vLLM: one sentence, nothing written
     prompts, stop = _prompts(cfg)
     jobs = build_jobs(cfg, rd, info, prompts, stop)
     print(f"[specquant] serve-check: {len(jobs)} vLLM engines ({len(targets)} targets x {len(drafters)} drafters, "
           f"+ target alone), {int(s.parallel)} at a time, on {info.get('gpu')}", file=sys.stderr)
     results = run_jobs(str(s.python), jobs, rd.eval / "serve_check", int(s.parallel))
-    ref_target, ref_tau = _reference_tau(rd)
+    ref_target, ref_tau, ref_matrix = _reference_tau(rd)
     summary = verdict.summarize(results, prompts, float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau,
-                                require_lossless=bool(s.require_lossless))
+                                require_lossless=bool(s.require_lossless), ref_matrix=ref_matrix)
+    summary["pairing_warnings"] = pairing_warnings
+    summary["pair_comparison"] = verdict.pair_comparison(summary, calibrated_on)
     summary["probe"] = info
     summary["settings"] = {k: (list(v) if k in ("targets", "variants") else v) for k, v in
                            ((k, s[k]) for k in s if k != "python")}

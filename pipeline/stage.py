@@ -64,6 +64,8 @@ def stage_record_name(stage: str, cfg) -> str:
         return f"{stage}-{cfg.quant.name}"
     if stage == "quantize-target":
         return f"{stage}-{cfg.target_quant.name}"
+    if stage == "cache" and str(cfg.cache.get("target") or "bf16") != "bf16":
+        return f"{stage}-{cfg.cache.target}"
     return stage
 
 

@@ -379,3 +379,18 @@ def test_quantized_target_is_dequantized_and_still_lossless(world):
     assert res["variant_order"] == ["source", "bf16", "nvfp4"] and res["variants"]["source"]["path"] == str(source)
     assert out["tau"]["source"] == out["tau"]["bf16"]  # identical weights, identical acceptance
     assert res["target"]["path"].endswith("target/w4a16") and "model.safetensors" in res["target"]["files"]
+    # the pair matrix: the main table's target first, then every other target of the run, each with every
+    # drafter variant of the run (the drafter as given only in the main table)
+    pairs = res["pairs"]
+    assert pairs["targets"] == ["w4a16", "bf16"]
+    assert list(pairs["matrix"]["bf16"]) == list(pairs["matrix"]["w4a16"]) == ["bf16", "nvfp4"]
+    for v in ("bf16", "nvfp4"):
+        assert pairs["matrix"]["w4a16"][v]["overall"]["tau"] == res["variants"][v]["overall"]["tau"]
+        assert all(n == 0 for t in pairs["targets"] for n in pairs["matrix"][t][v]["lossless_mismatches"].values())
+        assert set(pairs["matrix"]["bf16"][v]["subsets"]) == set(PROMPTS)
+    assert pairs["served"]["w4a16"]["files_sha256"] != pairs["served"]["bf16"]["files_sha256"]
+    ev = world["root"] / "runs-qt" / "tiny-eval" / "eval"
+    assert (ev / "pair_matrix.png").stat().st_size > 1000
+    report = (ev / "report.md").read_text()
+    assert "## The served pair: every target x every drafter" in report
+    assert "| drafter | calibrated on | w4a16: chat |" in report

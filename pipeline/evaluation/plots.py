@@ -104,3 +104,29 @@ def calibration_pairs(results: dict, path: Path) -> Path | None:
                  f"(verdicts in report.md)", fontsize=10)
     fig.tight_layout()
     return save_png(fig, path, dpi=120, tight=True)
+
+
+def pair_matrix(results: dict, path: Path) -> Path | None:
+    """Heatmap: τ (all prompts) of every drafter variant (rows) with every target variant (columns)."""
+    matrix = (results.get("pairs") or {}).get("matrix") or {}
+    if len(matrix) < 2:
+        if path.exists():
+            path.unlink()
+        return None
+    plt = pyplot()
+    targets = list(matrix)
+    drafters = list(matrix[targets[0]])
+    values = [[matrix[t][v]["overall"]["tau"] if v in matrix[t] else float("nan") for t in targets] for v in drafters]
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(targets), 1.2 + 0.45 * len(drafters)))
+    im = ax.imshow(values, cmap="viridis", aspect="auto")
+    for i, row in enumerate(values):
+        for j, x in enumerate(row):
+            ax.text(j, i, f"{x:.3f}", ha="center", va="center", fontsize=8,
+                    color="white" if x < (min(min(r) for r in values) + max(max(r) for r in values)) / 2 else "black")
+    ax.set_xticks(range(len(targets)), [f"target {t}" for t in targets])
+    ax.set_yticks(range(len(drafters)), [f"{v} (cal. {matrix[targets[0]][v].get('calibration_target') or '-'})"
+                                         for v in drafters], fontsize=8)
+    fig.colorbar(im, ax=ax, label="acceptance length τ")
+    ax.set_title(f"τ of every drafter x target pair\n{results['drafter']['name']} drafter, greedy, "
+                 f"block size {results['block_size']}", fontsize=9)
+    return save_png(fig, path, dpi=120, tight=True)

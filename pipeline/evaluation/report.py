@@ -106,6 +106,51 @@ def _paired_section(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def pair_matrix_section(results: dict) -> list[str]:
+    """Every target x every drafter (τ per subset, lossless), the pairing warnings, and the paired result of
+    calibrating on a quantized target's states vs the bf16 target's."""
+    pairs = results.get("pairs") or {}
+    matrix = pairs.get("matrix") or {}
+    if len(matrix) < 2:
+        return []
+    targets = list(matrix)
+    subsets = [x["name"] for x in results["subsets"]] + ["all"]
+    out = ["## The served pair: every target x every drafter", "",
+           "τ of each drafter variant with each target variant of the run (the target greedy-decodes as it is "
+           "served: quantized targets dequantized, W4A4 inputs fake-quantized), per subset; `calibrated on` is the "
+           "target whose cached hidden states calibrated the drafter (`-`: none recorded). lossless = the "
+           "speculative output equals that target's own greedy output on every prompt. Heatmap: "
+           "`pair_matrix.png`.", "",
+           "| drafter | calibrated on | " + " | ".join(f"{t}: {s}" for t in targets for s in subsets)
+           + " | lossless |", "|" + "---|" * (2 + len(targets) * len(subsets) + 1)]
+    for v in matrix[targets[0]]:
+        cells = []
+        for t in targets:
+            d = matrix[t].get(v)
+            cells += [f"{(d['overall'] if s == 'all' else d['subsets'][s])['tau']:.3f}" if d else "n/a" for s in subsets]
+        ok = all(n == 0 for t in targets for n in (matrix[t].get(v) or {}).get("lossless_mismatches", {}).values())
+        out.append(f"| `{v}` | {matrix[targets[0]][v].get('calibration_target') or '-'} | " + " | ".join(cells)
+                   + f" | {'yes' if ok else '**no**'} |")
+    out.append("")
+    comp = pairs.get("comparison") or []
+    if comp:
+        out += ["### Calibrated on the quantized target's hidden states vs on the bf16 target's", "",
+                "The same recipe, calibrated on each target's cached states; τ over the same prompts, 95% paired "
+                "bootstrap interval of the difference (resampling prompts); better / worse only when the interval "
+                "excludes 0.", "",
+                "| drafter | calibrated on | vs (calibrated on bf16) | served with | τ | τ vs | Δτ [95% CI] | verdict |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in comp:
+            out.append(f"| `{r['variant']}` | {r['calibrated_on']} | `{r['base']}` | {r['served_with']} "
+                       f"| {r['tau']:.3f} | {r['tau_base']:.3f} | {_interval(r['paired_bootstrap'])} "
+                       f"| **{r['verdict']}** |")
+        out.append("")
+    warned = pairs.get("warnings") or {}
+    if warned:
+        out += ["### Pairing warnings", ""] + [f"- {w}" for t in targets for w in (warned.get(t) or {}).values()] + [""]
+    return out
+
+
 def _interval(b: dict) -> str:
     return f"{b['difference']:+.3f} [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}]"
 
@@ -132,6 +177,7 @@ def render_report(results: dict) -> str:
                            f"| {_pct(rel_change(a, b))} |")
         out.append("")
     out += _paired_section(results.get("calibration_comparison") or [])
+    out += pair_matrix_section(results)
     out += ["## Tokens and per-position acceptance", "",
             "| variant | subset | steps | drafted | accepted | acceptance rate | P(accept) by position 1.."
             f"{results['block_size'] - 1} |", "|---|---|---|---|---|---|---|"]

@@ -61,8 +61,10 @@ def _prefix_share(r: dict, base: dict, prompts: dict) -> float:
 
 
 def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, min_tau: float,
-              ref_target: str | None, ref_tau: dict[str, dict[str, float]], require_lossless: bool = True
-              ) -> dict[str, Any]:
+              ref_target: str | None, ref_tau: dict[str, dict[str, float]], require_lossless: bool = True,
+              ref_matrix: dict[str, dict[str, dict[str, float]]] | None = None) -> dict[str, Any]:
+    """`ref_tau`: the reference loop's {variant: {subset: tau}} with `ref_target`; `ref_matrix`: the same
+    per target ({target: {variant: ...}}, evaluate's pair matrix), used where it has the pair."""
     alone = {r["job"]["target_variant"]: r for r in results if r["job"].get("variant") is None}
     pairs: dict[str, dict] = {}
     failures: list[str] = []
@@ -114,10 +116,11 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
         tau["all"] = _tau(drafts, accepted)
         per_pos["all"] = [round(a / drafts, 4) if drafts else None for a in pos_total]
         p["tau"], p["acceptance_per_position"], p["drafts"] = tau, per_pos, drafts
-        if t == ref_target and v in ref_tau:
-            p["reference_tau"] = ref_tau[v]
-            p["tau_minus_reference"] = {s: round(tau[s] - ref_tau[v][s], 4) for s in tau
-                                        if tau.get(s) is not None and ref_tau[v].get(s) is not None}
+        ref = ((ref_matrix or {}).get(t) or {}).get(v) or (ref_tau.get(v) if t == ref_target else None)
+        if ref:
+            p["reference_tau"] = ref
+            p["tau_minus_reference"] = {s: round(tau[s] - ref[s], 4) for s in tau
+                                        if tau.get(s) is not None and ref.get(s) is not None}
     for p in pairs.values():
         if "tau" not in p:
             continue
@@ -177,6 +180,17 @@ def render(summary: dict) -> str:
     for t, a in summary.get("targets_alone", {}).items():
         lines.append(f"- target `{t}` alone: {'loads' if a.get('ok') else 'does NOT load: ' + str(a.get('error'))}, "
                      f"kernel {kernel_words(a.get('kernel'))}")
+    comp = summary.get("pair_comparison") or []
+    if comp:
+        lines += ["", "Calibrated on the quantized target's hidden states vs on the bf16 target's (same recipe), "
+                  "in vLLM:", "", "| drafter | calibrated on | vs | served with | tau | tau vs | difference |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in comp:
+            diff = "-" if r["difference"] is None else f"{r['difference']:+.3f}"
+            lines.append(f"| {r['variant']} | {r['calibrated_on']} | {r['base']} | {r['served_with']} "
+                         f"| {_fmt(r['tau'])} | {_fmt(r['tau_base'])} | {diff} |")
+    if summary.get("pairing_warnings"):
+        lines += ["", "Pairing warnings:", ""] + [f"- {w}" for w in summary["pairing_warnings"]]
     if summary["failures"]:
         lines += ["", "**Failures:**", ""] + [f"- {f}" for f in summary["failures"]]
     else:
@@ -185,6 +199,21 @@ def render(summary: dict) -> str:
         lines += ["", f"Every pair loads, {lossless} and keeps tau >= {summary['min_tau_ratio']} x bf16's "
                   f"and >= {summary['min_tau']}."]
     return "\n".join(lines) + "\n"
+
+
+def pair_comparison(summary: dict, calibrated_on: dict[str, tuple[str, str]]) -> list[dict]:
+    """{variant: (calibration target, base variant)} -> each such drafter vs its bf16-calibrated base, per
+    served target, from vLLM's tau (all prompts)."""
+    out = []
+    for v, (cal, base) in sorted(calibrated_on.items()):
+        for t in sorted({p["target"] for p in summary["pairs"].values()}):
+            a, b = summary["pairs"].get(f"{t}/{v}"), summary["pairs"].get(f"{t}/{base}")
+            if not a or not b:
+                continue
+            ta, tb = (a.get("tau") or {}).get("all"), (b.get("tau") or {}).get("all")
+            out.append({"variant": v, "calibrated_on": cal, "base": base, "served_with": t, "tau": ta, "tau_base": tb,
+                        "difference": round(ta - tb, 4) if ta is not None and tb is not None else None})
+    return out
 
 
 def variant_status(summary: dict, variant: str) -> dict[str, Any]:

@@ -1,0 +1,113 @@
+"""The served pair: which target's hidden states a drafter was calibrated on, and whether a pairing matches.
+
+A drafter reads the hidden states of the target served beside it, and a quantized target's states
+differ from the bf16 target's. quantize-drafter records the target its calibration cache came from
+(`calibration_record`: variant, files sha256, Hub id when known, shape). evaluate, serve-check and
+publish compare it with the target they pair the drafter with (`check_pair`):
+
+- another checkpoint of the same shape -> a one-sentence warning (the pair is measured, but the
+  drafter was calibrated for the other target);
+- another vocab size, hidden size or layer count -> a refusal, before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import bad_value
+
+REFERENCE = "bf16"
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def _hub_id(value: str | None) -> str | None:
+    import re
+
+    if value and re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", str(value)) and not Path(str(value)).exists():
+        return str(value)
+    return None
+
+
+def calibration_record(cfg, index: dict, used: bool) -> dict[str, Any]:
+    """What quantize-drafter writes into its record: the target behind the cache it read."""
+    variant = str(index.get("target_variant") or REFERENCE)
+    target = (index.get("inputs") or {}).get("target") or {}
+    hub = (cfg.publish.target_model or _hub_id(cfg.target.path)) if variant == REFERENCE else None
+    return {"variant": variant, "used": bool(used), "files_sha256": target.get("files_sha256"),
+            "path": index.get("target_path"), "hub_id": hub, "shape": index.get("target_shape"),
+            "cache_content_hash": index.get("content_hash")}
+
+
+def drafter_record(rd, variant: str) -> dict[str, Any] | None:
+    """The calibration target a drafter variant's stage record names (None: no record, e.g. bf16)."""
+    p = rd.stages / f"quantize-drafter-{variant}.json"
+    try:
+        rec = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return (rec.get("result") or {}).get("calibration_target")
+
+
+def target_identity(path: str | Path, variant: str, revision: str | None = None,
+                    trust_remote_code: bool = False) -> dict[str, Any]:
+    """The served target: variant name, files sha256 (the cache stage's rule) and shape, from its files."""
+    from pipeline.io import dumps_json, sha256_text
+    from pipeline.loading import checkpoint_hashes, load_config
+
+    files = checkpoint_hashes(path, revision) or {}
+    conf = load_config(str(path), revision, trust_remote_code, "target.path").get_text_config()
+    return {"variant": variant, "path": str(path),
+            "files_sha256": sha256_text(dumps_json({rel: e["sha256"] for rel, e in files.items()})) if files else None,
+            "shape": {k: int(getattr(conf, k)) for k in SHAPE_KEYS if getattr(conf, k, None) is not None}}
+
+
+def check_pair(variant: str, record: dict | None, served: dict) -> str | None:
+    """Refuse a drafter calibrated against a target of another shape; the warning sentence (or None)
+    for one calibrated against another checkpoint of the same shape."""
+    if not record:
+        return None
+    shape, have = record.get("shape") or {}, served.get("shape") or {}
+    diff = [k for k in SHAPE_KEYS if k in shape and k in have and shape[k] != have[k]]
+    if diff:
+        k = diff[0]
+        raise bad_value(f"drafter/{variant}", variant, f"it was calibrated against target `{record['variant']}` "
+                        f"with {k}={shape[k]}, but is paired with target `{served['variant']}` "
+                        f"({served['path']}) with {k}={have[k]}",
+                        "pair it with the target it was made for, or re-run cache and quantize-drafter "
+                        "for this target")
+    if not record.get("used") or not record.get("files_sha256") or record["files_sha256"] == served.get("files_sha256"):
+        return None
+    return (f"drafter `{variant}` was calibrated on the hidden states of target `{record['variant']}` "
+            f"(files {record['files_sha256'][:12]}) but is paired here with target `{served['variant']}` "
+            f"(files {(served.get('files_sha256') or 'unknown')[:12]}); the pair is measured as served, but "
+            f"quant.calibration_target={served['variant']} would calibrate a drafter for this target")
+
+
+def warn(sentence: str | None, stage: str) -> None:
+    if sentence:
+        print(f"warning: {stage}: {sentence}", file=sys.stderr)
+
+
+def check_pairs(rd, drafters: list[str], served: dict, stage: str) -> dict[str, str]:
+    """check_pair for each drafter against one served target; prints each warning once, returns them."""
+    out = {}
+    for v in drafters:
+        sentence = check_pair(v, drafter_record(rd, v), served)
+        if sentence:
+            warn(sentence, stage)
+            out[v] = sentence
+    return out
+
+
+def base_variant(variant: str, record: dict | None) -> str | None:
+    """`w4a16-gptq` for `w4a16-gptq-on-w4a16` (calibrated on target w4a16): the same recipe on bf16 states."""
+    from pipeline.config import PAIR_SUFFIX
+
+    t = (record or {}).get("variant")
+    suffix = f"{PAIR_SUFFIX}{t}"
+    if not t or t == REFERENCE or not variant.endswith(suffix):
+        return None
+    return variant[: -len(suffix)]

@@ -1,0 +1,182 @@
+"""The served pair on the fixture world: a cache per target variant, a drafter calibrated on the quantized
+target's states, the pairing record, and the pairing warning and refusal (exact sentences).
+
+Real stages throughout: quantize-target (llm-compressor W4A16), the cache stage on the compressed-tensors
+target (loaded dequantized), quantize-drafter with imatrix observers on each cache, manifest. Sizes come
+from the fixture (group size: the largest of 128/64/32/16 dividing every quantized width).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from pipeline import pairing
+from pipeline.config import compose
+from pipeline.errors import SpecquantError
+from pipeline.io import read_json
+from tests.conftest import run_cli
+from tests.test_quant_world import DRAFTER, TARGET, build_world
+
+_TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
+_TC = read_json(TARGET / "config.json", "target")
+G = math.gcd(128, int(_TLC["hidden_size"]), int(_TLC["intermediate_size"]),
+             int(_TLC["num_attention_heads"]) * int(_TLC.get("head_dim") or _TLC["hidden_size"] // _TLC["num_attention_heads"]))
+GT = math.gcd(128, int(_TC["hidden_size"]), int(_TC["intermediate_size"]))
+
+
+def _base(root) -> list[str]:
+    return [f"runs_root={root}", "run_name=qw", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
+            f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32",
+            "quant.num_samples=12", "quant.heldout_samples=12", "quant.anchors_per_sequence=8",
+            "quant.max_seq_len=64", f"target_quant.group_size={GT}"]
+
+
+def _stage(stage: str, module: str, overrides: list[str]):
+    from pipeline.stage import run_stage
+
+    return run_stage(stage, module, compose(overrides), overrides)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("pworld")
+    build_world(root)
+    base = _base(root)
+    _stage("quantize-target", "pipeline.quantize_target", [*base, "target_quant=w4a16"])
+    _stage("cache", "pipeline.cache", [*base, "cache.target=w4a16"])
+    drafter = [*base, "quant=w4a16-imatrix", f"quant.group_size={G}"]
+    _stage("quantize-drafter", "pipeline.quantize_drafter", drafter)
+    _stage("quantize-drafter", "pipeline.quantize_drafter", [*drafter, "quant.calibration_target=w4a16"])
+    return root
+
+
+def test_the_cache_of_the_quantized_target_is_its_own_and_names_that_checkpoint(world):
+    from pipeline.cache import CacheReader
+
+    run = world / "qw"
+    bf16, w4 = read_json(run / "cache" / "index.json", "i"), read_json(run / "cache-w4a16" / "index.json", "i")
+    assert (bf16["target_variant"], w4["target_variant"]) == ("bf16", "w4a16")
+    served = pairing.target_identity(run / "target" / "w4a16", "w4a16")
+    assert w4["inputs"]["target"]["files_sha256"] == served["files_sha256"]
+    assert bf16["inputs"]["target"]["files_sha256"] == pairing.target_identity(TARGET, "bf16")["files_sha256"]
+    assert w4["target_shape"] == {k: int(_TC[k]) for k in pairing.SHAPE_KEYS}
+    assert w4["content_hash"] != bf16["content_hash"]
+    a, b = CacheReader(run / "cache")[0]["hidden_states"], CacheReader(run / "cache-w4a16")[0]["hidden_states"]
+    rel = float((a - b).norm() / a.norm())
+    assert 0 < rel < 0.5, rel  # the W4A16 target's states: close to the bf16 target's, not equal
+    # each cache keeps its own stage record
+    assert read_json(run / "stages" / "cache.json", "r")["resolved_config"]["cache"]["target"] == "bf16"
+    assert read_json(run / "stages" / "cache-w4a16.json", "r")["resolved_config"]["cache"]["target"] == "w4a16"
+
+
+def test_a_drafter_calibrated_on_the_quantized_target_is_its_own_variant_and_records_that_target(world):
+    from pipeline import manifest
+    from pipeline.io import hash_tree
+
+    run = world / "qw"
+    on_bf16, on_w4 = run / "drafter" / "w4a16-imatrix", run / "drafter" / "w4a16-imatrix-on-w4a16"
+    assert hash_tree(on_bf16)["model.safetensors"]["sha256"] != hash_tree(on_w4)["model.safetensors"]["sha256"]
+    rec = pairing.drafter_record(run_dir(world), "w4a16-imatrix-on-w4a16")
+    w4_index = read_json(run / "cache-w4a16" / "index.json", "i")
+    assert rec["variant"] == "w4a16" and rec["used"] is True
+    assert rec["files_sha256"] == w4_index["inputs"]["target"]["files_sha256"]
+    assert rec["cache_content_hash"] == w4_index["content_hash"]
+    assert pairing.drafter_record(run_dir(world), "w4a16-imatrix")["variant"] == "bf16"
+    manifest.run(compose(_base(world)))
+    qrm = json.loads((run / "quant_run_manifest.json").read_text())
+    entry = next(c for c in qrm["checkpoints"] if c["variant"] == "w4a16-imatrix-on-w4a16")
+    assert entry["calibration_target"]["variant"] == "w4a16"
+    assert entry["inputs"]["calibration_cache"]["content_sha256"] == w4_index["content_hash"]
+    cal = json.loads((run / "calibration_manifest.json").read_text())
+    assert cal["target_caches"]["w4a16"]["content_sha256"] == w4_index["content_hash"]
+    assert cal["cache"]["target_variant"] == "bf16"
+
+
+def run_dir(world):
+    from pipeline.rundir import RunDir
+
+    return RunDir(world / "qw")
+
+
+def test_pairing_with_another_target_of_the_same_shape_is_a_warning_sentence(world):
+    rd = run_dir(world)
+    bf16 = pairing.target_identity(TARGET, "bf16")
+    w4 = pairing.target_identity(rd.target("w4a16"), "w4a16")
+    rec = pairing.drafter_record(rd, "w4a16-imatrix-on-w4a16")
+    assert pairing.check_pair("w4a16-imatrix-on-w4a16", rec, w4) is None  # the pair it was calibrated for
+    assert pairing.check_pair("w4a16-imatrix", pairing.drafter_record(rd, "w4a16-imatrix"), bf16) is None
+    assert pairing.check_pair("w4a16-imatrix-on-w4a16", rec, bf16) == (
+        f"drafter `w4a16-imatrix-on-w4a16` was calibrated on the hidden states of target `w4a16` "
+        f"(files {rec['files_sha256'][:12]}) but is paired here with target `bf16` "
+        f"(files {bf16['files_sha256'][:12]}); the pair is measured as served, but "
+        "quant.calibration_target=bf16 would calibrate a drafter for this target")
+    bf16_rec = pairing.drafter_record(rd, "w4a16-imatrix")
+    assert pairing.check_pair("w4a16-imatrix", bf16_rec, w4).startswith(
+        "drafter `w4a16-imatrix` was calibrated on the hidden states of target `bf16`")
+    assert pairing.base_variant("w4a16-imatrix-on-w4a16", rec) == "w4a16-imatrix"
+
+
+def _deeper_target(out):
+    """A real checkpoint of the fixture target's architecture with one more decoder layer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.from_pretrained(TARGET)
+    conf.num_hidden_layers += 1
+    if getattr(conf, "layer_types", None):
+        conf.layer_types = [*conf.layer_types, conf.layer_types[-1]]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(conf).save_pretrained(out)
+    return out
+
+
+def test_pairing_with_a_target_of_another_shape_is_refused_before_anything_loads(world, tmp_path):
+    rd = run_dir(world)
+    other = _deeper_target(tmp_path / "deeper")
+    served = pairing.target_identity(other, "bf16")
+    n = int(_TC["num_hidden_layers"])
+    with pytest.raises(SpecquantError) as err:
+        pairing.check_pair("w4a16-imatrix", pairing.drafter_record(rd, "w4a16-imatrix"), served)
+    assert str(err.value) == (
+        f"`drafter/w4a16-imatrix` = 'w4a16-imatrix': it was calibrated against target `bf16` with "
+        f"num_hidden_layers={n}, but is paired with target `bf16` ({other}) with num_hidden_layers={n + 1}; "
+        "pair it with the target it was made for, or re-run cache and quantize-drafter for this target.")
+    # the serve check refuses it the same way, before it looks for vLLM or a GPU; nothing is written
+    copy = tmp_path / "runs"
+    shutil.copytree(world / "qw", copy / "qw")
+    r = run_cli("serve-check", *[o for o in _base(copy) if not o.startswith("target.")],
+                f"target.path={other}", f"target.tokenizer={other}", "serve.python=python3", "serve.targets=[bf16]",
+                "serve.variants=[w4a16-imatrix]")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "error: `drafter/w4a16-imatrix` = 'w4a16-imatrix': it was calibrated against target `bf16` with "
+        f"num_hidden_layers={n}, but is paired with target `bf16`")
+    assert "Traceback" not in r.stderr
+    assert not (copy / "qw" / "eval" / "serve_check.json").exists()
+
+
+def test_calibrating_on_a_target_without_its_cache_or_a_data_free_recipe_is_refused(world, tmp_path):
+    from pipeline import quantize_drafter
+
+    shutil.copytree(world / "qw", tmp_path / "qw", ignore=shutil.ignore_patterns("cache-w4a16"))
+    base = _base(tmp_path)
+    with pytest.raises(SpecquantError, match=r"^`quant.calibration_target` = 'w4a16': no cache of that target's "
+                                             r"hidden states in .*cache-w4a16; run `make cache "):
+        quantize_drafter.calibration_cache(compose([*base, "quant=w4a16-imatrix", "quant.calibration_target=w4a16"]),
+                                           run_dir(tmp_path))
+    with pytest.raises(SpecquantError, match=r"^`quant.calibration_target` = 'nvfp4': this run has no quantized "
+                                             r"target"):
+        quantize_drafter.calibration_cache(compose([*base, "quant=w4a16-imatrix", "quant.calibration_target=nvfp4"]),
+                                           run_dir(tmp_path))
+    with pytest.raises(SpecquantError, match=r"^`quant.calibration_target` = 'w4a16': quant `w4a16` is data-free"):
+        quantize_drafter.validate(compose([*base, "quant=w4a16", f"quant.group_size={G}",
+                                           "quant.calibration_target=w4a16"]))
+    with pytest.raises(SpecquantError, match=r"^`cache.target` = 'nvfp4': no quantized target"):
+        from pipeline import cache
+
+        cache.run(compose([*base, "cache.target=nvfp4"]))
