@@ -72,9 +72,9 @@ def instrument(stage: str, notes: dict) -> None:
 
         orig_load = mod.load_target
 
-        def timed_load(cfg, device):
+        def timed_load(cfg, device, *args, **kwargs):
             t0 = time.perf_counter()
-            model = orig_load(cfg, device)
+            model = orig_load(cfg, device, *args, **kwargs)
             notes["load_target_s"] = round(notes.get("load_target_s", 0.0) + time.perf_counter() - t0, 3)
             return model
 
