@@ -34,8 +34,28 @@ USAGE = (
 )
 
 
+def _override_sentence(exc) -> str:
+    """An override Hydra's grammar cannot parse, as one sentence (never the lexer's exception name)."""
+    import re
+
+    text = str(exc.override or "")
+    key, _, value = text.partition("=")
+    m = re.search(r"^([\w.]*?)\[\d+\]", key.lstrip("+~"))
+    if m:  # `data.sources[0].weight=2`: the grammar has no list indexing
+        whole = m.group(1)
+        return (f"`{key.lstrip('+~')}` = {value!r}: a Hydra override cannot index into a list; override the whole "
+                f"list instead (`{whole}=[...]` with every item written out) or change the item in its file under conf/")
+    why = [ln.strip() for ln in str(exc.message or exc).splitlines()
+           if ln.strip() and not ln.strip().startswith(("See https", "Error parsing override", "^"))]
+    detail = why[0] if why else "it does not follow the override grammar"
+    detail = detail.split(": ", 1)[0] if detail.startswith("LexerNoViableAltException") else detail
+    detail = detail.split(" expecting ", 1)[0]  # the grammar's token list says nothing to a user
+    return (f"the override {text!r} cannot be parsed ({detail}); write it as key=value and quote a value that "
+            "holds spaces, brackets or '=' (see https://hydra.cc/docs/advanced/override_grammar/basic/)")
+
+
 def _compose_or_exit(overrides: list[str]):
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
     from pipeline.config import bad_names, compose, unknown_keys
@@ -56,6 +76,9 @@ def _compose_or_exit(overrides: list[str]):
             raise SystemExit(2)
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         return cfg
+    except OverrideParseException as exc:
+        print(f"error: invalid configuration: {_override_sentence(exc)}.", file=sys.stderr)
+        raise SystemExit(2) from None
     except (HydraException, OmegaConfBaseException) as exc:
         parts, e = [], exc
         while e is not None:  # Hydra wraps the useful OmegaConf message (key, value, type) as the cause
@@ -83,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             return int(importlib.import_module(COMMANDS[name]).main(rest) or 0)
         except SpecquantError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:  # e.g. a read-only or full DST: one sentence, as for the stages
+            print(f"error: `{name}` could not use {exc.filename or 'a file'}: {exc.strerror or exc}; fix the file "
+                  "system problem (permissions, free space, the path) and run it again.", file=sys.stderr)
             return 2
     if name == "run-dir":  # where a configuration's outputs land (used by `make all`)
         print(_compose_or_exit(rest).run_dir)

@@ -199,10 +199,87 @@ def finished_index(cache_dir: Path, inputs_hash: str) -> dict | None:
         if index.get("inputs_hash") != inputs_hash or index.get("format_version") != FORMAT_VERSION:
             return None
         if all((cache_dir / s["file"]).stat().st_size == s["bytes"] for s in index["shards"]):
-            return index
-    except (OSError, ValueError, KeyError, TypeError):
+            return check_index(cache_dir, index)  # a hand-edited index is rebuilt, not reused
+    except (OSError, ValueError, KeyError, TypeError, SpecquantError):
         pass
     return None
+
+
+_REBUILD = "re-run the cache stage, which rebuilds it from the shards' sidecars"
+
+
+def _entries(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
+
+
+def check_index(cache_dir: str | Path, index: dict) -> dict:
+    """A cheap consistency check of index.json against itself and its shard files (names and sizes, no
+    hashing), so a hand-edited index or a deleted shard is one sentence before any model loads.
+
+    Checks: the format; every shard entry is numbered in order, contiguous from sample 0, and its file
+    exists with the recorded size; `num_shards`, `num_samples`, `num_tokens`, `total_bytes` and the
+    content hash agree with the entries; every sample names a shard in range that holds its position,
+    and each shard's token count is the sum of its samples'."""
+    cache_dir = Path(cache_dir)
+    where = str(cache_dir / "index.json")
+
+    def bad(problem: str) -> SpecquantError:
+        return bad_value("cache/index.json", where, problem, _REBUILD)
+
+    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("format_version") != FORMAT_VERSION:
+        raise bad_value("cache/index.json", where, f"it is not a {FORMAT} v{FORMAT_VERSION} index",
+                        "re-run the cache stage")
+    try:
+        shards, samples = list(index["shards"]), list(index["samples"])
+        totals = {key: int(index[key]) for key in ("num_shards", "num_samples", "num_tokens", "total_bytes")}
+        if totals["num_shards"] != len(shards):
+            raise bad(f"num_shards is {totals['num_shards']} but `shards` has {_entries(len(shards))}")
+        if totals["num_samples"] != len(samples):
+            raise bad(f"num_samples is {totals['num_samples']} but `samples` has {_entries(len(samples))}")
+        if not samples:
+            raise bad("it lists no samples")
+        first, tokens = 0, [0] * len(shards)
+        for k, rec in enumerate(shards):
+            if rec["file"] != shard_file(k) or int(rec["index"]) != k:
+                raise bad(f"shard entry {k} names {rec['file']} (index {rec['index']}), not {shard_file(k)}")
+            if int(rec["first"]) != first or int(rec["count"]) < 1:
+                raise bad(f"shard {rec['file']} covers samples from {rec['first']} ({rec['count']} of them) but "
+                          f"the shards before it end at sample {first}")
+            first += int(rec["count"])
+        if first != len(samples):
+            raise bad(f"its shards hold {first} samples but `samples` has {_entries(len(samples))}")
+        for i, s in enumerate(samples):
+            k = s["shard"]
+            if not isinstance(k, int) or not 0 <= k < len(shards):
+                raise bad(f"sample {i} ({s.get('id')}) names shard {k!r} but the shards are numbered 0 to {len(shards) - 1}")
+            if not int(shards[k]["first"]) <= i < int(shards[k]["first"]) + int(shards[k]["count"]):
+                raise bad(f"sample {i} ({s.get('id')}) names shard {k}, which does not hold sample {i}")
+            n = s["num_tokens"]
+            if not isinstance(n, int) or n < 1:
+                raise bad(f"sample {i} ({s.get('id')}) has num_tokens {n!r}")
+            tokens[k] += n
+        for k, rec in enumerate(shards):
+            if int(rec["num_tokens"]) != tokens[k]:
+                raise bad(f"shard {rec['file']} records {rec['num_tokens']} tokens but its samples add up to {tokens[k]}")
+        if totals["num_tokens"] != sum(tokens):
+            raise bad(f"num_tokens is {totals['num_tokens']} but its samples add up to {sum(tokens)}")
+        if totals["total_bytes"] != sum(int(rec["bytes"]) for rec in shards):
+            raise bad(f"total_bytes is {totals['total_bytes']} but its shards add up to "
+                      f"{sum(int(rec['bytes']) for rec in shards)}")
+        if "content_hash" in index and index["content_hash"] != content_hash([str(s["sha256"]) for s in samples]):
+            raise bad("its content_hash does not match its samples' digests")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise bad(f"an entry is missing or malformed ({type(exc).__name__}: {exc})") from None
+    for rec in shards:
+        path = cache_dir / rec["file"]
+        if not path.is_file():
+            raise bad_value("cache/index.json", where, f"it lists {rec['file']}, which is missing from {cache_dir}",
+                            "re-run the cache stage, which rewrites the missing shard")
+        size = path.stat().st_size
+        if size != int(rec["bytes"]):
+            raise bad_value("cache/index.json", where, f"it records {rec['bytes']} bytes for {rec['file']} but the "
+                            f"file holds {size} (truncated or replaced)", "re-run the cache stage, which rewrites it")
+    return index
 
 
 class CacheReader:
@@ -212,10 +289,7 @@ class CacheReader:
 
     def __init__(self, cache_dir: str | Path, verify: str | bool = "lazy", dtype: torch.dtype = torch.float32):
         self.dir = Path(cache_dir)
-        self.index = read_json(self.dir / "index.json", "cache/index.json")
-        if self.index.get("format") != FORMAT or self.index.get("format_version") != FORMAT_VERSION:
-            raise bad_value("cache/index.json", str(self.dir / "index.json"),
-                            f"it is not a {FORMAT} v{FORMAT_VERSION} index", "re-run the cache stage")
+        self.index = check_index(self.dir, read_json(self.dir / "index.json", "cache/index.json"))
         self.dtype, self._verify = dtype, verify
         self._verified: set[int] = set()
         self._first = [s["first"] for s in self.index["shards"]]
@@ -271,7 +345,7 @@ class CacheReader:
             yield self[i]
 
 
-__all__ = ["CacheReader", "Layout", "ShardPlan", "plan_shards", "pack_batches", "encode_hidden",
+__all__ = ["CacheReader", "check_index", "Layout", "ShardPlan", "plan_shards", "pack_batches", "encode_hidden",
            "decode_hidden", "content_hash", "build_index", "clear_stale", "read_sidecar", "finished_index",
            "check_storage_dtype", "dumps_json", "FORMAT", "FORMAT_VERSION", "STORAGE_DTYPES", "shard_file"]
 

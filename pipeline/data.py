@@ -8,6 +8,7 @@ seeded, weighted blend. Writes `data/samples.jsonl`, `data/counts.json`, `data/m
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
 from collections import Counter
@@ -46,16 +47,24 @@ class Dropped(Exception):
 # ---------------------------------------------------------------- reading rows
 
 
+def _check_source_file(path: str | Path, field: str) -> None:
+    """A local source must be a file: a directory is named as one, not as a missing file."""
+    if Path(path).is_dir():
+        raise bad_value(field, str(path), "it is a directory, not a file",
+                        "point it at a .json or .jsonl file inside it")
+    if not Path(path).is_file():
+        raise bad_value(field, str(path), "the file does not exist", "point it at a .json or .jsonl file")
+
+
 def _read_local_rows(path: Path, field: str) -> list[tuple[int, Any]]:
     """[(line number, raw bytes or parsed object)] - JSONL lines stay raw so a bad line is one drop."""
-    if not path.is_file():
-        raise bad_value(field, str(path), "the file does not exist", "point it at a .json or .jsonl file")
+    _check_source_file(path, field)
     if path.suffix == ".jsonl":
-        lines = path.read_bytes().split(b"\n")
+        lines = path.read_bytes().removeprefix(codecs.BOM_UTF8).split(b"\n")  # a UTF-8 BOM is no part of row 1
         return [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
     if path.suffix == ".json":
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(path.read_text(encoding="utf-8-sig"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise bad_value(field, str(path), f"it is not valid UTF-8 JSON ({exc})",
                             "fix the file or convert it to JSONL, one conversation per line") from None
@@ -208,8 +217,8 @@ def _validate_cfg(cfg) -> None:
         if s.name in names:
             raise bad_value(f"{field}.name", s.name, "source names must be unique", "rename one of the sources")
         names.add(s.name)
-        if s.path is not None and not Path(s.path).is_file():
-            raise bad_value(f"{field}.path", s.path, "the file does not exist", "point it at a .json or .jsonl file")
+        if s.path is not None:
+            _check_source_file(s.path, f"{field}.path")
 
 
 def _take_from_source(src, idx: int, want: int, tok, cfg, rng: random.Random) -> tuple[list[dict], dict]:

@@ -31,6 +31,7 @@ def check_safetensors_dir(path: str | Path, field: str) -> list[Path]:
         what = f"it holds only pickle weights ({', '.join(pickles)})" if pickles else "it holds no *.safetensors weights"
         raise bad_value(field, str(path), f"{what}, and specquant never unpickles weights",
                         "convert the checkpoint to safetensors (e.g. save_pretrained(safe_serialization=True))")
+    check_shard_index(p, field)
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as fh:
@@ -39,6 +40,28 @@ def check_safetensors_dir(path: str | Path, field: str) -> list[Path]:
             raise bad_value(field, str(f), f"the safetensors file is unreadable ({str(exc).splitlines()[0]})",
                             "re-download or re-save the checkpoint") from None
     return files
+
+
+def check_shard_index(path: Path, field: str) -> None:
+    """A sharded checkpoint (`*.safetensors.index.json`): every shard its weight_map names is present."""
+    import json
+
+    for index in sorted(path.glob("*.safetensors.index.json")):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+            if not all(isinstance(x, str) for x in shards):
+                raise TypeError("a weight_map value is not a file name")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise bad_value(field, str(path), f"its {index.name} is not a valid shard index "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                            "re-download or re-save the checkpoint") from None
+        missing = [x for x in shards if not (path / x).is_file()]
+        if missing:
+            more = f" (and {len(missing) - 1} more of its {len(shards)} shards)" if len(missing) > 1 else ""
+            raise bad_value(field, str(path), f"its {index.name} lists {missing[0]}{more}, which is missing "
+                            f"from {path}", "re-download the checkpoint or copy the missing shard into that "
+                            "directory")
 
 
 def load_config(path: str, revision: str | None, trust_remote_code: bool, field: str):

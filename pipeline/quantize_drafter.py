@@ -79,7 +79,10 @@ def calibration_cache(cfg, rd: RunDir) -> Path:
 
 def check_cache(rd: RunDir, dconf, cache_dir: Path | None = None) -> dict:
     cache_dir = cache_dir or rd.cache
-    index = read_json(cache_dir / "index.json", f"{cache_dir.name}/index.json")
+    from pipeline.cache_store import check_index
+
+    # the index against its shards (files, sizes, counts, sample -> shard), before any weight is read
+    index = check_index(cache_dir, read_json(cache_dir / "index.json", f"{cache_dir.name}/index.json"))
     if list(index.get("aux_layer_ids") or []) != list(dconf.aux_layer_ids or []):
         raise bad_value("cache/index.json", str(cache_dir), f"it holds aux layers {index.get('aux_layer_ids')} but "
                         f"the drafter reads {dconf.aux_layer_ids}", "re-run the cache stage for this drafter")

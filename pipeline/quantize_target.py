@@ -60,6 +60,9 @@ def run(cfg) -> dict:
     recipes.validate_settings(q, FIELD)
     ignore = recipes.resolve_ignore(q)
     config = target_config(cfg)
+    from pipeline.loading import check_safetensors_dir
+
+    check_safetensors_dir(cfg.target.path, "target.path")  # pickles, truncated files, missing shards: before any load
     recipes.validate_group_size(q, FIELD, target_linears(config, ignore))
     _, world, _ = distributed.rank_world()
     if world > 1 and not recipes.needs_data(q):

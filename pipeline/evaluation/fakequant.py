@@ -184,7 +184,11 @@ def load_target(path: str, dtype: torch.dtype, device: str, revision: str | None
     kwargs = {"dtype": dtype, "revision": revision, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    from pipeline.loading import check_safetensors_dir
+
     quantized = Path(path).is_dir() and read_quantization_config(path) is not None
+    # pickles, truncated files, missing shards: one sentence first (a quantized one is the run's target/<variant>)
+    check_safetensors_dir(path, f"target/{Path(path).name}" if quantized else "target.path")
     if quantized:
         kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

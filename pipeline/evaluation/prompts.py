@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.errors import bad_value
 
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark (Windows editors write one): no content
 # subset names become file names and shell function names (vllm_commands.sh)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -41,7 +42,7 @@ def _open_rows(ps, i: int):
                             "set a commit sha or tag so the evaluation is reproducible")
         return datasets.load_dataset(ps.hub_id, revision=ps.revision, split=ps.split)
     path = Path(ps.path)
-    if path.is_file() and path.suffix in {".json", ".jsonl"} and not path.read_bytes().strip():
+    if path.is_file() and path.suffix in {".json", ".jsonl"} and not path.read_bytes().removeprefix(BOM).strip():
         raise bad_value(f"{where}.path", ps.path, "the file is empty", "put one prompt per line in it, or drop the subset")
     if path.is_file() and path.suffix in {".json", ".jsonl"}:
         return datasets.load_dataset("json", data_files=str(path), split="train")

@@ -14,6 +14,18 @@ from pathlib import Path
 from pipeline.errors import bad_value
 
 
+def check_empty_target(dst: Path) -> None:
+    """DST must be new or an empty directory: a converted checkpoint never mixes with other files."""
+    if dst.exists() and not dst.is_dir():
+        raise bad_value("DST", str(dst), "it is a file, not a directory", "give a new or empty directory")
+    if dst.is_dir():
+        held = sorted(p.name for p in dst.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise bad_value("DST", str(dst), f"the directory is not empty (it holds {shown})",
+                            "convert into a new or empty directory, or empty this one first")
+
+
 def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = None,
             verifier_architectures: list[str] | None = None) -> Path:
     from pipeline.io import read_json
@@ -31,6 +43,7 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise bad_value("DST", str(dst), "it is the source directory", "write the converted checkpoint elsewhere")
+    check_empty_target(dst)
     cfg = load_drafter_config(src)
     if verifier is not None:
         cfg.verifier_name_or_path = verifier

@@ -150,6 +150,9 @@ def target_head_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not p.is_dir():
         raise bad_value("target.path", str(target), "it is not a local directory",
                         "download the target first or pass a loaded model")
+    from pipeline.loading import check_shard_index
+
+    check_shard_index(p, "target.path")  # a missing shard is named, not mistaken for a missing tensor
     t = read_tensors(p, names, field="target.path")
     if "model.embed_tokens.weight" not in t:
         raise bad_value("target.path", str(target), "its weights have no `model.embed_tokens.weight`",
@@ -203,6 +206,10 @@ def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
         if target is None:
             raise bad_value("target", None, f"the drafter at {path} needs its target's embed_tokens and lm_head "
                             "and no verifier directory could be found", "pass target=<target dir or model>")
+    if not isinstance(target, torch.nn.Module) and Path(target).is_dir():
+        from pipeline.loading import check_shard_index
+
+        check_shard_index(Path(target), "target.path")  # before any weight is read
     state = read_tensors(Path(path))
     state = {k: v for k, v in state.items() if k not in TARGET_KEYS}
     check_tensors(cfg, state, str(path))

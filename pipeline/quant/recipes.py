@@ -111,23 +111,103 @@ def validate_settings(q, field: str) -> None:
     if int(q.max_seq_len) < 2:
         raise bad_value(f"{field}.max_seq_len", q.max_seq_len, "a calibration or check sequence needs at least "
                         "two tokens (a context row and an anchor)", "use e.g. 2048, or leave the preset's value")
+    # every count the stage draws with (checked here, not inside the DataLoader after the drafter load)
+    for key, problem, fix in (
+            ("anchors_per_sequence", "each calibration and check sequence needs at least one anchor block",
+             "use a positive number, e.g. 32"),
+            ("heldout_samples", "the checks need held-apart samples", "use 1 or more")):
+        n = q[key]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise bad_value(f"{field}.{key}", n, problem, fix)
+    if q.num_samples < 0:
+        raise bad_value(f"{field}.num_samples", q.num_samples, "a sample count cannot be negative",
+                        "use a positive number (or 0 with calibration=none)")
     if q.num_samples <= 0 and q.calibration == "cache":
         raise bad_value(f"{field}.num_samples", q.num_samples, "calibration needs at least one sample",
                         "use a positive number")
+    check_observer_kwargs(q, field)
     from pipeline.quant import act_scale
 
     act_scale.validate_settings(q, field)
 
 
-def quantized_linears(model: torch.nn.Module, ignore: list[str]) -> list[tuple[str, int]]:
-    """(name, in_features) of every nn.Linear the recipe will quantize, in module order."""
-    from compressed_tensors.utils import match_named_modules
+class Linears(list):
+    """`quantized_linears`' answer: (name, in_features) pairs, plus what the ignore entries matched."""
 
-    return [(name, int(mod.in_features)) for name, mod in match_named_modules(model, ["Linear"], ignore)]
+    all_names: tuple[str, ...] = ()  # every nn.Linear of the model, in module order
+    unmatched_ignore: tuple[str, ...] = ()  # ignore entries that match no nn.Linear (they would do nothing)
+
+
+def quantized_linears(model: torch.nn.Module, ignore: list[str]) -> Linears:
+    """(name, in_features) of every nn.Linear the recipe will quantize, in module order."""
+    from compressed_tensors.utils import is_match, match_named_modules
+
+    out = Linears((name, int(mod.in_features)) for name, mod in match_named_modules(model, ["Linear"], ignore))
+    linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
+    out.all_names = tuple(name for name, _ in linears)
+    out.unmatched_ignore = tuple(e for e in ignore if not any(is_match(name, mod, e) for name, mod in linears))
+    return out
+
+
+def check_ignore(q, field: str, linears: list[tuple[str, int]]) -> None:
+    """Every `ignore` entry the user gave must match at least one Linear layer (llm-compressor's rule:
+    an exact module name, or `re:` + a regex matched from the start of the name)."""
+    user = [str(e) for e in q.ignore]
+    unmatched = [e for e in getattr(linears, "unmatched_ignore", ()) if e in user]
+    if not unmatched:
+        return
+    names = list(getattr(linears, "all_names", ()))
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} Linear layers)" if len(names) > 3 else "")
+    raise bad_value(f"{field}.ignore", unmatched[0], "it matches no Linear layer of the model, so it would "
+                    "keep nothing dense", f"remove it, or give an exact layer name or `re:<regex>` over the names "
+                    f"llm-compressor sees ({shown})")
+
+
+def check_observer_kwargs(q, field: str) -> None:
+    """`observer_kwargs` must be settings the observer reads: it is built once (no model) with a mapping
+    that records which keys it looks up; an unread key, or a value it refuses, is one sentence."""
+    given = {str(k): v for k, v in dict(q.observer_kwargs or {}).items()}
+    if not given:
+        return
+    from llmcompressor.observers import Observer
+
+    class _Reads(dict):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.read: set[str] = set()
+
+        def get(self, key, default=None):
+            self.read.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            self.read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            self.read.add(key)
+            return super().__contains__(key)
+
+    args = _weight_args(q, SCHEMES[q.scheme])
+    reads = _Reads(given)
+    object.__setattr__(args, "observer_kwargs", reads)  # as-is: the observer's own reads are recorded
+    try:
+        Observer.load_from_registry(_observer_key(str(q.observer)), base_name="weight", args=args)
+    except (ValueError, TypeError) as exc:
+        raise bad_value(f"{field}.observer_kwargs", given, f"the {q.observer} observer refuses them "
+                        f"({str(exc).splitlines()[0]})", "fix the value (see llm-compressor's observers)") from None
+    unknown = [k for k in given if k not in reads.read]
+    if unknown:
+        known = sorted(reads.read)
+        raise bad_value(f"{field}.observer_kwargs.{unknown[0]}", given[unknown[0]],
+                        f"the {q.observer} observer has no `{unknown[0]}` setting",
+                        f"remove it (it reads {', '.join(known)})" if known else "remove it (it takes no settings)")
 
 
 def validate_group_size(q, field: str, linears: list[tuple[str, int]]) -> None:
-    """Every quantized layer's in-features must be a multiple of the group size (one scale per group)."""
+    """Every quantized layer's in-features must be a multiple of the group size (one scale per group);
+    every user ignore entry must match a layer (`check_ignore`)."""
+    check_ignore(q, field, linears)
     if not linears:
         raise bad_value(f"{field}.ignore", list(q.ignore), "it leaves no Linear layer to quantize",
                         "remove entries from the ignore list")
