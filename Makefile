@@ -109,3 +109,29 @@ clean:
 # the fault-injection suite, rendered as docs/reliability.md
 reliability: setup
 	$(PYTHON) -m pipeline.reliability
+
+# `make help`: one line per target (keep this table in step with the targets above;
+# tests/test_help.py fails when a target is missing from it). `make` alone still runs `setup`.
+.PHONY: help
+help:
+	@echo 'specquant make targets (stage targets take ARGS="key=value group=preset ...", Hydra overrides;'
+	@echo 'python -m pipeline <stage> --help lists every key):'
+	@printf '  %-17s %s\n' \
+	  setup            'create .venv and install specquant (torch==2.13.0 first, pinned); the default target' \
+	  all              'every stage on the embedded tiny world, offline; prints where the outputs are' \
+	  data             'build the calibration blend -> runs/<run>/data/' \
+	  cache            'cache the target'"'"'s hidden states at the drafter'"'"'s layers -> cache/ (NPROC=N: torchrun)' \
+	  quantize-drafter 'calibrate and quantize the drafter (ARGS="quant=<preset>") -> drafter/<variant>/, checks/' \
+	  quantize-target  'quantize the target (target_quant=<preset>) -> target/<variant>/ (NPROC=N: torchrun)' \
+	  evaluate         'acceptance length of every drafter variant -> eval/results.json, eval/report.md' \
+	  serve-check      'serve every drafter x target in vLLM on a CUDA GPU (SERVE_PYTHON=<python with vLLM 0.26>)' \
+	  manifest         'hashed manifests and provenance -> *_manifest.json, provenance/' \
+	  publish          'assemble each variant as a Hub repo folder -> publish/<variant>/ (push: publish.dry_run=false)' \
+	  verify           're-hash a run or published folder against its manifests (RUN=<dir>; default: the run of ARGS)' \
+	  repro-check      'the whole tiny pipeline twice from scratch; every output'"'"'s sha256 must match' \
+	  test             'the test suite, as CI runs it (PYTEST_ARGS=... passes pytest options)' \
+	  lint             'ruff over pipeline/ and tests/' \
+	  assets           'rebuild the embedded tiny world (assets/tiny/) from its seeds' \
+	  reliability      'the fault-injection suite, written to docs/reliability.md' \
+	  clean            'remove runs/ and the pytest/ruff caches' \
+	  help             'this list'

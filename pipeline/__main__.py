@@ -94,6 +94,14 @@ def _compose_or_exit(overrides: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `<stage> --help` / `-h` (or `help <stage>`): the stage's purpose, keys and presets, before composing
+    # (Hydra would read `--help` as an override); overrides given beside it shape the values shown
+    if argv and argv[0] == "help" and len(argv) > 1 and argv[1] in STAGES:
+        argv = [argv[1], "--help", *argv[2:]]
+    if argv and argv[0] in STAGES and any(a in {"-h", "--help"} for a in argv[1:]):
+        from pipeline.help import main as stage_help
+
+        return stage_help(argv[0], STAGES[argv[0]], [a for a in argv[1:] if a not in {"-h", "--help"}])
     if not argv or argv[0] in {"-h", "--help", "help"}:
         print(USAGE)
         return 0 if argv else 2

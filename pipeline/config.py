@@ -13,31 +13,34 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# conf/ and assets/ live beside the package in the checkout (`pip install -e .`, what `make setup` does),
+# so they are found from the installed package wherever the command runs
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = PROJECT_ROOT / "conf"
 
 
 @dataclass
 class TargetConfig:
-    name: str = MISSING
+    name: str = MISSING  # label used in manifests, cards and file names
     path: str = MISSING  # local directory or Hub repo id
     revision: str | None = None  # pinned commit for Hub repo ids
     tokenizer: str | None = None  # defaults to `path`
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda | cuda:N
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
-    license: str | None = None
+    attn_implementation: str = "sdpa"  # transformers attention backend (sdpa | eager | flash_attention_2)
+    trust_remote_code: bool = False  # let transformers run the checkpoint's own modeling code
+    license: str | None = None  # SPDX-style id recorded in manifests and model cards
 
 
 @dataclass
 class DrafterConfig:
-    name: str = MISSING
+    name: str = MISSING  # label used in manifests, cards and published repo names
     path: str = MISSING  # local directory or Hub repo id
-    revision: str | None = None
+    revision: str | None = None  # pinned commit for Hub repo ids
     format: str = "auto"  # auto | zlab | speculators
-    mask_token: str = "<|MASK|>"
-    license: str | None = None
-    trust_remote_code: bool = False
+    mask_token: str = "<|MASK|>"  # the token a DFlash block is drafted from (must be in the target's tokenizer)
+    license: str | None = None  # SPDX-style id recorded in manifests and model cards
+    trust_remote_code: bool = False  # let transformers run the checkpoint's own modeling code
 
 
 @dataclass
@@ -45,29 +48,29 @@ class DataSource:
     name: str = MISSING  # subset label recorded in counts and manifests
     path: str | None = None  # local .json / .jsonl file
     hub_id: str | None = None  # Hub dataset id, loaded with datasets.load_dataset
-    revision: str | None = None
-    split: str = "train"
+    revision: str | None = None  # pinned commit (or tag) of the Hub dataset
+    split: str = "train"  # split of the Hub dataset (hub_id only)
     format: str = "auto"  # auto | sharegpt | openai
-    weight: float = 1.0
+    weight: float = 1.0  # relative share of the blend drawn from this source
 
 
 @dataclass
 class DataConfig:
-    name: str = MISSING
-    sources: list[DataSource] = field(default_factory=list)
-    num_samples: int = 256
-    max_seq_len: int = 2048
-    min_assistant_tokens: int = 1
-    max_turn_chars: int = 200_000
-    system_prompt: str | None = None
+    name: str = MISSING  # label of the blend, recorded in the calibration manifest
+    sources: list[DataSource] = field(default_factory=list)  # the datasets blended into the calibration set
+    num_samples: int = 256  # conversations drawn (seeded, by weight) into data/samples.jsonl
+    max_seq_len: int = 2048  # tokens per sample after the chat template; longer ones are truncated
+    min_assistant_tokens: int = 1  # drop a conversation with fewer assistant (loss-mask) tokens than this
+    max_turn_chars: int = 200_000  # drop a conversation with a longer turn (malformed or pathological rows)
+    system_prompt: str | None = None  # prepended as a system turn where a conversation has none
 
 
 @dataclass
 class CacheConfig:
     storage_dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | fp8
-    samples_per_shard: int = 64
-    max_shard_bytes: int = 2 * 1024**3
-    batch_tokens: int = 8192
+    samples_per_shard: int = 64  # samples per shard-*.safetensors file (at most)
+    max_shard_bytes: int = 2 * 1024**3  # bytes per shard file (at most); a shard closes at whichever limit comes first
+    batch_tokens: int = 8192  # padded tokens per target forward (memory vs throughput)
     distributed_backend: str = "auto"  # auto | gloo | nccl
     # HF output_hidden_states indices to cache; None = the drafter config's aux layers
     aux_layer_ids: list[int] | None = None
@@ -82,18 +85,18 @@ class CacheConfig:
 class QuantConfig:
     name: str = MISSING  # output variant directory name, e.g. nvfp4
     scheme: str = MISSING  # nvfp4 | nvfp4a16 | w4a16
-    observer: str = "minmax"
-    observer_kwargs: dict[str, Any] = field(default_factory=dict)
+    observer: str = "minmax"  # llm-compressor weight observer, e.g. minmax | mse | nvfp4_expanded_mse | imatrix_mse
+    observer_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments for the observer
     group_size: int | None = None  # None = the scheme's default (16 for NVFP4, 128 for W4A16)
     algorithm: str = "rtn"  # rtn | gptq
     calibration: str = "cache"  # cache | none (calibration-free baseline)
-    num_samples: int = 64
-    anchors_per_sequence: int = 32
-    max_seq_len: int = 2048
-    ignore: list[str] = field(default_factory=list)
-    quantize_qkv: bool = False
-    pipeline: str = "basic"
-    heldout_samples: int = 8
+    num_samples: int = 64  # cached samples used for calibration (after the held-apart ones)
+    anchors_per_sequence: int = 32  # DFlash blocks drafted per calibration sequence (anchor positions, seeded)
+    max_seq_len: int = 2048  # tokens per calibration sequence read from the cache (longer ones are cut)
+    ignore: list[str] = field(default_factory=list)  # extra module names or re: patterns kept unquantized
+    quantize_qkv: bool = False  # also quantize q/k/v (vLLM 0.26 cannot serve that drafter; kept dense by default)
+    pipeline: str = "basic"  # llm-compressor calibration pipeline: basic | sequential | independent | datafree
+    heldout_samples: int = 8  # cached samples kept apart from calibration for the checks and comparisons
     # calibration=none with activation quantization: the fixed activation absmax behind the constant
     # NVFP4 input_global_scale (448*6 = 2688 gives 1.0, compressed-tensors' uncalibrated fallback)
     fixed_activation_amax: float = 2688.0
@@ -102,7 +105,7 @@ class QuantConfig:
     # the least layer-output error of activation QDQ on the calibration batches, among the fixed scale,
     # the minmax scale and minmax * each multiplier (pipeline/quant/act_scale.py)
     activation_scale: str = "minmax"  # minmax | mse
-    activation_scale_multipliers: list[float] = field(default_factory=lambda: [
+    activation_scale_multipliers: list[float] = field(default_factory=lambda: [  # the mse search's multiples
         0.25, 0.315, 0.397, 0.5, 0.63, 0.794, 1.26, 1.587, 2.0, 2.52, 3.175, 4.0])
     # the search reads the first N calibration samples of the seeded order (0 = all of them): 64 x
     # 2,048 tokens already pin each layer's error sums, and at 8B shape each sample costs ~0.5 s
@@ -120,19 +123,19 @@ class QuantConfig:
 
 @dataclass
 class EvalPromptSet:
-    name: str = MISSING
-    path: str | None = None
-    hub_id: str | None = None
-    revision: str | None = None
-    split: str = "test"
+    name: str = MISSING  # subset label (a file and table name)
+    path: str | None = None  # local .json/.jsonl file or a folder written by save_to_disk
+    hub_id: str | None = None  # Hub dataset id (loaded with datasets.load_dataset)
+    revision: str | None = None  # pinned commit of the Hub dataset (required with hub_id)
+    split: str = "test"  # split of the Hub dataset (hub_id), or of a saved dataset folder
     field: str = "prompt"  # column holding the prompt text (or messages)
 
 
 @dataclass
 class EvalConfig:
-    name: str = MISSING
-    prompt_sets: list[EvalPromptSet] = field(default_factory=list)
-    max_new_tokens: int = 64
+    name: str = MISSING  # label of the prompt collection, recorded in results and the report
+    prompt_sets: list[EvalPromptSet] = field(default_factory=list)  # the subsets evaluated (chat, math, code, ...)
+    max_new_tokens: int = 64  # tokens generated per prompt
     limit: int | None = None  # prompts per subset, for quick runs
     variants: list[str] = field(default_factory=list)  # drafter variants; empty = every one in the run
     target_variant: str = "bf16"  # the target of the main table (and of the calibration comparison)
@@ -143,18 +146,23 @@ class EvalConfig:
 
 @dataclass
 class PublishConfig:
-    dry_run: bool = True
-    endpoint: str = "https://huggingface.co"
-    namespace: str | None = None
+    dry_run: bool = True  # assemble publish/<variant>/ only; false = also push to the Hub
+    endpoint: str = "https://huggingface.co"  # the Hub to push to
+    namespace: str | None = None  # Hub user or organization the repos are created under
     repo_id: str | None = None  # overrides <namespace>/<drafter>-<variant>
-    token_env: str = "HF_TOKEN"
-    private: bool = False
-    variants: list[str] = field(default_factory=list)
-    tag: str | None = None
+    token_env: str = "HF_TOKEN"  # environment variable holding the Hub write token
+    private: bool = False  # create the Hub repos private
+    variants: list[str] = field(default_factory=list)  # drafter variants to publish; empty = every one of the run
+    tag: str | None = None  # git tag on the pushed commit; None = specquant-<run_name>-<files sha256 prefix>
     token: str | None = None  # prefer token_env; a token given here is scrubbed like one from env
     base_model: str | None = None  # Hub id of the source drafter (default: drafter.path when it is a repo id)
     target_model: str | None = None  # Hub id of the target shown in the card (default: target.path)
-    library_name: str = "speculators"
+    library_name: str = "speculators"  # library_name in the model card front matter
+    # OpenSSF model signing (model.sig in each folder, offline); signing_key and signing_key_env null = unsigned
+    signing_key: str | None = None  # path of an elliptic-curve private key (PEM) to sign with; read, never copied
+    signing_key_env: str | None = None  # environment variable holding that path (used when signing_key is null)
+    signing_key_password_env: str | None = None  # environment variable holding the key's password, if encrypted
+    public_key: str | None = None  # the matching public key (PEM): checked against the signing key; verify's default
 
 
 @dataclass
@@ -171,7 +179,7 @@ class ServeConfig:
     max_model_len: int | None = None  # None = longest prompt + eval.max_new_tokens + 64
     dtype: str = "bfloat16"  # what vLLM computes in (FLASH_ATTN needs 16-bit)
     attention_backend: str = "FLASH_ATTN"  # must support non-causal attention (DFlash drafts a block at once)
-    enforce_eager: bool = True
+    enforce_eager: bool = True  # no CUDA graphs (faster start-up for many short-lived engines)
     emulate_w4a4: bool = True  # NVFP4 W4A4 drafters run again with linear_backend=emulation below sm100
     min_tau_ratio: float = 0.9  # fail a variant whose vLLM tau is below this x the bf16 drafter's
     min_tau: float = 1.05  # fail any variant below this (zero acceptance)
@@ -182,10 +190,10 @@ class ServeConfig:
 
 @dataclass
 class SpecquantConfig:
-    run_name: str = MISSING
-    seed: int = 0
-    runs_root: str = "runs"
-    run_dir: str = "${runs_root}/${run_name}"
+    run_name: str = MISSING  # the run directory's name (runs/<run_name>/)
+    seed: int = 0  # seeds every draw: the blend, the held-apart split, the calibration anchors
+    runs_root: str = "runs"  # where run directories are made (relative to the working directory)
+    run_dir: str = "${runs_root}/${run_name}"  # where this run's outputs land (every stage reads and writes here)
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -218,7 +226,40 @@ def compose(overrides: list[str] | None = None, config_dir: str | Path | None = 
         derive_names(cfg)
     except MissingMandatoryValue:  # quant.name unset: reported by the caller's checks
         pass
+    anchor_project_paths(cfg)
     return cfg
+
+
+# path keys whose shipped values (conf/) are relative to the checkout, e.g. assets/tiny/target:
+# (the node holding the key, or a list of such nodes when it ends in [], the key)
+PATH_FIELDS = (("target", "path"), ("target", "tokenizer"), ("drafter", "path"), ("data.sources[]", "path"),
+               ("eval.prompt_sets[]", "path"))
+
+
+def anchor_project_paths(cfg, cwd: Path | None = None) -> list[str]:
+    """A relative path that names nothing from the working directory but exists in the checkout is
+    taken from the checkout (made absolute), so `specquant <stage>` runs from any directory with the
+    shipped conf/ and assets/. From the checkout root nothing changes (the path exists there as given);
+    outputs still go to `runs_root` relative to the working directory. Returns the keys changed."""
+    from omegaconf import OmegaConf
+
+    cwd = Path.cwd() if cwd is None else Path(cwd)
+    if cwd.resolve() == PROJECT_ROOT:
+        return []
+    changed = []
+    for where, key in PATH_FIELDS:
+        found = OmegaConf.select(cfg, where.removesuffix("[]"), default=None)
+        if found is None:
+            continue
+        nodes = list(enumerate(found)) if where.endswith("[]") else [(None, found)]
+        for i, node in nodes:
+            value = None if OmegaConf.is_missing(node, key) else node.get(key)
+            if (not isinstance(value, str) or not value or Path(value).is_absolute() or (cwd / value).exists()
+                    or not (PROJECT_ROOT / value).exists()):
+                continue
+            node[key] = str(PROJECT_ROOT / value)
+            changed.append(f"{where.removesuffix('[]')}{'' if i is None else f'[{i}]'}.{key}")
+    return changed
 
 
 NAME_FIELDS = ("run_name", "quant.name", "target_quant.name", "quant.calibration_target", "cache.target")

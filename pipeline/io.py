@@ -37,6 +37,8 @@ def _read_umask() -> int:
 
 # mkstemp creates 0600 files; outputs get the mode a plain open() would (read once: umask is process-wide)
 _FILE_MODE = 0o666 & ~_read_umask()
+# ... and folders (and executable files) a plain mkdir's: 0644 / 0755 under the usual umask 022
+_DIR_MODE = 0o777 & ~_read_umask()
 
 
 def _default_mode() -> int:
@@ -247,6 +249,20 @@ def _fsync_tree(root: Path) -> None:
     _fsync_dir(root)
 
 
+def _normalize_modes(root: Path) -> None:
+    """Give every file under `root` the mode a plain open() would (executables and folders a plain
+    mkdir's): libraries that write through their own temp files leave them 0600 (safetensors'
+    save_file, behind every quantized model.safetensors), so one checkpoint folder would mix private
+    and readable files. Modes are not part of any hash (`hash_files` reads only the bytes)."""
+    for p in [root, *root.rglob("*")]:
+        if p.is_symlink():
+            continue
+        mode = p.stat().st_mode
+        want = _DIR_MODE if p.is_dir() or mode & 0o100 else _FILE_MODE
+        if mode & 0o7777 != want:
+            os.chmod(p, want)
+
+
 def remove_partials(parent: str | os.PathLike) -> None:
     """Delete the `.partial-*` directories a killed `atomic_dir` left in `parent`."""
     parent = Path(parent)
@@ -258,8 +274,8 @@ def remove_partials(parent: str | os.PathLike) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty sibling directory; on clean exit (every file fsynced) it replaces `final` in one
-    rename, so `final` is never seen half-written. A killed run leaves only a `.partial-*` sibling,
+    """Yield an empty sibling directory; on clean exit (modes made uniform, every file fsynced) it
+    replaces `final` in one rename, so `final` is never seen half-written. A killed run leaves only a `.partial-*` sibling,
     which the next `atomic_dir` in the same parent removes."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -268,6 +284,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        _normalize_modes(tmp)
         _fsync_tree(tmp)
         old = None
         if final.exists():

@@ -69,7 +69,15 @@ def stage_record_name(stage: str, cfg) -> str:
     return stage
 
 
+# stages that drive llm-compressor: it is imported first, quietly (pipeline.quiet.import_llmcompressor)
+LLMCOMPRESSOR_STAGES = ("quantize-drafter", "quantize-target")
+
+
 def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, Any]:
+    if stage in LLMCOMPRESSOR_STAGES:
+        from pipeline.quiet import import_llmcompressor
+
+        import_llmcompressor()
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:

@@ -8,10 +8,16 @@ evaluated on the token stream the served target sees.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import bad_value
 
@@ -28,8 +34,9 @@ class PromptSubset:
     texts: list[str]  # the last user message of each prompt (what a serving benchmark sends)
 
 
-def _open_rows(ps, i: int):
-    """A `datasets.Dataset` for prompt set `ps` (no download unless a Hub id is configured)."""
+def _open_rows(ps, i: int, cache_dir: str | None = None):
+    """A `datasets.Dataset` for prompt set `ps` (no download unless a Hub id is configured); the Arrow
+    tables `datasets` prepares go to `cache_dir` (None = its own cache, ~/.cache/huggingface/datasets)."""
     import datasets
 
     where = f"eval.prompt_sets[{i}]"
@@ -40,12 +47,12 @@ def _open_rows(ps, i: int):
         if not ps.revision:
             raise bad_value(f"{where}.revision", ps.revision, f"Hub dataset {ps.hub_id!r} has no pinned revision",
                             "set a commit sha or tag so the evaluation is reproducible")
-        return datasets.load_dataset(ps.hub_id, revision=ps.revision, split=ps.split)
+        return datasets.load_dataset(ps.hub_id, revision=ps.revision, split=ps.split, cache_dir=cache_dir)
     path = Path(ps.path)
     if path.is_file() and path.suffix in {".json", ".jsonl"} and not path.read_bytes().removeprefix(BOM).strip():
         raise bad_value(f"{where}.path", ps.path, "the file is empty", "put one prompt per line in it, or drop the subset")
     if path.is_file() and path.suffix in {".json", ".jsonl"}:
-        return datasets.load_dataset("json", data_files=str(path), split="train")
+        return datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
     if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
@@ -80,8 +87,36 @@ def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def load_prompt_sets(eval_cfg, tokenizer) -> list[PromptSubset]:
-    """Every configured subset, `eval_cfg.limit` prompts each (None = all), in file order."""
+def scratch_dir(eval_cfg, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where `datasets` may write its Arrow tables while the prompts are read: `cache_dir`, else
+    `<run_dir>/.work/hf-datasets/<pid>` when `eval_cfg` is part of a whole run config, else a fresh
+    temporary folder. `load_prompt_sets` removes it afterwards, so nothing is left in
+    ~/.cache/huggingface/datasets nor in the run directory (whose files the manifests list)."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    root = eval_cfg._get_root() if isinstance(eval_cfg, DictConfig) else None
+    run_dir = OmegaConf.select(root, "run_dir", default=None) if root is not None else None
+    if run_dir:
+        return Path(str(run_dir)) / ".work" / "hf-datasets" / str(os.getpid())
+    return Path(tempfile.mkdtemp(prefix="specquant-hf-datasets-"))
+
+
+def load_prompt_sets(eval_cfg, tokenizer, cache_dir: str | os.PathLike | None = None) -> list[PromptSubset]:
+    """Every configured subset, `eval_cfg.limit` prompts each (None = all), in file order.
+
+    `datasets`' Arrow tables go to `scratch_dir(eval_cfg, cache_dir)`, removed before returning (every
+    prompt is read into memory first); Hub files themselves stay in the Hub client's cache."""
+    scratch = scratch_dir(eval_cfg, cache_dir)
+    try:
+        return _load_prompt_sets(eval_cfg, tokenizer, str(scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch.parent.name == "hf-datasets":  # the run dir's .work/hf-datasets/, once no run uses it
+            with contextlib.suppress(OSError):
+                scratch.parent.rmdir()
+
+
+def _load_prompt_sets(eval_cfg, tokenizer, cache_dir: str) -> list[PromptSubset]:
     if not eval_cfg.prompt_sets:
         raise bad_value("eval.prompt_sets", [], "no prompt set is configured", "add at least one subset")
     limit = eval_cfg.limit
@@ -101,7 +136,7 @@ def load_prompt_sets(eval_cfg, tokenizer) -> list[PromptSubset]:
                         "point target.tokenizer at the target's own tokenizer (with its chat_template)")
     subsets = []
     for i, ps in enumerate(eval_cfg.prompt_sets):
-        rows = _open_rows(ps, i)
+        rows = _open_rows(ps, i, cache_dir)
         if ps.field not in rows.column_names:
             raise bad_value(f"eval.prompt_sets[{i}].field", ps.field,
                             f"subset {ps.name!r} has columns {rows.column_names}", "set `field` to one of them")

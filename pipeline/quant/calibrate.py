@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline import quiet
 from pipeline.quant.recipes import SCHEMES, build_modifier, fixed_input_global_scale
 
 
@@ -27,12 +28,28 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
     recipe = modifier if isinstance(modifier, list) else [modifier]
     # llm-compressor seeds nothing itself; observers and GPTQ are deterministic once this is fixed
     torch.manual_seed(seed)
+    # llm-compressor's get_main_device logs "No accelerator available! Compressing model on CPU instead"
+    # on every CPU run, several times per call; specquant chose the device itself (quant.device /
+    # target_quant.device, recorded in the stage record), so the line tells the user nothing they can act on
+    muted = ["llmcompressor.utils.dev"]
     if batches:
         loader = DataLoader(batches, batch_size=None, shuffle=False)
-        oneshot(model=model, dataset=loader, recipe=recipe, processor=NullProcessor(),
-                pipeline=q.pipeline, num_calibration_samples=len(batches))
+        with quiet.loguru_muted(*muted):
+            oneshot(model=model, dataset=loader, recipe=recipe, processor=NullProcessor(),
+                    pipeline=q.pipeline, num_calibration_samples=len(batches))
     else:
-        oneshot(model=model, recipe=recipe, pipeline="datafree")
+        # data-free by design (weight-only RTN, or the calibration-free NVFP4 baseline): llm-compressor
+        # then recommends the `sequential` pipeline (which needs calibration data) and, for W4A4, warns
+        # once per activation observer that it "attempted to calibrate a module input without statistics
+        # ... bad calibration setup"; both describe what this variant is, so they are muted and the
+        # one line below says what happens instead
+        muted += ["llmcompressor.pipelines.registry", "llmcompressor.modifiers.quantization.calibration"]
+        if SCHEMES[q.scheme].quantize_activations:
+            print(f"[specquant] {q.name}: calibration-free variant: no activation statistics by design; every "
+                  f"input_global_scale is set from the fixed activation absmax {float(q.fixed_activation_amax):g} "
+                  "(fixed_activation_amax)")
+        with quiet.loguru_muted(*muted):
+            oneshot(model=model, recipe=recipe, pipeline="datafree")
     return modifier
 
 

@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline import quiet
+
 # the directory swap lives in pipeline.io (publish uses it too); re-exported for existing imports
 from pipeline.io import (  # noqa: F401
     PARTIAL_PREFIX,
@@ -34,7 +36,15 @@ def save_compressed(model, out_dir: Path, writer: bool = True) -> dict | None:
     Under torchrun every rank must call it (compression is split across ranks) but only rank 0
     writes: the others pass writer=False and get None.
     """
-    model.save_pretrained(str(out_dir), save_compressed=True, max_shard_size="1000GB")
+    # llm-compressor dispatches the model with an hf_device_map naming "cpu" (its offload wrapper, also on
+    # a GPU run once calibration is done), so transformers warns "Attempting to save a model with offloaded
+    # modules. Ensure that unallocated cpu memory exceeds the `shard_size` (50GB default)": the weights are
+    # already in CPU memory and one file is written by design (max_shard_size above), so there is nothing
+    # to act on; llm-compressor's "No accelerator available!" during compression is muted as in
+    # pipeline.quant.calibrate.run_oneshot
+    with quiet.warnings_ignored("Attempting to save a model with offloaded modules"), \
+            quiet.loguru_muted("llmcompressor.utils.dev"):
+        model.save_pretrained(str(out_dir), save_compressed=True, max_shard_size="1000GB")
     recipe = out_dir / "recipe.yaml"
     if writer and recipe.is_file():
         text = recipe.read_text(encoding="utf-8")

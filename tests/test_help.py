@@ -1,0 +1,72 @@
+"""`make help` and `python -m pipeline <stage> --help` (issue 21): every target, every key, the presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+
+def _make_targets() -> list[str]:
+    text = (REPO / "Makefile").read_text(encoding="utf-8")
+    return [m.group(1) for m in re.finditer(r"^([A-Za-z][\w-]*):(?!=)", text, flags=re.M)]
+
+
+def test_make_help_lists_every_target_and_make_alone_is_still_setup():
+    targets = _make_targets()
+    assert targets[0] == "setup"  # `make` with no target: unchanged by the help target
+    out = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    listed = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+    assert sorted(listed) == sorted(set(targets)), f"make help and the Makefile disagree: {listed} vs {targets}"
+    assert all(len(line.split(None, 1)) == 2 for line in out.stdout.splitlines() if line.startswith("  "))
+
+
+def test_every_config_key_has_a_description():
+    from pipeline import config
+    from pipeline.help import field_comments
+
+    classes = [c for c in vars(config).values() if dataclasses.is_dataclass(c) and c.__module__ == config.__name__]
+    missing = [f"{c.__name__}.{f.name}" for c in classes for f in dataclasses.fields(c)
+               if not field_comments(c).get(f.name) and not dataclasses.is_dataclass(f.type)
+               and f.name not in {"target", "drafter", "data", "cache", "quant", "target_quant", "eval",
+                                  "publish", "serve"}]
+    assert not missing, f"add a trailing comment in pipeline/config.py for {missing}"
+
+
+def test_stage_help_prints_purpose_keys_types_values_and_presets(capsys):
+    from pipeline.__main__ import main
+    from pipeline.config import QuantConfig
+
+    assert main(["quantize-drafter", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "quantize-drafter: a DFlash drafter calibrated on the target's cached hidden states." in out
+    for f in dataclasses.fields(QuantConfig):
+        assert re.search(rf"^    quant\.{f.name} +\S", out, flags=re.M), f.name
+    assert "quant.num_samples                   int = 48" in out  # the tiny experiment's value
+    assert "cached samples used for calibration" in out  # the field's comment
+    for preset in ("nvfp4-nocalib", "w4a16-gptq", "qwen3-8b-dflash-nvfp4"):
+        assert preset in out
+    assert "key=value" in out and "group=preset" in out and "nvfp4 (now)" in out
+
+
+@pytest.mark.parametrize("argv", [["cache", "-h", "cache.batch_tokens=123"], ["help", "cache", "cache.batch_tokens=123"]])
+def test_help_forms_and_overrides_shape_the_values(capsys, argv):
+    from pipeline.__main__ import main
+
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^    cache\.batch_tokens +int = 123$", out, flags=re.M)
+    assert "conf groups: cache (conf/cache/, now default), target" in out
+
+
+def test_help_through_the_cli_is_not_a_hydra_override():
+    r = run_cli("evaluate", "--help", timeout=120)
+    assert r.returncode == 0 and "LexerNoViableAltException" not in r.stderr, r.stderr
+    assert r.stdout.startswith("usage: python -m pipeline evaluate") and "eval.max_new_tokens" in r.stdout
+    bad = run_cli("evaluate", "--help", "eval=nope", timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
