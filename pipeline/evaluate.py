@@ -219,7 +219,8 @@ def _pair_entry(d: dict, rd: RunDir, variant: str) -> dict:
     from pipeline import pairing
 
     brief = ("tau", "steps", "acceptance_rate", "position_acceptance")
-    return {"calibration_target": (pairing.drafter_record(rd, variant) or {}).get("variant"),
+    rec = pairing.drafter_record(rd, variant)  # None: no record (the bf16 reference, the drafter as given)
+    return {"calibration_target": None if rec is None else rec["variant"] if rec.get("used") else "data-free",
             "subsets": {s: {k: st[k] for k in brief} for s, st in d["subsets"].items()},
             "overall": {k: d["overall"][k] for k in brief}, "lossless_mismatches": dict(d["lossless_mismatches"])}
 

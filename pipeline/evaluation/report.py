@@ -118,7 +118,8 @@ def pair_matrix_section(results: dict) -> list[str]:
     out = ["## The served pair: every target x every drafter", "",
            "τ of each drafter variant with each target variant of the run (the target greedy-decodes as it is "
            "served: quantized targets dequantized, W4A4 inputs fake-quantized), per subset; `calibrated on` is the "
-           "target whose cached hidden states calibrated the drafter (`-`: none recorded). lossless = the "
+           "target whose cached hidden states calibrated the drafter (`data-free`: none did; `-`: no record, as for "
+           "the bf16 reference). lossless = the "
            "speculative output equals that target's own greedy output on every prompt. Heatmap: "
            "`pair_matrix.png`.", "",
            "| drafter | calibrated on | " + " | ".join(f"{t}: {s}" for t in targets for s in subsets)
