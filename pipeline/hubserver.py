@@ -232,8 +232,14 @@ def _body_chunks(rfile, length: int | None, chunked: bool):
 
 
 def _front_matter_errors(content: str) -> list[str]:
+    """Like the Hub's `POST /api/validate-yaml` for a model card: no front matter is valid; one that is there
+    must parse as a YAML mapping whose Hub keys have the Hub's types (`base_model` a repo id or a list of
+    them, `base_model_relation` one of adapter / merge / quantized / finetune and only with a base_model,
+    `license` / `library_name` / `pipeline_tag` strings, `tags` a list of strings)."""
     m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", content, re.S)
     if not m:
+        if re.match(r"^---\s*\n", content) and not re.match(r"^---\s*\n---\s*(\n|$)", content):
+            return ["the metadata block opened by `---` is never closed by a `---` line"]
         return []
     try:
         meta = yaml.safe_load(m.group(1))
@@ -255,6 +261,8 @@ def _front_matter_errors(content: str) -> list[str]:
             errors.append(f'"base_model" must be Hub repo ids, got {b!r}')
     if meta.get("base_model_relation") not in (None, "adapter", "merge", "quantized", "finetune"):
         errors.append('"base_model_relation" must be one of adapter, merge, quantized, finetune')
+    if "base_model_relation" in meta and not meta.get("base_model"):
+        errors.append('"base_model_relation" needs a "base_model"')
     return errors
 
 

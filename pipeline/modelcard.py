@@ -149,6 +149,7 @@ def pairing_lines(p: dict[str, Any]) -> list[str]:
 
 def render(info: dict[str, Any]) -> str:
     """The whole README.md. `info` keys: see pipeline.publish.card_info."""
+    sig = info.get("signature")
     meta = yaml.safe_dump(front_matter(info), sort_keys=False, allow_unicode=True)
     repo, target, variant = info["repo_id"], info.get("target") or "<target>", info["variant"]
     scheme = info.get("scheme") or variant
@@ -208,6 +209,21 @@ def render(info: dict[str, Any]) -> str:
             "Every file's sha256 is listed in `provenance/files.sha256.json` (with the run path it came "
             "from); the run's in-toto/SLSA statement is `provenance/attestation.intoto.json`. With specquant:",
             "```bash", f"hf download {repo} --revision <tag> --local-dir {repo.split('/')[-1]}",
-            f"python -m pipeline verify {repo.split('/')[-1]}", "```",
-            "On the Hub, LFS files show their sha256, which must equal the list.", ""]
+            f"python -m pipeline verify {repo.split('/')[-1]}" + (" --public-key <publisher's key.pub>" if sig else ""),
+            "```", "On the Hub, LFS files show their sha256, which must equal the list.", *signature_lines(info), ""]
     return "\n".join(out)
+
+
+def signature_lines(info: dict[str, Any]) -> list[str]:
+    """Whether the folder is signed, and how to check it; an unsigned folder says so plainly."""
+    sig = info.get("signature")
+    if not sig:
+        return ["", "**Unsigned**: this folder carries no signature (no `model.sig`); the sha256 list shows that "
+                "its files agree with the run's records, not who published them."]
+    name = info["repo_id"].split("/")[-1]
+    return ["", f"**Signed** with OpenSSF model signing (OMS, `{sig.get('tool')}`): `{sig['file']}` is a Sigstore "
+            "bundle over the sha256 of every other file of this repo (this card, the weights, the manifests and "
+            "`provenance/`, the in-toto statement included), made offline with an elliptic-curve key whose public "
+            f"key has sha256 `{sig['public_key_sha256']}`. Get that public key from the publisher, then "
+            "(besides the command above):", "```bash",
+            f"model_signing verify key {name} --signature {name}/{sig['file']} --public_key key.pub", "```"]

@@ -78,7 +78,9 @@ def write_file_list(folder: str | Path, kind: str = "published", origins: dict[s
     """Write `provenance/files.sha256.json` for `folder` (call it after the folder is complete).
     `files` (already hashed, e.g. by the manifest stage) saves re-reading a large run."""
     folder = Path(folder)
-    skip = (lambda rel: rel == FILE_LIST or is_late(rel)) if kind == "run" else (lambda rel: rel == FILE_LIST)
+    # a published folder's signature (pipeline/signing.py) signs the list, so the list cannot name it
+    skip = (lambda rel: rel == FILE_LIST or is_late(rel)) if kind == "run" else \
+        (lambda rel: rel in (FILE_LIST, "model.sig"))
     files = {r: dict(e) for r, e in files.items()} if files is not None else hash_files(folder, list_files(folder, skip))
     for rel, origin in (origins or {}).items():
         if rel in files:

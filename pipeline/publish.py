@@ -8,6 +8,11 @@ then a tag; the remote tree at the new commit is compared with the local file li
 Re-running is idempotent: an unchanged folder makes no commit, an interrupted one completes.
 
 Dry run is the default: assemble, verify, print what would be pushed, write the record.
+
+With a signing key configured (publish.signing_key or publish.signing_key_env), each assembled folder is
+signed with OpenSSF model signing (`pipeline/signing.py`): `model.sig` covers every other file of the
+folder (card, manifests and `provenance/`, the in-toto statement included) and is pushed with them; the
+folder is then verified against the signature too. Without one, the card says the folder is unsigned.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from pipeline import modelcard, serve_check
+from pipeline import modelcard, serve_check, signing
 from pipeline import provenance as prov
 from pipeline.errors import SpecquantError, bad_value
 from pipeline.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine, sha256_file
@@ -146,10 +151,12 @@ def _refuse_unserved(cfg, rd: RunDir, variant: str) -> None:
 
 
 # ---------------------------------------------------------------- verification
-def _refuse_unless_verified(path: Path, field: str, ignore_prefix: str | None = None) -> None:
+def _refuse_unless_verified(path: Path, field: str, ignore_prefix: str | None = None,
+                            public_key: bytes | None = None) -> None:
     from pipeline.verify import verify_dir
 
-    problems = [p for p in verify_dir(path) if not (ignore_prefix and p.startswith(ignore_prefix))]
+    problems = [p for p in verify_dir(path, public_key=public_key)
+                if not (ignore_prefix and p.startswith(ignore_prefix))]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise bad_value(field, str(path),
@@ -172,7 +179,8 @@ def _hub_id(value: str | None) -> str | None:
     return None
 
 
-def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path) -> dict[str, Any]:
+def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
+              signer: signing.Signer | None = None) -> dict[str, Any]:
     ckpt = _read_json(folder / "config.json") or {}
     qrm = _read_json(folder / "quant_run_manifest.json") or {}
     cal = _read_json(folder / "calibration_manifest.json") or {}
@@ -205,11 +213,26 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path) -> dict
         "calibration_comparison": modelcard.calibration_lines(_read_json(folder / "eval" / "results.json"), variant),
         "plots": sorted(p.relative_to(folder).as_posix() for p in (folder / "eval").glob("*.png")),
         "serving": serve_check.status_for(rd, variant),
-        "pairing": pairing_info(rd, variant, target, _read_json(folder / "eval" / "results.json")),
+        "pairing": pairing_info(cfg, rd, variant, target, _read_json(folder / "eval" / "results.json")),
+        "signature": {"file": signing.SIGNATURE, "public_key_sha256": signer.fingerprint,
+                      "tool": f"model-signing {signing.tool_version()}"} if signer else None,
     }
 
 
-def pairing_info(rd: RunDir, variant: str, target: str, results: Any) -> dict[str, Any]:
+REFERENCE_TARGET = "bf16"
+
+
+def _refuse_mispaired(cfg, rd: RunDir, variant: str) -> None:
+    """A drafter calibrated against a target of another vocab / hidden size / depth than the configured
+    target is never published as its drafter (pipeline.pairing.check_shape), before anything is assembled."""
+    from pipeline import pairing
+
+    pairing.check_shape(variant, pairing.drafter_record(rd, variant),
+                        pairing.target_identity(cfg.target.path, REFERENCE_TARGET, cfg.target.revision,
+                                                bool(cfg.target.trust_remote_code), hashed=False))
+
+
+def pairing_info(cfg, rd: RunDir, variant: str, target: str, results: Any) -> dict[str, Any]:
     """The target the drafter was calibrated on, the targets it was measured with, and the one-sentence
     warning when the card's target is not the one it was calibrated on."""
     from pipeline import pairing
@@ -229,9 +252,13 @@ def pairing_info(rd: RunDir, variant: str, target: str, results: Any) -> dict[st
     return {"calibrated_on": cal, "measured_with": measured, "warning": warning}
 
 
-def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Path]) -> Path:
-    """Build publish/<variant>/ beside it, then swap it in (`atomic_dir`: never half-assembled)."""
+def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Path],
+             signer: signing.Signer | None = None) -> Path:
+    """Build publish/<variant>/ beside it, then swap it in (`atomic_dir`: never half-assembled); then sign it
+    when a key is configured (after the swap, so the signed statement names the folder `<variant>`, not its
+    temporary name; a kill in between leaves an unsigned folder, which verification with the key refuses)."""
     dest = rd.publish / variant
+    previous = (dest / signing.SIGNATURE).read_bytes() if signer and (dest / signing.SIGNATURE).is_file() else None
     total = sum(p.stat().st_size for p in sources.values())
     with atomic_dir(dest) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {variant}",
                                        disable=total < (64 << 20)) as bar:
@@ -239,12 +266,14 @@ def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Pat
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, tmp / rel)
             bar.update(src.stat().st_size)
-        card = modelcard.render(card_info(cfg, rd, variant, repo_id, tmp))
+        card = modelcard.render(card_info(cfg, rd, variant, repo_id, tmp, signer))
         (tmp / "README.md").write_text(scrub(card), encoding="utf-8")
         # the statement cannot name itself, so its copy carries no origin
         origins = {rel: src.relative_to(rd.root.resolve()).as_posix() for rel, src in sources.items()
                    if rel != prov.ATTESTATION}
         prov.write_file_list(tmp, kind="published", origins=origins)
+    if signer:
+        signing.sign_folder(dest, signer, previous)
     return dest
 
 
@@ -350,6 +379,13 @@ def _push_or_explain(cfg, folder, files, repo_id, tag, token) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the stage
+def _signature_line(signer: signing.Signer | None) -> str:
+    if signer:
+        return (f"{signing.SIGNATURE}: signed with OpenSSF model signing, public key sha256 "
+                f"{signer.fingerprint[:16]}... (verify with `python -m pipeline verify <folder> --public-key <key.pub>`)")
+    return "unsigned (no publish.signing_key / publish.signing_key_env): no model.sig in the folder"
+
+
 def run(cfg) -> dict:
     pc = cfg.publish
     token = _token(cfg)
@@ -363,8 +399,10 @@ def run(cfg) -> dict:
                         "rename it, e.g. specquant-tiny-v1")
     if not pc.dry_run:
         _check_push(cfg, token)
+    signer = signing.signer_from_config(cfg)  # None: not signing
     for v in variants:
         _refuse_unserved(cfg, rd, v)
+        _refuse_mispaired(cfg, rd, v)
     sources = {v: _sources(rd, v) for v in variants}
     # publish/ is about to be rebuilt, so a stale assembled folder there is no reason to refuse
     _refuse_unless_verified(rd.root, "run_dir", ignore_prefix="publish/")
@@ -373,12 +411,12 @@ def run(cfg) -> dict:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     out: dict[str, Any] = {}
     for v in variants:
-        folder = assemble(cfg, rd, v, repos[v], sources[v])
-        _refuse_unless_verified(folder, "publish")
+        folder = assemble(cfg, rd, v, repos[v], sources[v], signer)
+        _refuse_unless_verified(folder, "publish", public_key=signer.public_pem if signer else None)
         listing = json.loads((folder / prov.FILE_LIST).read_text(encoding="utf-8"))
         files = {rel: {"sha256": e["sha256"], "bytes": e["bytes"]} for rel, e in listing["files"].items()}
-        files[prov.FILE_LIST] = {"sha256": sha256_file(folder / prov.FILE_LIST),
-                                 "bytes": (folder / prov.FILE_LIST).stat().st_size}
+        for rel in (prov.FILE_LIST, signing.SIGNATURE) if signer else (prov.FILE_LIST,):
+            files[rel] = {"sha256": sha256_file(folder / rel), "bytes": (folder / rel).stat().st_size}
         tag = str(pc.tag or f"specquant-{cfg.run_name}-{listing['files_sha256'][:10]}")
         if not _TAG.match(tag):
             raise bad_value("run_name", cfg.run_name, f"the default tag {tag!r} is not a valid Hub tag",
@@ -386,7 +424,12 @@ def run(cfg) -> dict:
         record = {"schema": "specquant.publish_record/v1", "run_name": str(cfg.run_name), "variant": v,
                   "repo_id": repos[v], "endpoint": str(pc.endpoint), "dry_run": bool(pc.dry_run),
                   "folder": f"publish/{v}", "verifier": "pipeline.verify", "files": files,
-                  "files_sha256": listing["files_sha256"], "tag": tag}
+                  "files_sha256": listing["files_sha256"], "tag": tag,
+                  # the key's path may be recorded, never its content
+                  "signature": {"file": signing.SIGNATURE, "format": "OpenSSF model signing (OMS) bundle, "
+                                f"elliptic-curve key, offline; model-signing {signing.tool_version()}",
+                                "public_key_sha256": signer.fingerprint, "signing_key_path": str(signer.key_path)}
+                  if signer else None}
         if pc.dry_run:
             record.update(status="dry-run", commit=None)
             size = sum(e["bytes"] for e in files.values())
@@ -397,11 +440,12 @@ def run(cfg) -> dict:
                     print(f"  {rel}  {e['bytes']} B  sha256 {e['sha256'][:16]}")
             src = [e["bytes"] for rel, e in files.items() if rel.startswith("provenance/source/")]
             print(f"  provenance/source/  {len(src)} files, {sum(src)} B (the code that ran)")
+            print(f"  {_signature_line(signer)}")
         else:
             record.update(_push_or_explain(cfg, folder, files, repos[v], tag, token))
             print(scrub(f"[publish] {repos[v]}: {record['status']}; commit {record['commit']}, tag {tag}; "
                         f"{len(record['uploaded'])} uploaded, {len(record['unchanged'])} unchanged; "
-                        "remote tree verified against the local file list"))
+                        "remote tree verified against the local file list; " + _signature_line(signer)))
         atomic_write_json(rd.publish / f"{v}.json", scrub_obj(record))
         out[v] = {k: record.get(k) for k in ("repo_id", "status", "commit", "tag", "files_sha256")}
     return {"output": str(rd.publish), "variants": out}

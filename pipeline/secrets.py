@@ -1,4 +1,5 @@
-"""Keep the Hub token out of every file, log line, exception and manifest."""
+"""Keep the Hub token (and any PEM private key, e.g. a publish signing key) out of every file, log line,
+exception and manifest."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ def remember(secret: str | None) -> None:
 
 # a Hugging Face access token wherever it appears (a config file, a diff), known or not
 _HF_TOKEN = re.compile(r"(?<![A-Za-z0-9_])hf_[A-Za-z0-9]{20,}(?![A-Za-z0-9])")
+# a PEM private key block (PKCS#8, SEC1 "EC", RSA, "ENCRYPTED", OpenSSH): the signing key is read from its path
+# and never written, but a key pasted into a config, an env var or a diff is masked wherever it appears
+# (a block cut short, with no END line, is masked up to the end of its base64)
+_PEM_PRIVATE_KEY = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----"
+                              r"(?:.*?-----END \1PRIVATE KEY-----|[A-Za-z0-9+/=\s]*)", re.S)
 # `token: <value>` in a YAML config (conf/publish/*.yaml documents the field); null / *** / ${...} are kept
 _YAML_TOKEN = re.compile(r"(?m)^([+\- ]?\s*(?:hf_)?token\s*:\s*)(?!null\b|~|\*\*\*|\$\{|['\"]?\s*$)(['\"]?)[^\s#'\"]+\2")
 
@@ -31,8 +37,8 @@ def scrub_config_text(text: str) -> str:
 
 def scrub_values(text: str) -> str:
     """Replace the known secret values (remembered tokens, token env vars) and anything shaped like a
-    Hugging Face token: safe for source code."""
-    text = _HF_TOKEN.sub("***", text)
+    Hugging Face token or a PEM private key block: safe for source code."""
+    text = _PEM_PRIVATE_KEY.sub("***", _HF_TOKEN.sub("***", text))
     secrets = set(_known)
     for env in _TOKEN_ENVS:
         v = os.environ.get(env)

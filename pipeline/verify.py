@@ -10,7 +10,12 @@ What is checked (each problem names the file):
 - the in-toto statement's subjects, the calibration manifest's cache shards and the quant run
   manifest's checkpoint files agree with the files (a record that disagrees while the file matches
   the list is reported as that record being altered); in a published folder, each file's "origin"
-  digest in the run's statement equals the file's.
+  digest in the run's statement equals the file's;
+- in a published folder, its OpenSSF model signing signature `model.sig` (pipeline/signing.py), when a
+  public key is given (`--public-key PATH`, or `publish.public_key` in conf/): model_signing's verifier
+  checks the signature, then every file against it; a file the signature disagrees with is named once
+  (on its hash-check line when that already names it). With a key but no `model.sig` the folder is
+  refused; without a key the signature is reported as present but not checked.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import provenance as prov
-from pipeline.errors import bad_value
+from pipeline import signing
+from pipeline.errors import SpecquantError, bad_value
 from pipeline.io import dumps_json, in_hf_local_cache
+from pipeline.secrets import scrub
 
 
 def _load(path: Path, rel: str, problems: list[str]) -> Any:
@@ -96,8 +103,30 @@ def _claims(folder: Path, doc: dict, problems: list[str]) -> dict[str, dict[str,
     return claims
 
 
-def verify_dir(path: str | Path) -> list[str]:
-    """Every problem found in a run directory or a published folder, each naming the file; [] = verified."""
+def _fold_signature(folder: Path, public_key, problems: list[str]) -> None:
+    """Add the signature's problem: a file it disagrees with that a hash check already named gets a clause
+    on that line; the others are named in one `model.sig: ...` sentence."""
+    res = signing.check(folder, public_key)
+    if res.problem is None:
+        return
+    rest = []
+    for rel in res.altered or []:
+        i = next((i for i, p in enumerate(problems) if p.startswith(f"{rel}: ")), None)
+        if i is None:
+            rest.append(rel)
+        else:
+            problems[i] += f"; the signature in {signing.SIGNATURE} no longer matches it either"
+    if res.altered is None or rest:
+        problem = res.problem
+        if res.altered and len(rest) < len(res.altered):  # name only what no other line names
+            problem = signing.altered_sentence(rest, res.signed, res.present)
+        problems.append(problem)
+
+
+def verify_dir(path: str | Path, public_key: str | Path | bytes | None = None) -> list[str]:
+    """Every problem found in a run directory or a published folder, each naming the file; [] = verified.
+
+    `public_key` (a path, or PEM bytes): also check a published folder's `model.sig` with it."""
     folder = Path(path)
     if not folder.is_dir():
         return [f"{folder}: not a directory"]
@@ -111,8 +140,9 @@ def verify_dir(path: str | Path) -> list[str]:
             return rel == prov.FILE_LIST or prov.is_late(rel)
     else:
         def skip(rel):
-            # a published folder fetched with `hf download --local-dir` holds the client's own metadata
-            return rel == prov.FILE_LIST or in_hf_local_cache(rel)
+            # a published folder fetched with `hf download --local-dir` holds the client's own metadata;
+            # the signature signs the folder, so no list inside it can name it
+            return rel in (prov.FILE_LIST, signing.SIGNATURE) or in_hf_local_cache(rel)
     present = prov.list_files(folder, skip)
     temps = [p.relative_to(folder).as_posix() for p in folder.rglob(prov.TMP_PREFIX + "*")
              if not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
@@ -139,11 +169,38 @@ def verify_dir(path: str | Path) -> list[str]:
             elif actual[rel]["sha256"] != digest and actual[rel]["sha256"] == listed.get(rel, {}).get("sha256"):
                 problems.append(f"{source.split(' ')[0]}: records sha256 {digest[:16]}... for {rel}, but the file "
                                 f"(and {prov.FILE_LIST}) has {actual[rel]['sha256'][:16]}...; the record was altered or is stale")
+    if doc["kind"] == "published" and public_key is not None:
+        _fold_signature(folder, public_key, problems)
     if doc["kind"] == "run":
         for sub in sorted((folder / "publish").glob("*/" + prov.FILE_LIST)):
             pub = sub.parent.parent
-            problems += [f"publish/{pub.name}/{p}" for p in verify_dir(pub)]
+            problems += [f"publish/{pub.name}/{p}" for p in verify_dir(pub, public_key)]
     return problems
+
+
+def signature_notes(path: str | Path) -> list[str]:
+    """One line per published folder (the folder itself, or a run's publish/<variant>/) whose signature
+    is not checked: unsigned, or signed but no public key given."""
+    folder = Path(path)
+    pubs = [folder] if not (folder / "publish").is_dir() else \
+        [p.parent.parent for p in sorted((folder / "publish").glob("*/" + prov.FILE_LIST))]
+    out = []
+    for pub in pubs:
+        note = signing.check(pub, None).note
+        if note and (pub / prov.FILE_LIST).is_file():
+            out.append(note if pub == folder else f"publish/{pub.name}/{note}")
+    return out
+
+
+def _configured_public_key() -> str | None:
+    """`publish.public_key` from conf/ (the default composition), or None."""
+    try:
+        from pipeline.config import compose
+
+        value = compose([]).publish.public_key
+    except Exception:  # noqa: BLE001 - no usable conf/ (e.g. outside a checkout): no configured key
+        return None
+    return str(value) if value else None
 
 
 def main(argv: list[str]) -> int:
@@ -152,11 +209,25 @@ def main(argv: list[str]) -> int:
                                              "against its file list, manifests and in-toto statement.")
     ap.add_argument("path", nargs="?", default="runs/tiny", help="run directory or published repo folder")
     ap.add_argument("--json", action="store_true", help="print the problems as a JSON list")
+    ap.add_argument("--public-key", metavar="PATH", default=None,
+                    help="the publisher's elliptic-curve public key (PEM): check the folder's signature model.sig "
+                         "with it (default: publish.public_key in conf/; none = the signature is not checked)")
     args = ap.parse_args(argv)
     if not Path(args.path).is_dir():
         raise bad_value("path", args.path, "no such directory",
                         "give a run directory (runs/<name>) or a published folder (runs/<name>/publish/<variant>)")
-    problems = verify_dir(args.path)
+    field = "--public-key"
+    key = args.public_key
+    if key is None and any((p / signing.SIGNATURE).is_file() for p in
+                           [Path(args.path), *Path(args.path).glob("publish/*")]):
+        key, field = _configured_public_key(), "publish.public_key"
+    pem = None
+    if key is not None:
+        try:
+            pem = signing.load_public_key(field, key)
+        except SpecquantError as exc:
+            raise SpecquantError(scrub(str(exc))) from None
+    problems = [scrub(p) for p in verify_dir(args.path, public_key=key if pem is not None else None)]
     if args.json:
         print(json.dumps(problems, indent=2))
     elif problems:
@@ -165,5 +236,13 @@ def main(argv: list[str]) -> int:
         print(f"verify: FAILED, {len(problems)} problem(s) in {args.path}")
     else:
         doc = json.loads((Path(args.path) / prov.FILE_LIST).read_text(encoding="utf-8"))
-        print(f"verify: OK, {len(doc['files'])} files in {args.path} match their recorded sha256")
+        root = Path(args.path)
+        sigs = [p.relative_to(root).as_posix() for p in [root / signing.SIGNATURE,
+                                                         *sorted(root.glob(f"publish/*/{signing.SIGNATURE}"))]
+                if p.is_file()] if pem is not None else []
+        signed = f" and {' and '.join(sigs)} verif{'ies' if len(sigs) == 1 else 'y'} with {key}" if sigs else ""
+        print(f"verify: OK, {len(doc['files'])} files in {args.path} match their recorded sha256{signed}")
+        if pem is None:
+            for note in signature_notes(args.path):
+                print(f"verify: {note}")
     return 1 if problems else 0
