@@ -52,23 +52,23 @@ def drafter_record(rd, variant: str) -> dict[str, Any] | None:
 
 
 def target_identity(path: str | Path, variant: str, revision: str | None = None,
-                    trust_remote_code: bool = False) -> dict[str, Any]:
-    """The served target: variant name, files sha256 (the cache stage's rule) and shape, from its files."""
+                    trust_remote_code: bool = False, hashed: bool = True) -> dict[str, Any]:
+    """The served target: variant name, files sha256 (the cache stage's rule; `hashed=False`: None) and
+    shape, from its files."""
     from pipeline.io import dumps_json, sha256_text
     from pipeline.loading import checkpoint_hashes, load_config
 
-    files = checkpoint_hashes(path, revision) or {}
+    files = (checkpoint_hashes(path, revision) or {}) if hashed else {}
     conf = load_config(str(path), revision, trust_remote_code, "target.path").get_text_config()
     return {"variant": variant, "path": str(path),
             "files_sha256": sha256_text(dumps_json({rel: e["sha256"] for rel, e in files.items()})) if files else None,
             "shape": {k: int(getattr(conf, k)) for k in SHAPE_KEYS if getattr(conf, k, None) is not None}}
 
 
-def check_pair(variant: str, record: dict | None, served: dict) -> str | None:
-    """Refuse a drafter calibrated against a target of another shape; the warning sentence (or None)
-    for one calibrated against another checkpoint of the same shape."""
+def check_shape(variant: str, record: dict | None, served: dict) -> None:
+    """Refuse a drafter calibrated against a target of another vocab size, hidden size or depth."""
     if not record:
-        return None
+        return
     shape, have = record.get("shape") or {}, served.get("shape") or {}
     diff = [k for k in SHAPE_KEYS if k in shape and k in have and shape[k] != have[k]]
     if diff:
@@ -78,6 +78,14 @@ def check_pair(variant: str, record: dict | None, served: dict) -> str | None:
                         f"({served['path']}) with {k}={have[k]}",
                         "pair it with the target it was made for, or re-run cache and quantize-drafter "
                         "for this target")
+
+
+def check_pair(variant: str, record: dict | None, served: dict) -> str | None:
+    """Refuse a drafter calibrated against a target of another shape; the warning sentence (or None)
+    for one calibrated against another checkpoint of the same shape."""
+    if not record:
+        return None
+    check_shape(variant, record, served)
     if not record.get("used") or not record.get("files_sha256") or record["files_sha256"] == served.get("files_sha256"):
         return None
     return (f"drafter `{variant}` was calibrated on the hidden states of target `{record['variant']}` "

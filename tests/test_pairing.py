@@ -158,6 +158,15 @@ def test_pairing_with_a_target_of_another_shape_is_refused_before_anything_loads
         f"num_hidden_layers={n}, but is paired with target `bf16`")
     assert "Traceback" not in r.stderr
     assert not (copy / "qw" / "eval" / "serve_check.json").exists()
+    # and publish refuses to ship it as that target's drafter, before anything is assembled
+    r = run_cli("publish", *[o for o in _base(copy) if not o.startswith("target.")],
+                f"target.path={other}", f"target.tokenizer={other}", "publish.variants=[w4a16-imatrix]")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: `drafter/w4a16-imatrix` = 'w4a16-imatrix': it was calibrated against target `bf16` with "
+        f"num_hidden_layers={n}, but is paired with target `bf16` ({other}) with num_hidden_layers={n + 1}; "
+        "pair it with the target it was made for, or re-run cache and quantize-drafter for this target.")
+    assert not (copy / "qw" / "publish").exists()
 
 
 def test_calibrating_on_a_target_without_its_cache_or_a_data_free_recipe_is_refused(world, tmp_path):

@@ -204,11 +204,26 @@ def test_ctrl_c_is_one_sentence_and_exit_130(world):
     import time
 
     # the tiny world (its target has a chat template), in a run directory of its own
+    import os
+    import threading
+
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "evaluate", f"runs_root={world / 'ctrl-c'}"],
-                            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    time.sleep(12)  # past the imports, into the work
+                            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    chunks: list[bytes] = []
+
+    def read():
+        while data := os.read(proc.stderr.fileno(), 4096):
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while b"prompt" not in b"".join(chunks) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)  # until the work has started (its first progress bar), however fast the machine
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    err = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     # (a progress bar may end without a newline, so the sentence can follow its carriage return)
     assert err.count("error:") == 1 and (

@@ -111,9 +111,10 @@ def load_prompt_sets(eval_cfg, tokenizer, cache_dir: str | os.PathLike | None = 
         return _load_prompt_sets(eval_cfg, tokenizer, str(scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        if scratch.parent.name == "hf-datasets":  # the run dir's .work/hf-datasets/, once no run uses it
-            with contextlib.suppress(OSError):
-                scratch.parent.rmdir()
+        if scratch.parent.name == "hf-datasets":  # the run dir's .work/hf-datasets/ (and .work/), once unused
+            for empty in (scratch.parent, scratch.parent.parent):
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
 
 
 def _load_prompt_sets(eval_cfg, tokenizer, cache_dir: str) -> list[PromptSubset]:

@@ -36,7 +36,7 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
     muted = ["llmcompressor.utils.dev"]
     if batches:
         loader = DataLoader(batches, batch_size=None, shuffle=False)
-        with quiet.loguru_muted(*muted), _awq_skips() as skipped:
+        with quiet.loguru_muted(*muted), _awq_skips(q.algorithm == "awq") as skipped:
             oneshot(model=model, dataset=loader, recipe=recipe, processor=NullProcessor(),
                     pipeline=q.pipeline, num_calibration_samples=len(batches))
         if skipped:
@@ -65,11 +65,14 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
 
 
 @contextlib.contextmanager
-def _awq_skips():
+def _awq_skips(active: bool = True):
     """The smoothing layers llm-compressor's AWQ reports skipping (a loguru WARNING per mapping)."""
     from loguru import logger
 
     skipped: list[str] = []
+    if not active:
+        yield skipped
+        return
 
     def sink(message):
         text = message.record["message"]
@@ -80,7 +83,8 @@ def _awq_skips():
     try:
         yield skipped
     finally:
-        logger.remove(handle)
+        with contextlib.suppress(ValueError):  # llm-compressor may reconfigure loguru (removing every sink)
+            logger.remove(handle)
 
 
 def set_fixed_activation_scales(model, amax: float) -> dict:
