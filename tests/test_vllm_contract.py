@@ -198,14 +198,13 @@ def test_a_cuda_device_on_a_machine_without_one_is_one_sentence(world, written):
 
 
 def test_ctrl_c_is_one_sentence_and_exit_130(world):
+    # the tiny world (its target has a chat template), in a run directory of its own
+    import os
     import signal
     import subprocess
     import sys
-    import time
-
-    # the tiny world (its target has a chat template), in a run directory of its own
-    import os
     import threading
+    import time
 
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "evaluate", f"runs_root={world / 'ctrl-c'}"],
                             cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
