@@ -39,7 +39,7 @@ cache: setup
 ifeq ($(NPROC),1)
 	$(PYTHON) -m pipeline cache $(ARGS)
 else
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m pipeline cache $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) --log-dir $(VENV)/torchelastic -m pipeline cache $(ARGS)
 endif
 
 quantize-drafter: setup
@@ -49,7 +49,7 @@ quantize-target: setup
 ifeq ($(NPROC),1)
 	$(PYTHON) -m pipeline quantize-target $(ARGS)
 else
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m pipeline quantize-target $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) --log-dir $(VENV)/torchelastic -m pipeline quantize-target $(ARGS)
 endif
 
 serve-check: setup
@@ -118,12 +118,12 @@ help:
 	@echo 'python -m pipeline <stage> --help lists every key):'
 	@printf '  %-17s %s\n' \
 	  setup            'create .venv and install specquant (torch==2.13.0 first, pinned); the default target' \
-	  all              'every stage on the embedded tiny world, offline; prints where the outputs are' \
+	  all              'every stage on the embedded tiny world, offline (PAIR_TARGET= skips the served pair)' \
 	  data             'build the calibration blend -> runs/<run>/data/' \
-	  cache            'cache the target'"'"'s hidden states at the drafter'"'"'s layers -> cache/ (NPROC=N: torchrun)' \
-	  quantize-drafter 'calibrate and quantize the drafter (ARGS="quant=<preset>") -> drafter/<variant>/, checks/' \
+	  cache            'cache the target'"'"'s hidden states at the drafter'"'"'s layers -> cache/ (cache.target=w4a16: cache-w4a16/)' \
+	  quantize-drafter 'calibrate and quantize the drafter (ARGS="quant=<preset> [quant.calibration_target=w4a16]")' \
 	  quantize-target  'quantize the target (target_quant=<preset>) -> target/<variant>/ (NPROC=N: torchrun)' \
-	  evaluate         'acceptance length of every drafter variant -> eval/results.json, eval/report.md' \
+	  evaluate         'acceptance length of every drafter x target pair -> eval/results.json, eval/report.md' \
 	  serve-check      'serve every drafter x target in vLLM on a CUDA GPU (SERVE_PYTHON=<python with vLLM 0.26>)' \
 	  manifest         'hashed manifests and provenance -> *_manifest.json, provenance/' \
 	  publish          'assemble each variant as a Hub repo folder -> publish/<variant>/ (push: publish.dry_run=false)' \

@@ -183,8 +183,12 @@ def target_for_cache(cfg, rd: RunDir):
         return cfg.target, variant
     have = rd.target_variants()
     if variant not in have:
+        import difflib
+
+        close = difflib.get_close_matches(variant, have, n=1)
         raise bad_value("cache.target", variant, f"no quantized target {rd.target(variant)} in this run "
-                        f"(have {have or 'none'})", f"run `make quantize-target ARGS=\"target_quant={variant}\"` "
+                        f"(have {have or 'none'})", f"did you mean {close[0]} (names are case-sensitive)" if close else
+                        f"run `make quantize-target ARGS=\"target_quant={variant} run_name={cfg.run_name}\"` "
                         "first or use cache.target=bf16")
     node = OmegaConf.create(OmegaConf.to_container(cfg.target, resolve=True))
     node.path, node.revision = str(rd.target(variant)), None
@@ -346,7 +350,10 @@ def run(cfg) -> dict:
         dist.barrier()
         index = None
         if dist.rank == 0:
-            extra = {"target_variant": variant, "target_path": str(tcfg.path), "target_revision": tcfg.revision,
+            # a quantized target is named by its place in the run (`target/<variant>`), so the index does not
+            # depend on where the run directory lives
+            extra = {"target_variant": variant, "target_revision": tcfg.revision,
+                     "target_path": str(cfg.target.path) if variant == "bf16" else f"target/{variant}",
                      "target_shape": {k: int(getattr(tconf, k)) for k in ("vocab_size", "hidden_size",
                                                                            "num_hidden_layers")},
                      "device_type": device.type, "batch_tokens": int(cfg.cache.batch_tokens)}

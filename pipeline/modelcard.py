@@ -143,8 +143,19 @@ def pairing_lines(p: dict[str, Any]) -> list[str]:
         out.append("- Measured with: " + "; ".join(f"target `{t}`: tau {tau:.3f}" for t, tau in measured.items())
                    + " (reference loop, all prompts; `eval/report.md` has the pair matrix).")
     if p.get("warning"):
-        out.append(f"- **Note:** {p['warning']}")
+        out.append(f"- **Note:** {p['warning'].rstrip('.')}.")
     return out + [""]
+
+
+def _pair_caveat(p: dict[str, Any]) -> list[str]:
+    """At the top of the card: a drafter calibrated for a quantized target says so before any command."""
+    cal = p.get("calibrated_on") or {}
+    if not p.get("warning"):
+        return []
+    return [f"> **Calibrated for the quantized target `{cal.get('variant')}`.** It was calibrated on that target's "
+            "hidden states; the target named below and in the serving command is the configured one, so serve "
+            f"it beside the `{cal.get('variant')}` checkpoint instead (tau with each target: \"Target precision\" "
+            "below).", ""]
 
 
 def render(info: dict[str, Any]) -> str:
@@ -161,6 +172,7 @@ def render(info: dict[str, Any]) -> str:
            + f", for speculative decoding with `{target}`, produced by "
            f"specquant from the drafter `{info.get('source_drafter')}` (run `{info.get('run_name')}`, "
            f"variant `{variant}`).", "",
+           *_pair_caveat(info.get("pairing") or {}),
            "## What it is and is not",
            "- It **is** a block drafter: it proposes blocks of tokens that the target verifies, so what is "
            "generated is what the target alone would generate (token for token under greedy decoding); only "
@@ -179,8 +191,10 @@ def render(info: dict[str, Any]) -> str:
            "Full details: `quant_run_manifest.json`, `calibration_manifest.json` and `provenance/`.", "",
            "## Acceptance length", ]
     if table:
+        with_target = (info.get("pairing") or {}).get("table_target")
         out += ["Mean acceptance length tau (accepted tokens + 1 per verification step; relative change "
-                "vs the bf16 drafter in brackets), greedy, measured by specquant's reference loop:", "", table, ""]
+                "vs the bf16 drafter in brackets), greedy, measured by specquant's reference loop"
+                + (f" with the `{with_target}` target" if with_target else "") + ":", "", table, ""]
     else:
         out += ["Not measured in this run (no `eval/results.json`).", ""]
     out += [f"![{p}]({p})" for p in plots] + ([""] if plots else [])

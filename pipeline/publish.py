@@ -249,7 +249,8 @@ def pairing_info(cfg, rd: RunDir, variant: str, target: str, results: Any) -> di
                    f"card and config name `{target}` as its target; serve it with the `{cal['variant']}` target "
                    "(publish.target_model=<that checkpoint's Hub id> names it)")
         pairing.warn(warning, "publish")
-    return {"calibrated_on": cal, "measured_with": measured, "warning": warning}
+    table_target = ((results or {}).get("target") or {}).get("variant") if isinstance(results, dict) else None
+    return {"calibrated_on": cal, "measured_with": measured, "warning": warning, "table_target": table_target}
 
 
 def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Path],

@@ -65,15 +65,30 @@ def drafter_linears(dconf, ignore: list[str]) -> list[tuple[str, int]]:
 
 def calibration_cache(cfg, rd: RunDir) -> Path:
     """The cache the drafter calibrates on: the bf16 target's, or `quant.calibration_target`'s."""
+    import difflib
+
     target = str(cfg[FIELD].calibration_target)
+    run = f" run_name={cfg.run_name}"
     if target != "bf16" and target not in rd.target_variants():
+        close = difflib.get_close_matches(target, rd.target_variants(), n=1)
         raise bad_value(f"{FIELD}.calibration_target", target, f"this run has no quantized target "
                         f"{rd.target(target)} (have {rd.target_variants() or 'none'})",
-                        "run quantize-target for it first, or use bf16")
+                        f"did you mean {close[0]} (names are case-sensitive)" if close else
+                        f"run `make quantize-target ARGS=\"target_quant={target}{run}\"` first, or use bf16")
     where = rd.cache_for(target)
     if target != "bf16" and not (where / "index.json").is_file():
         raise bad_value(f"{FIELD}.calibration_target", target, f"no cache of that target's hidden states in {where}",
-                        f"run `make cache ARGS=\"cache.target={target}\"` first")
+                        f"run `make cache ARGS=\"cache.target={target}{run}\"` first")
+    if target != "bf16":  # the cache must hold the states of the target variant as it is now
+        from pipeline import pairing
+
+        cached = ((read_json(where / "index.json", f"{where.name}/index.json").get("inputs") or {}).get("target")
+                  or {}).get("files_sha256")
+        now = pairing.target_identity(rd.target(target), target).get("files_sha256")
+        if cached != now:
+            raise bad_value(f"{FIELD}.calibration_target", target, f"{where} holds the hidden states of other "
+                            f"target files ({str(cached)[:12]}) than {rd.target(target)} now has ({str(now)[:12]})",
+                            f"re-run `make cache ARGS=\"cache.target={target}{run}\"` first")
     return where
 
 

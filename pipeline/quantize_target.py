@@ -58,6 +58,10 @@ def calibration_batches(samples: list[dict], num_samples: int, max_seq_len: int,
 def run(cfg) -> dict:
     q = cfg[FIELD]
     recipes.validate_settings(q, FIELD)
+    if str(q.get("calibration_target") or "bf16") != "bf16":  # the schema is shared with `quant`
+        raise bad_value(f"{FIELD}.calibration_target", q.calibration_target, "a target calibrates on its own "
+                        "forward over the blend, not on cached hidden states", "leave it at bf16 (the drafter's "
+                        "choice is quant.calibration_target)")
     ignore = recipes.resolve_ignore(q)
     config = target_config(cfg)
     from pipeline.loading import check_safetensors_dir

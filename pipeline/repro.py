@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -141,15 +142,71 @@ def steps(stages: list[str], quants: list[str], pair_target: str, pair_quants: l
     return out
 
 
+# warnings the README explains (the served-pair section): one sentence each, by design
+EXPLAINED_WARNINGS = (
+    (re.compile(r"^warning: (evaluate|serve-check|publish): drafter `[^`]+` was calibrated on the hidden states of "
+                r"target `[^`]+`"), "pairing: a drafter paired with a target other than the one it was calibrated on"),
+    (re.compile(r"WARNING - Overriding weight observer for lower memory usage \((static_minmax|minmax|mse) -> "
+                r"memoryless_\w+\)$"), "llm-compressor: a weight observer runs once per layer, so its memoryless "
+                                      "twin computes the same scales"),
+)
+_WARNING = re.compile(r"warn", re.IGNORECASE)  # warning, Warning, UserWarning, warnings.warn(
+
+
+def warning_lines(text: str) -> tuple[list[str], dict[str, int]]:
+    """(warnings the README does not explain, {explained class: count}) in a stage's output."""
+    unexplained, explained = [], {}
+    for line in re.split(r"[\r\n]+", text):
+        line = line.strip()
+        if not line or not _WARNING.search(line):
+            continue
+        why = next((w for pat, w in EXPLAINED_WARNINGS if pat.search(line)), None)
+        if why:
+            explained[why] = explained.get(why, 0) + 1
+        else:
+            unexplained.append(line)
+    return unexplained, explained
+
+
+def new_files_outside(since: float, keep: list[Path]) -> list[str]:
+    """Files under $HOME and the temp dir modified after `since`, outside `keep` (the checkout, the runs)."""
+    roots = {Path.home(), Path(tempfile.gettempdir())}
+    kept = [k.resolve() for k in keep]
+    found = []
+    for root in sorted(roots):
+        for dirpath, dirnames, filenames in os.walk(root):
+            here = Path(dirpath).resolve()
+            dirnames[:] = [d for d in dirnames if not any((here / d).resolve() == k or k in (here / d).resolve().parents
+                                                          for k in kept)]
+            for name in filenames:
+                p = here / name
+                try:
+                    if p.stat().st_mtime > since and not any(k in p.parents for k in kept):
+                        found.append(str(p))
+                except OSError:
+                    continue
+    return sorted(found)
+
+
 def run_pipeline(runs_root: Path, overrides: list[str], quants: list[str], stages: list[str],
-                 pair_target: str = "", pair_quants: list[str] | None = None) -> float:
+                 pair_target: str = "", pair_quants: list[str] | None = None,
+                 warnings_seen: dict | None = None) -> float:
     env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.time()
     for stage, extra in steps(stages, quants, pair_target, list(pair_quants or [])):
         argv = [sys.executable, "-m", "pipeline", stage, f"runs_root={runs_root}", *extra, *overrides]
         print(f"[repro] {' '.join(argv[2:])}", flush=True)
-        if subprocess.run(argv, cwd=prov.REPO_ROOT, env=env).returncode != 0:
+        proc = subprocess.run(argv, cwd=prov.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        text = proc.stdout.decode("utf-8", errors="replace")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if warnings_seen is not None:
+            unexplained, explained = warning_lines(text)
+            warnings_seen.setdefault("unexplained", []).extend(f"{stage}: {w}" for w in unexplained)
+            for why, n in explained.items():
+                warnings_seen.setdefault("explained", {})[why] = warnings_seen.get("explained", {}).get(why, 0) + n
+        if proc.returncode != 0:
             raise SystemExit(f"repro-check: stage {stage} {' '.join(extra)} failed in {runs_root}")
     return time.time() - started
 
@@ -213,10 +270,12 @@ def main(argv: list[str] | None = None) -> int:
 
     run_name = str(compose(args.overrides).run_name)
     runs = {}
+    seen: dict = {}
+    started = time.time() - 1
     for side in ("a", "b"):
         root = work / side
         secs = run_pipeline(root, args.overrides, args.quants.split(), args.stages.split(), args.pair_target,
-                            args.pair_quants.split())
+                            args.pair_quants.split(), seen)
         print(f"[repro] run {side}: {secs:.0f}s -> {root / run_name}", flush=True)
         runs[side] = (root / run_name, root)
     (da, skipped), (db, _) = digests(*runs["a"]), digests(*runs["b"])
@@ -230,6 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     for d in diffs:
         print(f"[repro] FAIL: {d}")
     rc = 1 if diffs else 0
+    # what the runs printed: every warning is one the README explains
+    for why, n in sorted((seen.get("explained") or {}).items()):
+        print(f"[repro] {n} explained warning(s): {why}")
+    for w in seen.get("unexplained") or []:
+        print(f"[repro] FAIL: a warning the README does not explain: {w[:300]}")
+    rc = max(rc, 1 if seen.get("unexplained") else 0)
+    print(f"[repro] warnings: {len(seen.get('unexplained') or [])} unexplained")
+    # and nothing was left outside the checkout and the runs (home, temp dir)
+    outside = new_files_outside(started, [prov.REPO_ROOT, work])
+    for f in outside[:20]:
+        print(f"[repro] written outside the checkout and the runs: {f}")
+    print(f"[repro] files written outside the checkout and the runs: {len(outside)}")
     print(f"[repro] {'FAILED' if diffs else 'OK'}: {len(da) - len(diffs)} of {len(set(da) | set(db))} files identical")
     ref = Path(args.reference)
     view = _reference_view(*runs["a"])

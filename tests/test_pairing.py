@@ -189,3 +189,22 @@ def test_calibrating_on_a_target_without_its_cache_or_a_data_free_recipe_is_refu
         from pipeline import cache
 
         cache.run(compose([*base, "cache.target=nvfp4"]))
+
+
+def test_a_pair_cache_of_other_target_files_or_a_misspelt_target_is_refused(world, tmp_path):
+    """The cache of the quantized target must hold the states of that target as it is now: a target
+    re-quantized with other settings after its cache was made is named, and a typo gets the near name."""
+    from pipeline import cache, quantize_drafter
+
+    shutil.copytree(world / "qw", tmp_path / "qw")
+    base = _base(tmp_path)
+    cfg = compose([*base, "quant=w4a16-imatrix", "quant.calibration_target=w4a16"])
+    assert quantize_drafter.calibration_cache(cfg, run_dir(tmp_path)) == tmp_path / "qw" / "cache-w4a16"
+    shutil.rmtree(tmp_path / "qw" / "target" / "w4a16")
+    _stage("quantize-target", "pipeline.quantize_target", [*base, "target_quant=w4a16", "target_quant.observer=minmax"])
+    with pytest.raises(SpecquantError, match=r"^`quant.calibration_target` = 'w4a16': .*cache-w4a16 holds the hidden "
+                                             r"states of other target files \(\w{12}\) than .*target/w4a16 now has "
+                                             r"\(\w{12}\); re-run `make cache ARGS=\"cache.target=w4a16 run_name=qw\"`"):
+        quantize_drafter.calibration_cache(cfg, run_dir(tmp_path))
+    with pytest.raises(SpecquantError, match=r"^`cache.target` = 'W4A16': no quantized target .*; did you mean w4a16 \(names are case-sensitive\)\.$"):
+        cache.run(compose([*base, "cache.target=W4A16"]))

@@ -160,3 +160,18 @@ def test_one_git_state_rule_for_stage_records_and_source_snapshot(tmp_path, monk
     (tmp_path / "conf" / "new.yaml").unlink()
     (tmp_path / "pyproject.toml").unlink()  # a deletion
     assert both() is True
+
+
+def test_the_warning_check_knows_the_pairing_sentence_and_nothing_else(capsys):
+    """repro-check fails on any warning a stage prints that the README does not explain."""
+    from pipeline import pairing
+
+    served = {"variant": "w4a16", "path": "target/w4a16", "files_sha256": "b" * 64, "shape": {}}
+    record = {"variant": "bf16", "used": True, "files_sha256": "a" * 64, "shape": {}}
+    pairing.warn(pairing.check_pair("w4a16-gptq", record, served), "evaluate")
+    printed = capsys.readouterr().err
+    text = ("cache rank 0: 100%|####| 23.6k/23.6k\r" + printed
+            + "/x/transformers/quantizers/auto.py:279: UserWarning: You passed `quantization_config`\n")
+    unexplained, explained = repro.warning_lines(text)
+    assert explained == {"pairing: a drafter paired with a target other than the one it was calibrated on": 1}
+    assert unexplained == ["/x/transformers/quantizers/auto.py:279: UserWarning: You passed `quantization_config`"]

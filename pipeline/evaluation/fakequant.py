@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pipeline import quiet
 from pipeline.errors import bad_value
 
 # submodules a drafter takes from its target; never in a drafter checkpoint, never quantized
@@ -191,7 +192,10 @@ def load_target(path: str, dtype: torch.dtype, device: str, revision: str | None
     check_safetensors_dir(path, f"target/{Path(path).name}" if quantized else "target.path")
     if quantized:
         kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    # transformers warns that the checkpoint's own quantization_config wins over the one passed; only its
+    # `dequantize` flag is wanted here (weights decompressed at load), so the warning describes the intent
+    with quiet.warnings_ignored("You passed `quantization_config` or equivalent parameters"):
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if quantized:
         from compressed_tensors.offload import remove_dispatch
 

@@ -36,6 +36,11 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
     muted = ["llmcompressor.utils.dev"]
     if batches:
         loader = DataLoader(batches, batch_size=None, shuffle=False)
+        # the `basic` pipeline is chosen on purpose (quant.pipeline): the drafter's calibration forward is one
+        # call over anchored blocks, not a stack of decoder layers that `sequential` could trace; and the
+        # "Attempting to calibrate on CPU" notice repeats the device specquant chose (quant.device, recorded)
+        if str(q.pipeline) == "basic":
+            muted += ["llmcompressor.pipelines.registry", "llmcompressor.pipelines.basic.pipeline"]
         with quiet.loguru_muted(*muted), _awq_skips(q.algorithm == "awq") as skipped:
             oneshot(model=model, dataset=loader, recipe=recipe, processor=NullProcessor(),
                     pipeline=q.pipeline, num_calibration_samples=len(batches))
