@@ -217,8 +217,9 @@ def test_ctrl_c_is_one_sentence_and_exit_130(world):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.time() + 120
-    while b"prompt" not in b"".join(chunks) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)  # until the work has started (its first progress bar), however fast the machine
+    while b"target only:" not in b"".join(chunks) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)  # until the evaluation loop runs (its first progress bar), however fast the machine
+    time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     reader.join(timeout=10)
