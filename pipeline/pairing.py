@@ -23,18 +23,12 @@ REFERENCE = "bf16"
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers")
 
 
-def _hub_id(value: str | None) -> str | None:
-    import re
-
-    if value and re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", str(value)) and not Path(str(value)).exists():
-        return str(value)
-    return None
-
-
 def calibration_record(cfg, index: dict, used: bool) -> dict[str, Any]:
     """What quantize-drafter writes into its record: the target behind the cache it read."""
     variant = str(index.get("target_variant") or REFERENCE)
     target = (index.get("inputs") or {}).get("target") or {}
+    from pipeline.publish import _hub_id  # the one rule for "this names a Hub repo"
+
     hub = (cfg.publish.target_model or _hub_id(cfg.target.path)) if variant == REFERENCE else None
     return {"variant": variant, "used": bool(used), "files_sha256": target.get("files_sha256"),
             "path": index.get("target_path"), "hub_id": hub, "shape": index.get("target_shape"),
