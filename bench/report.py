@@ -173,3 +173,14 @@ def markdown(results: dict) -> str:
             lines.append(f"| {r.get('mode')} | {r.get('storage_dtype', '-')} | {r.get('tokens_per_s')} | "
                          f"{r.get('gpu_peak_gib', '-')} | {r.get('host_max_rss_gib')} | {r.get('write_gb_per_s', '-')} |")
     return "\n".join(lines) + "\n"
+
+
+def flop_limit(shapes, seq_len: int, aux_layer_ids: list[int], peak_tflops: float = 989.0) -> int:
+    """Tokens/s at the GPU's dense bf16 peak (H200: 989 TFLOP/s) for a forward that stops after the deepest
+    aux layer: 2 FLOPs per weight per token for the layers run, plus causal attention (QK^T and AV over
+    seq_len / 2 keys on average)."""
+    h, i = shapes.hidden_size, shapes.intermediate_size
+    qd, kvd = shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
+    layers = max(aux_layer_ids)  # hidden state m is the output of decoder layer m-1
+    per_layer = 2 * (h * qd + 2 * h * kvd + qd * h + 3 * h * i) + 2 * 2 * (seq_len / 2) * qd
+    return round(peak_tflops * 1e12 / (layers * per_layer))

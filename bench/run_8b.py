@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-reps", type=int, default=3)
     p.add_argument("--serve-python", default=None, help="interpreter with vLLM, for the `serve` phase")
     p.add_argument("--serve-prompts", type=int, default=8, help="prompts (random words) for the `serve` phase")
+    p.add_argument("--peer-variants", default="stock,hf1,hf4,fp8,vllmraw,vllm,compile",
+                   help="the `peers` phase: which of stock, hf1, hf4, fp8, vllmraw, vllm, compile to run")
     p.add_argument("--extra", default="", help="extra Hydra overrides for every stage, space-separated")
     return p.parse_args(argv)
 
@@ -257,6 +259,104 @@ class Bench:
         shutil.rmtree(self.runs / run / "cache-w4a16", ignore_errors=True)
         shutil.rmtree(self.runs / run / "target", ignore_errors=True)
 
+    # ---- the cache stage against its peers (issue 20): one run, one GPU, the same target and samples
+    PEER_CACHE = {"hf1": ["cache.shards_in_flight=1"], "hf4": ["cache.shards_in_flight=4"],
+                  "fp8": ["cache.shards_in_flight=4", "cache.storage_dtype=fp8"],
+                  "vllm": ["cache.shards_in_flight=4", "cache.engine=vllm"],
+                  "compile": ["cache.shards_in_flight=4", "cache.compile_layers=true"]}
+
+    def peers(self) -> None:
+        self.data()
+        aux = [i + 1 for i in self.shapes.zlab_layer_ids]
+        for v in [x.strip() for x in self.args.peer_variants.split(",") if x.strip()]:
+            if v == "stock":
+                out = self.work / "probes" / "peer-stock.json"
+                cmd = [sys.executable, "-m", "bench.cache_bench", "--target", str(self.models / "target"),
+                       "--device", self.args.device, "--seq-len", str(self.args.seq_len), "--json", str(out),
+                       "--batches", "12", "--warmup", "2", "--modes", "stock"]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                print(f"[bench] $ {' '.join(cmd)}", flush=True)
+                rc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+                res = json.loads(out.read_text())["results"][0] if out.is_file() else {}
+                self.record("peer[stock]", {"rc": rc, "command": " ".join(cmd[1:]), **res})
+            elif v == "vllmraw":
+                self.record("peer[vllmraw]", self._vllm_raw(aux))
+            elif v in self.PEER_CACHE:
+                run = f"peer-{v}"
+                src, dst = self.runs / "bench" / "data", self.runs / run / "data"
+                if not dst.is_dir():
+                    shutil.copytree(src, dst)
+                shutil.rmtree(self.runs / run / "cache", ignore_errors=True)
+                extra = list(self.PEER_CACHE[v])
+                if v == "vllm":
+                    extra.append(f"serve.python={self.args.serve_python or 'python3'}")
+                rec = self.stage(f"peer-{v}", "cache", run, extra)
+                rec.update(report.cache_summary(self.runs / run, rec))
+                eng = ((rec.get("stage_record") or {}).get("result") or {}).get("engine") or {}
+                if eng.get("load_s") and rec.get("tokens"):
+                    secs = ((rec.get("stage_record") or {}).get("result") or {}).get("seconds")
+                    rec["tok_s_steady"] = round(rec["tokens"] / (secs - eng["load_s"])) if secs else None
+                self.record(f"peer[{v}]", rec)
+                shutil.rmtree(self.runs / run / "cache", ignore_errors=True)  # memory for the next one (tmpfs)
+            else:
+                raise SystemExit(f"unknown peer variant {v!r}")
+
+    def _vllm_raw(self, aux: list[int]) -> dict:
+        """vLLM's extract_hidden_states alone, writing its own files (nobody reads them), all samples at once."""
+        samples = self.runs / "bench" / "data" / "samples.jsonl"
+        n = sum(1 for _ in samples.open())
+        scratch = self.runs / "vllm-raw"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        job = {"target": str(self.models / "target"), "aux_layer_ids": aux, "samples": str(samples),
+               "chunks": [list(range(n))], "out_dir": str(scratch), "dtype": "bfloat16",
+               "max_model_len": self.args.seq_len + 8, "max_num_batched_tokens": 8192, "backlog": 1 << 30,
+               "gpu_memory_utilization": 0.85, "wait_writes": True}
+        job_file = self.work / "probes" / "vllm-raw.job.json"
+        job_file.parent.mkdir(parents=True, exist_ok=True)
+        job_file.write_text(json.dumps(job))
+        cmd = [self.args.serve_python or "python3", "-m", "pipeline.serving.extract", str(job_file)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        print(f"[bench] $ {' '.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, env=env).returncode
+        wall = time.perf_counter() - t0
+        res = json.loads((scratch / "result.json").read_text()) if (scratch / "result.json").is_file() else {}
+        files = [p for p in scratch.glob("*.safetensors")]
+        rec = {"rc": rc, "command": " ".join(cmd[1:]), "process_wall_s": round(wall, 2), **res,
+               "files": len(files), "bytes": sum(p.stat().st_size for p in files)}
+        if res.get("extract_s") and res.get("tokens"):
+            rec["tok_s"] = round(res["tokens"] / res["extract_s"])
+            rec["bytes_per_token"] = round(rec["bytes"] / res["tokens"], 1)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return rec
+
+    def peersreport(self) -> None:
+        """bench/results/<date>-<gpu>-cache.json's keys, from the peers phase's records."""
+        ph = self.results["phases"]
+        tok = lambda k, f="tok_s_steady": (ph.get(k) or {}).get(f) or (ph.get(k) or {}).get("tok_s")  # noqa: E731
+        stock = (ph.get("peer[stock]") or {}).get("tokens_per_s")
+        vllm = tok("peer[vllmraw]", "tok_s")
+        bf16 = max([x for x in (tok("peer[hf1]"), tok("peer[hf4]")) if x] or [0]) or None
+        flop = report.flop_limit(self.shapes, self.args.seq_len, [i + 1 for i in self.shapes.zlab_layer_ids])
+        import datetime
+
+        gpu = ((self.results.get("env") or {}).get("gpus") or ["none"])[0]
+        out = {"date": datetime.date.today().isoformat(), "gpu": gpu, "command": " ".join(sys.argv),
+               "stock_hf_tok_s": stock, "vllm_extract_tok_s": vllm, "cache_bf16_tok_s": bf16,
+               "cache_fp8_tok_s": tok("peer[fp8]"), "cache_vllm_engine_tok_s": tok("peer[vllm]"),
+               "cache_compile_tok_s": tok("peer[compile]"), "cache_bf16_1_shard_in_flight_tok_s": tok("peer[hf1]"),
+               "cache_bf16_4_shards_in_flight_tok_s": tok("peer[hf4]"), "flop_limit_tok_s": flop,
+               "cache_bf16_vs_stock": round(bf16 / stock, 3) if bf16 and stock else None,
+               "cache_bf16_vs_vllm": round(bf16 / vllm, 3) if bf16 and vllm else None,
+               "content_sha256": {k: (ph.get(f"peer[{k}]") or {}).get("content_sha256")
+                                  for k in ("hf1", "hf4", "fp8", "vllm", "compile")}}
+        h = out["content_sha256"]
+        out["hf1_equals_hf4"] = bool(h["hf1"]) and h["hf1"] == h["hf4"]
+        (self.out / "cache-peers.json").write_text(json.dumps(out, indent=2) + "\n")
+        self.record("peersreport", out)
+
     def stock(self) -> None:
         """Plain llm-compressor oneshot on the target, same scheme as quantize-target (the baseline)."""
         self.build()
@@ -417,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     print(f"[bench] work dir {bench.work} ({shutil.disk_usage(bench.work).free / 2**30:.0f} GiB free)", flush=True)
     for phase in [p.strip() for p in args.phases.split(",") if p.strip()]:
-        extra_phases = ["dist", "disttarget", "cachebench", "serve", "paircache"]
+        extra_phases = ["dist", "disttarget", "cachebench", "serve", "paircache", "peers", "peersreport"]
         if phase not in {*ALL_PHASES, *extra_phases}:
             raise SystemExit(f"unknown phase {phase!r}; choose from {', '.join([*ALL_PHASES, *extra_phases])}")
         t0 = time.perf_counter()

@@ -151,6 +151,9 @@ def _check_cfg(cfg) -> None:
     for key in ("samples_per_shard", "max_shard_bytes", "batch_tokens", "shards_in_flight"):
         if int(c[key]) < 1:
             raise bad_value(f"cache.{key}", c[key], "it must be a positive integer", "set it to 1 or more")
+    if c.get("engine", "hf") not in ("hf", "vllm"):
+        raise bad_value("cache.engine", c.engine, "it is not a known engine",
+                        "use hf (the target in transformers, here) or vllm (vLLM's extract_hidden_states)")
     if c.distributed_backend not in ("auto", "gloo", "nccl"):
         raise bad_value("cache.distributed_backend", c.distributed_backend, "it is not a known backend",
                         "use auto, gloo or nccl")
@@ -317,6 +320,11 @@ def run(cfg) -> dict:
     if not cfg.cache.get("aux_layer_ids"):
         _check_drafter(cfg, tconf)
     check_safetensors_dir(tcfg.path, "target.path" if variant == "bf16" else "cache.target")  # refuse pickles / truncated files before any work
+    engine = str(cfg.cache.get("engine", "hf"))
+    if engine == "vllm":  # an interpreter with vLLM and a GPU, and layer ids it can extract: before any work
+        from pipeline.cache_vllm import check_vllm_engine
+
+        check_vllm_engine(cfg, aux, int(tconf.num_hidden_layers))
     layout = Layout(tuple(aux), int(tconf.hidden_size), cfg.cache.storage_dtype)
     files_sha = target_files_sha256(cfg, tcfg)
     # what the cached values depend on (paths are not: a moved target or run dir reuses the cache)
@@ -324,6 +332,8 @@ def run(cfg) -> dict:
               "target": {"files_sha256": files_sha, "dtype": cfg.target.dtype,
                          "attn_implementation": cfg.target.attn_implementation},
               "data": {"samples_sha256": data_meta.get("samples_sha256"), "num_samples": len(samples)}}
+    if engine != "hf":  # other kernels, other values (the HF engine's inputs, and so its caches, are unchanged)
+        inputs["engine"] = engine
     inputs_hash = sha256_text(dumps_json(inputs))
     done = finished_index(out, inputs_hash)
     if done is not None:
@@ -331,7 +341,7 @@ def run(cfg) -> dict:
         return _summary(out, done, written=0, seconds=0.0, reused=True)
     plans = plan_shards([len(s["input_ids"]) for s in samples], layout, int(cfg.cache.samples_per_shard),
                         int(cfg.cache.max_shard_bytes))
-    device = _device(cfg)
+    device = _device(cfg) if engine == "hf" else torch.device("cpu")  # vLLM gets the GPU to itself
     resume_key = sha256_text(dumps_json({"inputs_hash": inputs_hash, "batch_tokens": int(cfg.cache.batch_tokens),
                                          "device_type": device.type,
                                          "compile_layers": bool(cfg.cache.get("compile_layers")),
@@ -345,7 +355,14 @@ def run(cfg) -> dict:
         dist.barrier()
         mine = [p for p in plans if p.index % dist.world == dist.rank and read_sidecar(out, p.index, resume_key) is None]
         started = time.time()
-        written = _cache_rank(cfg, mine, samples, layout, out, resume_key, device, dist.rank, tcfg)
+        engine_report: dict = {}
+        if engine == "vllm":
+            from pipeline.cache_vllm import cache_shards_vllm
+
+            *written, engine_report = cache_shards_vllm(cfg, mine, samples, layout, out, resume_key, tcfg,
+                                                        rd.root / ".work", rd.data / "samples.jsonl")
+        else:
+            written = _cache_rank(cfg, mine, samples, layout, out, resume_key, device, dist.rank, tcfg)
         per_rank = dist.gather([*written, time.time() - started])
         dist.barrier()
         index = None
@@ -356,14 +373,20 @@ def run(cfg) -> dict:
                      "target_path": str(cfg.target.path) if variant == "bf16" else f"target/{variant}",
                      "target_shape": {k: int(getattr(tconf, k)) for k in ("vocab_size", "hidden_size",
                                                                            "num_hidden_layers")},
-                     "device_type": device.type, "batch_tokens": int(cfg.cache.batch_tokens)}
+                     "device_type": device.type if engine == "hf" else "cuda", "batch_tokens": int(cfg.cache.batch_tokens)}
+            if engine != "hf":
+                extra["engine"] = {"name": engine, **{k: engine_report[k] for k in ("versions", "gpu")
+                                                      if k in engine_report}}
             index = build_index(out, plans, layout, inputs, inputs_hash, resume_key, extra)
         dist.barrier()
         index = index or read_json(out / "index.json", "cache/index.json")
     finally:
         dist.close()
-    return _summary(out, index, written=sum(r[0] for r in per_rank), tokens=sum(r[1] for r in per_rank),
-                    seconds=max(r[2] for r in per_rank), reused=False)
+    summary = _summary(out, index, written=sum(r[0] for r in per_rank), tokens=sum(r[1] for r in per_rank),
+                       seconds=max(r[2] for r in per_rank), reused=False)
+    if engine != "hf":
+        summary["engine"] = {"name": engine, **{k: engine_report.get(k) for k in ("load_s", "extract_s", "versions")}}
+    return summary
 
 
 def _summary(out: Path, index: dict, written: int, seconds: float, reused: bool, tokens: int = 0) -> dict:

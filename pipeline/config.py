@@ -79,6 +79,13 @@ class CacheConfig:
     # whose hidden states: bf16 (target.path) or a quantized target variant of the run (target/<variant>/,
     # loaded dequantized); each gets its own cache directory (RunDir.cache_for)
     target: str = "bf16"
+    # who runs the target: hf (transformers, in this process; bit-exact across runs) or vllm (vLLM's
+    # extract_hidden_states in serve.python, streamed into the same format; its kernels give other values)
+    engine: str = "hf"
+    vllm_gpu_memory_utilization: float = 0.85  # cache.engine=vllm: fraction of the GPU vLLM may take
+    vllm_tensor_parallel_size: int = 1  # cache.engine=vllm: GPUs one target is split over (large targets)
+    vllm_enforce_eager: bool = True  # cache.engine=vllm: no CUDA graphs (long prefills gain nothing from them)
+    vllm_backlog: int = 2  # cache.engine=vllm: shards vLLM may extract ahead of the writer (scratch space)
 
 
 @dataclass

@@ -320,3 +320,40 @@ def test_checkpoint_hashes_local_and_hub_snapshot(tmp_path, monkeypatch):
     assert target_files_sha256(hub_cfg) == target_files_sha256(compose([f"target.path={TARGET}"]))
     with pytest.raises(SpecquantError, match="target.path.*neither a directory nor a cached Hub repo"):
         target_files_sha256(compose(["target.path=org/not-cached"]))
+
+
+def test_vllm_engine_streams_connector_files_into_the_same_cache(tmp_path, monkeypatch):
+    """cache.engine=vllm reads files in vLLM's connector format as they appear and writes the cache's own
+    shards; given the HF engine's states (tests/extract_producer.py stands in for vLLM, which needs a GPU:
+    the real engine is measured in docs/benchmarks.md), the content hash equals the HF engine's."""
+    from pipeline import cache_vllm
+
+    write_data(tmp_path / "hf", n=8)
+    write_data(tmp_path / "vllm", n=8)
+    one = ["cache.batch_tokens=1"]  # one sample per forward, as the stand-in does
+    hf = run_cache(tmp_path / "hf", *one)
+    monkeypatch.setattr(cache_vllm, "check_vllm_engine", lambda *a: {})
+    monkeypatch.setattr(cache_vllm._Worker, "module", "tests.extract_producer")
+    res = run_cache(tmp_path / "vllm", *one, "cache.engine=vllm", f"serve.python={sys.executable}",
+                    "cache.shards_in_flight=2", "cache.vllm_backlog=1")
+    assert res["content_hash"] == hf["content_hash"] and res["num_shards"] == hf["num_shards"] == 3
+    assert res["inputs_hash"] != hf["inputs_hash"]  # other kernels in real use: never reused for each other
+    index = json.loads((tmp_path / "vllm" / "cache" / "index.json").read_text())
+    assert index["inputs"]["engine"] == "vllm" and index["engine"]["name"] == "vllm"
+    for rec in index["shards"]:
+        assert sha256_file(tmp_path / "vllm" / "cache" / rec["file"]) == rec["sha256"]
+    assert not list((tmp_path / "vllm").glob(".work/vllm-extract-*"))  # scratch removed
+    assert "engine" not in json.loads((tmp_path / "hf" / "cache" / "index.json").read_text())["inputs"]
+
+
+def test_vllm_engine_without_vllm_is_one_sentence(tmp_path):
+    def run_cli(*args):
+        return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True)
+
+    write_data(tmp_path, n=3)
+    proc = run_cli("cache", *stage_overrides(tmp_path, "cache.engine=vllm", f"serve.python={sys.executable}"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "cache.engine=vllm needs vLLM" in proc.stderr and "serve.python" in proc.stderr
+    assert not (tmp_path / "cache").exists()
+    proc = run_cli("cache", *stage_overrides(tmp_path, "cache.engine=sglang"))
+    assert "cache.engine" in proc.stderr and "'sglang'" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,222 @@
+"""cache.engine=vllm: vLLM's own hidden-state extraction, streamed into the cache's sharded format.
+
+vLLM (`serve.python`, its own interpreter) runs `pipeline.serving.extract`: the target under
+`extract_hidden_states` with the ExampleHiddenStatesConnector, one `generate` per shard, one file
+per sample in `runs/<name>/.work/vllm-extract-<pid>/`. This process reads each sample's file as
+soon as vLLM has written it (a shared flock on `<file>.lock` waits for the write), checks its
+token ids and shape, converts it to the cache's storage dtype and hands it to the same
+`BackgroundWriter` the HF engine uses: same shard plan, same file format, same sidecars, hashes
+and index, so every reader (`CacheReader`, quantize-drafter, manifest) sees no difference. The
+values are vLLM's kernels' (bf16 differences of ~1e-2 relative to the HF forward), so the inputs
+hash records `engine: vllm` and the content hash is vLLM's own. Scratch space is bounded: the
+worker waits while more than `cache.vllm_backlog` shards' files are unread; each file is deleted
+once read, and the folder is removed at the end (also on errors and Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from pipeline.cache_store import Layout, encode_hidden
+from pipeline.cache_writer import BackgroundWriter
+from pipeline.errors import SpecquantError, bad_value
+from pipeline.io import atomic_write_json
+
+FIELD = "cache.engine"
+
+
+def check_vllm_engine(cfg, aux: list[int], num_layers: int) -> dict:
+    """Before any work: an interpreter with vLLM and a GPU, layer ids vLLM can extract, one process."""
+    from pipeline.serve_check import probe
+
+    bad = [m for m in aux if not 1 <= m <= num_layers - 1]
+    if bad:
+        raise bad_value("cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids", aux,
+                        f"vLLM's extractor reads the input of decoder layers 1..{num_layers - 1}, so id {bad[0]} "
+                        "(the embeddings or the final norm's output) is not available there",
+                        "use cache.engine=hf for this drafter")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise bad_value(FIELD, "vllm", "it runs one vLLM engine, not one per torchrun rank",
+                        "run it without torchrun (NPROC=1) and set cache.vllm_tensor_parallel_size for several GPUs")
+    try:
+        return probe(cfg.serve.python)
+    except SpecquantError as exc:
+        raise SpecquantError(f"cache.engine=vllm needs vLLM: {exc}") from None
+
+
+def _worker_env() -> dict:
+    from pipeline.serve_check import _worker_pythonpath
+
+    env = {**os.environ, "PYTHONPATH": _worker_pythonpath(), "VLLM_NO_USAGE_STATS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core must step on its own (module docstring)
+    return env
+
+
+class _Worker:
+    """The vLLM extraction process and its scratch folder."""
+
+    module = "pipeline.serving.extract"
+
+    def __init__(self, python: str, job: dict, scratch: Path):
+        from pipeline.serve_check import _repo_root
+
+        self.scratch = scratch
+        self.log_path = scratch.parent / f"{scratch.name}.log"
+        job_file = scratch.parent / f"{scratch.name}.job.json"
+        atomic_write_json(job_file, job)
+        self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([python, "-m", self.module, str(job_file)], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=_worker_env(), cwd=str(_repo_root()),
+                                     start_new_session=True)  # Ctrl-C reaches us; we stop the worker ourselves
+        self.job_file = job_file
+
+    def failure(self) -> str:
+        res = self.scratch / "result.json"
+        if res.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                r = json.loads(res.read_text(encoding="utf-8"))
+                if not r.get("ok"):
+                    return r.get("error", "no error recorded")
+        lines = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+        return f"the worker exited {self.proc.returncode} ({(lines[-1:] or ['no output'])[0][:300]})"
+
+    def wait_chunk(self, k: int) -> dict:
+        f = self.scratch / f"chunk-{k:05d}.json"
+        while not f.is_file():
+            if self.proc.poll() is not None and not f.is_file():
+                raise bad_value(FIELD, "vllm", f"vLLM's extraction stopped before shard {k}: {self.failure()}",
+                                f"read {self.log_path} for vLLM's log, or use cache.engine=hf")
+            time.sleep(0.02)
+        return json.loads(f.read_text(encoding="utf-8"))
+
+    def finish(self) -> dict:
+        rc = self.proc.wait()
+        res = self.scratch / "result.json"
+        r = json.loads(res.read_text(encoding="utf-8")) if res.is_file() else {}
+        if rc != 0 or not r.get("ok"):
+            raise bad_value(FIELD, "vllm", f"vLLM's extraction failed: {self.failure()}",
+                            f"read {self.log_path} for vLLM's log, or use cache.engine=hf")
+        return r
+
+    def close(self, ok: bool) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.job_file.unlink(missing_ok=True)
+        if ok:
+            self.log_path.unlink(missing_ok=True)
+
+
+def read_sample(path: str, ids: list[int], layout: Layout, where: str):
+    """One file of vLLM's connector -> (storage tensor [T, n_aux, H], fp8 scales or None); deleted once read."""
+    from safetensors.torch import load_file
+
+    lock = path + ".lock"
+    with open(lock) as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH)  # sleeps until the connector's writer thread has released it
+        data = load_file(path, device="cpu")
+    os.remove(path)
+    os.remove(lock)
+    hs, tok = data["hidden_states"], data["token_ids"]
+    want = (len(ids), layout.n_aux, layout.hidden_size)
+    if tuple(hs.shape) != want:
+        raise bad_value(FIELD, "vllm", f"vLLM wrote hidden states of shape {list(hs.shape)} for {where}, "
+                        f"expected {list(want)}", "use cache.engine=hf for this target")
+    if tok.tolist() != list(ids):
+        raise bad_value(FIELD, "vllm", f"vLLM's file for {where} holds other token ids than the sample",
+                        "use cache.engine=hf (and report this vLLM version)")
+    return encode_hidden(hs, layout)
+
+
+def cache_shards_vllm(cfg, plans, samples, layout: Layout, out: Path, resume_key: str, tcfg, work: Path,
+                      samples_file: Path) -> tuple[int, int, dict]:
+    """Extract and write `plans` with vLLM; returns (shards, tokens written, the worker's report)."""
+    from tqdm import tqdm
+
+    if not plans:
+        return 0, 0, {}
+    c = cfg.cache
+    lanes = max(1, int(c.shards_in_flight))
+    longest = max(len(s["input_ids"]) for s in samples)
+    work.mkdir(parents=True, exist_ok=True)
+    scratch = work / f"vllm-extract-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    job = {"target": str(Path(str(tcfg.path)).resolve()) if Path(str(tcfg.path)).is_dir() else str(tcfg.path),
+           "aux_layer_ids": list(layout.aux_layer_ids), "samples": str(samples_file.resolve()),
+           "chunks": [list(range(p.first, p.first + p.count)) for p in plans], "out_dir": str(scratch),
+           "dtype": cfg.target.dtype, "max_model_len": longest + 8,
+           "max_num_batched_tokens": max(int(c.batch_tokens), longest),
+           "gpu_memory_utilization": float(c.vllm_gpu_memory_utilization),
+           "tensor_parallel_size": int(c.vllm_tensor_parallel_size), "enforce_eager": bool(c.vllm_enforce_eager),
+           "backlog": max(int(c.vllm_backlog), lanes), "seed": int(cfg.seed)}
+    worker = _Worker(str(cfg.serve.python), job, scratch)
+    writer = BackgroundWriter(out, samples, layout, resume_key, torch.device("cpu"), lanes=lanes)
+    bar = tqdm(total=sum(p.num_tokens for p in plans), unit="tok", unit_scale=True, desc="cache (vLLM)",
+               mininterval=1.0)
+    ok = False
+    try:
+        with ThreadPoolExecutor(4, thread_name_prefix="cache-vllm-read") as pool:
+            for start in range(0, len(plans), lanes):
+                group = list(enumerate(plans[start:start + lanes], start))
+                todo: list[tuple[int, int, str]] = []  # (lane, global sample, file), interleaved over lanes
+                per_lane = []
+                for lane, (k, plan) in enumerate(group):
+                    chunk = worker.wait_chunk(k)
+                    per_lane.append(list(zip(chunk["samples"], chunk["paths"], strict=True)))
+                    writer.open_shard(plan, list(chunk["samples"]), lane % lanes)
+                for step in range(max(len(x) for x in per_lane)):
+                    for lane, items in enumerate(per_lane):
+                        if step < len(items):
+                            todo.append((lane, *items[step]))
+                ahead: collections.deque = collections.deque()
+                for lane, g, path in todo:  # a few files read ahead on threads, consumed in order
+                    ahead.append((lane, g, pool.submit(read_sample, path, samples[g]["input_ids"], layout,
+                                                       f"sample {samples[g]['id']}")))
+                    if len(ahead) >= 6:
+                        _put(writer, bar, samples, *ahead.popleft())
+                while ahead:
+                    _put(writer, bar, samples, *ahead.popleft())
+                for lane in range(len(group)):
+                    writer.close_shard(lane)
+        writer.finish()
+        report = worker.finish()
+        ok = True
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+        worker.close(ok)
+    return len(plans), sum(p.num_tokens for p in plans), report
+
+
+def _put(writer: BackgroundWriter, bar, samples, lane: int, g: int, fut) -> None:
+    hs, scale = fut.result()
+    n = len(samples[g]["input_ids"])
+    writer.put_batch([g], [n], hs, scale, lane)
+    bar.update(n)
+
+
+__all__ = ["check_vllm_engine", "cache_shards_vllm", "read_sample"]

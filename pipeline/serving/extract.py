@@ -1,0 +1,124 @@
+"""cache.engine=vllm worker: vLLM's `extract_hidden_states` writes the target's aux-layer states.
+
+    <vLLM interpreter> -m pipeline.serving.extract JOB.json
+
+Runs inside vLLM's own interpreter (like `pipeline.serving.worker`, it imports only the standard
+library and vLLM), with the engine core in its own process (vLLM's default): an in-process engine
+only steps when asked, so the last requests' writes would never start after `generate()` returns.
+
+The job names the target, the aux layer ids (HF `output_hidden_states` numbering, which is what
+vLLM's `eagle_aux_hidden_state_layer_ids` means: id i = the input of decoder layer i), the data
+stage's samples.jsonl and the chunks to extract (lists of sample indices; one chunk = one shard of
+the cache). For each chunk, one `generate(max_tokens=1)` call: vLLM's ExampleHiddenStatesConnector
+writes one safetensors file per request (`hidden_states` [T, n_aux, H], `token_ids` [T]) under
+`out_dir`, behind an exclusive flock on `<file>.lock` until written; then `chunk-<k>.json` lists
+those files in the chunk's order (written atomically). Before starting a chunk the worker waits
+until the reader has consumed (deleted) all but `backlog` chunks' files, so the scratch space
+holds a bounded number of samples whatever the dataset size. `result.json` closes the run (or
+says why it failed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(json.dumps(obj, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _read_samples(path: str, wanted: set[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    with open(path, encoding="utf-8-sig") as fh:
+        for i, line in enumerate(fh):
+            if i in wanted:
+                out[i] = list(json.loads(line)["input_ids"])
+    return out
+
+
+def _pending(out_dir: Path) -> int:
+    return sum(1 for e in os.scandir(out_dir) if e.name.endswith(".safetensors"))
+
+
+def run_job(job: dict) -> dict:
+    out_dir = Path(job["out_dir"])
+    result: dict = {"ok": False}
+    t0 = time.perf_counter()
+    try:
+        import torch
+        from vllm import LLM, SamplingParams
+
+        chunks: list[list[int]] = job["chunks"]
+        ids = _read_samples(job["samples"], {g for c in chunks for g in c})
+        kwargs = dict(
+            model=job["target"], skip_tokenizer_init=True, dtype=job.get("dtype", "bfloat16"),
+            enforce_eager=bool(job.get("enforce_eager", True)), max_model_len=int(job["max_model_len"]),
+            max_num_batched_tokens=int(job["max_num_batched_tokens"]), enable_prefix_caching=False,
+            tensor_parallel_size=int(job.get("tensor_parallel_size", 1)), seed=int(job.get("seed", 0)),
+            gpu_memory_utilization=float(job.get("gpu_memory_utilization", 0.85)),
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {
+                                    "eagle_aux_hidden_state_layer_ids": list(job["aux_layer_ids"])}}},
+            kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"shared_storage_path": str(out_dir)}})
+        if job.get("attention_backend"):
+            kwargs["attention_backend"] = job["attention_backend"]
+        llm = LLM(**kwargs)
+        result["load_s"] = round(time.perf_counter() - t0, 3)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        per_sample = max(1, max(len(c) for c in chunks))
+        backlog = max(1, int(job.get("backlog", 2)))
+        t1 = time.perf_counter()
+        written: list[str] = []
+        for k, chunk in enumerate(chunks):
+            while _pending(out_dir) > backlog * per_sample:  # the reader is behind: bounded scratch space
+                if Path(job.get("stop_file", out_dir / "stop")).exists():
+                    raise RuntimeError("the reader asked the worker to stop")
+                time.sleep(0.02)
+            outs = llm.generate([{"prompt_token_ids": ids[g]} for g in chunk], params, use_tqdm=False)
+            paths = [str((o.kv_transfer_params or {}).get("hidden_states_path") or "") for o in outs]
+            if not all(paths):
+                raise RuntimeError(f"vLLM returned no hidden_states_path for a request of chunk {k}")
+            _write(out_dir / f"chunk-{k:05d}.json", {"chunk": k, "samples": chunk, "paths": paths})
+            written.extend(paths)
+        if job.get("wait_writes"):  # benchmarks: the clock stops when the last file is on disk
+            import fcntl
+
+            for path in written:
+                with open(path + ".lock") as fh:
+                    fcntl.flock(fh, fcntl.LOCK_SH)
+        result["extract_s"] = round(time.perf_counter() - t1, 3)
+        result["tokens"] = sum(len(ids[g]) for c in chunks for g in c)
+        if torch.cuda.is_available():
+            result["gpu"] = torch.cuda.get_device_name(0)
+        import vllm
+
+        result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda}
+        result["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - every failure is reported in the result file
+        msg = str(exc).strip().splitlines()
+        result["error"] = f"{type(exc).__name__}: {msg[0] if msg else ''}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+    result["wall_s"] = round(time.perf_counter() - t0, 3)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m pipeline.serving.extract JOB.json", file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    result = run_job(job)
+    _write(Path(job["out_dir"]) / "result.json", result)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
