@@ -24,7 +24,6 @@ PARTIAL_PREFIX = ".partial-"  # a whole directory being assembled by `atomic_dir
 # `hf download --local-dir` keeps its own download metadata here; it changes whenever the files are
 # re-downloaded, so no file list, verification or input hash counts it (see `in_hf_local_cache`)
 HF_LOCAL_DIR_CACHE = ".cache/huggingface/"
-_CHUNK = 1 << 20
 # out of space, out of quota, or over a file-size limit: the user's fix is the same (more room, re-run)
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
@@ -165,11 +164,10 @@ def sha256_text(text: str) -> str:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    """The file's sha256 (`pipeline.hashes.sha256_file`, which counts the bytes read)."""
+    from pipeline import hashes
+
+    return hashes.sha256_file(path)
 
 
 def in_hf_local_cache(rel: str) -> bool:

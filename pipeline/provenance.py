@@ -32,6 +32,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from pipeline import hashes
 from pipeline.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFIX: the file list rule's pieces, used as prov.*
     TMP_PREFIX,
     atomic_write_bytes,
@@ -187,6 +188,7 @@ def source_info() -> dict[str, Any]:
     for rel in source_files():
         data = (REPO_ROOT / rel).read_bytes()
         files[rel], blobs[rel] = {"sha256": sha256_bytes(data)}, data
+        hashes.count_read(len(data))  # read for the snapshot and hashed from those bytes
     state = git_state(with_diff=True)
     diff = state.pop("_diff")
     tree = sha256_bytes(dumps_json({r: e["sha256"] for r, e in files.items()}).encode())

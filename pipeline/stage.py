@@ -92,8 +92,10 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
     rd.check_confined()
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under torchrun the cache stage cleans up after its barrier
         remove_stale_temps(rd.root)
+    from pipeline import hashes
     from pipeline.provenance import source_tree_sha256
 
+    hashes.reset_counters()  # bytes_hashed: every byte this stage reads to hash a file, from here on
     source_sha256 = source_tree_sha256()  # the code that is about to run, for the manifests
     started = time.time()
     result = mod.run(cfg) or {}
@@ -116,6 +118,9 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
             "git": git_state(),
             "source_sha256": source_sha256,
             "device": device_info(),
+            # bytes this process read to hash files (pipeline/hashes.py); kept out of `result`, which the
+            # manifests copy
+            "bytes_hashed": hashes.bytes_hashed(),
             "result": result,
         }
         atomic_write_json(rd.stages / f"{stage_record_name(stage, cfg)}.json", scrub_obj(record))
