@@ -316,8 +316,9 @@ class Bench:
         job_file.parent.mkdir(parents=True, exist_ok=True)
         job_file.write_text(json.dumps(job))
         cmd = [self.args.serve_python or "python3", "-m", "pipeline.serving.extract", str(job_file)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        from pipeline.cache_vllm import _worker_env
+
+        env = {**_worker_env(), "PYTHONUNBUFFERED": "1"}  # vLLM's interpreter, as the stage starts it
         print(f"[bench] $ {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, env=env).returncode
