@@ -170,6 +170,11 @@ class PublishConfig:
     signing_key_env: str | None = None  # environment variable holding that path (used when signing_key is null)
     signing_key_password_env: str | None = None  # environment variable holding the key's password, if encrypted
     public_key: str | None = None  # the matching public key (PEM): checked against the signing key; verify's default
+    # sign as an X.509 certificate instead of a bare key: the key's certificate (PEM), and the certificates that
+    # issued it (intermediates and root, PEM files), which travel inside model.sig; null = sign with the bare key
+    signing_certificate: str | None = None
+    certificate_chain: list[str] = field(default_factory=list)  # issuing certificate files (PEM), leaf's issuer first
+    root_certs: list[str] = field(default_factory=list)  # trusted root CA certificates (PEM): verify's default
 
 
 @dataclass

@@ -223,7 +223,9 @@ def render(info: dict[str, Any]) -> str:
             "Every file's sha256 is listed in `provenance/files.sha256.json` (with the run path it came "
             "from); the run's in-toto/SLSA statement is `provenance/attestation.intoto.json`. With specquant:",
             "```bash", f"hf download {repo} --revision <tag> --local-dir {repo.split('/')[-1]}",
-            f"python -m pipeline verify {repo.split('/')[-1]}" + (" --public-key <publisher's key.pub>" if sig else ""),
+            f"python -m pipeline verify {repo.split('/')[-1]}" + (
+                "" if not sig else " --root-certs <publisher's root CA certificate>" if sig.get("certificate")
+                else " --public-key <publisher's key.pub>"),
             "```", "On the Hub, LFS files show their sha256, which must equal the list.", *signature_lines(info), ""]
     return "\n".join(out)
 
@@ -235,6 +237,16 @@ def signature_lines(info: dict[str, Any]) -> list[str]:
         return ["", "**Unsigned**: this folder carries no signature (no `model.sig`); the sha256 list shows that "
                 "its files agree with the run's records, not who published them."]
     name = info["repo_id"].split("/")[-1]
+    cert = sig.get("certificate")
+    if cert:
+        return ["", f"**Signed** with OpenSSF model signing (OMS, `{sig.get('tool')}`) by the certificate "
+                f"`{cert['subject']}` (sha256 fingerprint `{cert['sha256']}`, issued by `{cert['issuer']}`, valid "
+                f"until {cert['not_after'][:10]}): `{sig['file']}` is a Sigstore bundle over the sha256 of every other "
+                "file of this repo (this card, the weights, the manifests and `provenance/`, the in-toto statement "
+                "included), made offline with that certificate's key, and carries the certificate and its chain. "
+                "Get the issuing CA's root certificate from the publisher, then (besides the command above):",
+                "```bash", f"model_signing verify certificate {name} --signature {name}/{sig['file']} "
+                "--certificate_chain root-ca.pem", "```"]
     return ["", f"**Signed** with OpenSSF model signing (OMS, `{sig.get('tool')}`): `{sig['file']}` is a Sigstore "
             "bundle over the sha256 of every other file of this repo (this card, the weights, the manifests and "
             "`provenance/`, the in-toto statement included), made offline with an elliptic-curve key whose public "

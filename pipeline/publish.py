@@ -215,7 +215,8 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "serving": serve_check.status_for(rd, variant),
         "pairing": pairing_info(cfg, rd, variant, target, _read_json(folder / "eval" / "results.json")),
         "signature": {"file": signing.SIGNATURE, "public_key_sha256": signer.fingerprint,
-                      "tool": f"model-signing {signing.tool_version()}"} if signer else None,
+                      "tool": f"model-signing {signing.tool_version()}",
+                      "certificate": signer.certificate.info() if signer.certificate else None} if signer else None,
     }
 
 
@@ -380,7 +381,24 @@ def _push_or_explain(cfg, folder, files, repo_id, tag, token) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the stage
+def _signature_record(signer: signing.Signer) -> dict[str, Any]:
+    """What the publish record says of the signature: the key's and certificates' paths, never their content."""
+    cert = signer.certificate
+    rec = {"file": signing.SIGNATURE, "format": "OpenSSF model signing (OMS) bundle, "
+           f"{'X.509 certificate' if cert else 'elliptic-curve key'}, offline; model-signing {signing.tool_version()}",
+           "public_key_sha256": signer.fingerprint, "signing_key_path": str(signer.key_path)}
+    if cert:
+        rec.update(certificate=cert.info(), signing_certificate_path=str(cert.path),
+                   certificate_chain_paths=[str(c) for c in cert.chain], root_certs_paths=[str(r) for r in cert.roots.paths])
+    return rec
+
+
 def _signature_line(signer: signing.Signer | None) -> str:
+    if signer and signer.certificate:
+        c = signer.certificate
+        return (f"{signing.SIGNATURE}: signed with OpenSSF model signing by the certificate {c.subject} (sha256 "
+                f"{c.sha256[:16]}..., issued by {c.issuer}) (verify with `python -m pipeline verify <folder> "
+                "--root-certs <root CA certificate>`)")
     if signer:
         return (f"{signing.SIGNATURE}: signed with OpenSSF model signing, public key sha256 "
                 f"{signer.fingerprint[:16]}... (verify with `python -m pipeline verify <folder> --public-key <key.pub>`)")
@@ -413,7 +431,7 @@ def run(cfg) -> dict:
     out: dict[str, Any] = {}
     for v in variants:
         folder = assemble(cfg, rd, v, repos[v], sources[v], signer)
-        _refuse_unless_verified(folder, "publish", public_key=signer.public_pem if signer else None)
+        _refuse_unless_verified(folder, "publish", public_key=signer.trust if signer else None)
         listing = json.loads((folder / prov.FILE_LIST).read_text(encoding="utf-8"))
         files = {rel: {"sha256": e["sha256"], "bytes": e["bytes"]} for rel, e in listing["files"].items()}
         for rel in (prov.FILE_LIST, signing.SIGNATURE) if signer else (prov.FILE_LIST,):
@@ -427,10 +445,7 @@ def run(cfg) -> dict:
                   "folder": f"publish/{v}", "verifier": "pipeline.verify", "files": files,
                   "files_sha256": listing["files_sha256"], "tag": tag,
                   # the key's path may be recorded, never its content
-                  "signature": {"file": signing.SIGNATURE, "format": "OpenSSF model signing (OMS) bundle, "
-                                f"elliptic-curve key, offline; model-signing {signing.tool_version()}",
-                                "public_key_sha256": signer.fingerprint, "signing_key_path": str(signer.key_path)}
-                  if signer else None}
+                  "signature": _signature_record(signer) if signer else None}
         if pc.dry_run:
             record.update(status="dry-run", commit=None)
             size = sum(e["bytes"] for e in files.values())

@@ -212,6 +212,7 @@ def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str],
 
 
 def run(cfg) -> dict:
+    clock = _Clock()
     q, ignore, dconf = validate(cfg)
     rd = RunDir.from_cfg(cfg)
     from pipeline.quant import variants
@@ -224,33 +225,53 @@ def run(cfg) -> dict:
     seed = int(cfg.seed)
     calib_idx, held_idx = cache_batches.split_indices(int(index["num_samples"]), int(q.num_samples),
                                                       int(q.heldout_samples), seed, need_data, FIELD)
+    from concurrent.futures import ThreadPoolExecutor
+
     from pipeline.cache import CacheReader
 
-    reader = CacheReader(cache_dir)
-    clock = _Clock()
-    seed_everything(seed)
-    model = load_working_drafter(cfg, dconf)
-    reference = write_reference(rd, model)
-    clock.lap("load_s")
+    # the inputs' sha256 (the drafter's files, the target's weights) for the record: on a thread from the
+    # start, beside the work that needs a GPU (hashlib and file reads release the GIL)
+    hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specquant-inputs")
+    inputs = hashing.submit(input_hashes, cfg)
+    reader = CacheReader(cache_dir, dtype=cache_batches.reader_dtype(index))
+    # every shard the calibration and the checks read, verified on threads while the drafter loads
+    verifier = cache_batches.ShardVerifier(reader, list(calib_idx) + list(held_idx))
+    clock.lap("prepare_s")
     batches = None
-    if need_data:
-        batches = cache_batches.drafter_batches(reader, calib_idx, int(q.anchors_per_sequence), dconf.block_size,
-                                                int(dconf.mask_token_id), int(q.max_seq_len), seed)
-    out = rd.drafter(q.name)
-    with tempfile.TemporaryDirectory(prefix=export.PARTIAL_PREFIX + "drafter-", dir=work_root(rd)) as work:
-        _write_native_config(model, Path(work))
-        calibrate.run_oneshot(model, q, ignore, batches, seed)
-        clock.lap("oneshot_s")
-        baseline, search, minmax_scales = calibrate.activation_scales(model, q, batches)
-        if search is not None:
-            clock.lap("scale_search_s")
-        scales = calibrate.input_global_scales(model)
-        native_ignore = write_quantized(model, out, ignore, list(q.ignore), int(dconf.num_target_layers),
-                                        bool(q.quantize_qkv))
-        clock.lap("write_s")
-    del model
-    report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf, search)
-    clock.lap("check_s")
+    try:
+        seed_everything(seed)
+        model = load_working_drafter(cfg, dconf)
+        reference = write_reference(rd, model)
+        clock.lap("load_s")
+        if need_data:
+            batches = cache_batches.Prefetched(
+                cache_batches.drafter_batches(reader, calib_idx, int(q.anchors_per_sequence), dconf.block_size,
+                                              int(dconf.mask_token_id), int(q.max_seq_len), seed),
+                next(model.parameters()).device, verifier)
+        out = rd.drafter(q.name)
+        with tempfile.TemporaryDirectory(prefix=export.PARTIAL_PREFIX + "drafter-", dir=work_root(rd)) as work:
+            _write_native_config(model, Path(work))
+            calibrate.run_oneshot(model, q, ignore, batches, seed)
+            clock.lap("oneshot_s")
+            baseline, search, minmax_scales = calibrate.activation_scales(model, q, batches)
+            if search is not None:
+                clock.lap("scale_search_s")
+            if batches is not None:
+                batches.close()
+            scales = calibrate.input_global_scales(model)
+            native_ignore = write_quantized(model, out, ignore, list(q.ignore), int(dconf.num_target_layers),
+                                            bool(q.quantize_qkv))
+            clock.lap("write_s")
+        del model
+        report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf, search, verifier)
+        clock.lap("check_s")
+        hashed = inputs.result()
+        clock.lap("inputs_hash_wait_s")
+    finally:
+        if batches is not None:
+            batches.close()
+        verifier.close()
+        hashing.shutdown(wait=True)
     return {
         "output": str(out), "reference": str(reference), "scheme": q.scheme, "observer": q.observer,
         "observer_kwargs": dict(q.observer_kwargs or {}), "algorithm": q.algorithm,
@@ -270,29 +291,49 @@ def run(cfg) -> dict:
         "activation_scale": q.activation_scale if minmax_scales else None, "minmax_input_global_scales": minmax_scales,
         "activation_scale_search": search,
         "calibration_target": pairing.calibration_record(cfg, index, need_data),
-        "inputs": {"drafter": checkpoint_sha256(cfg.drafter.path, cfg.drafter.revision),
-                   "cache_content_hash": index.get("content_hash"),
-                   "target_head": checkpoint_sha256(cfg.target.path, cfg.target.revision, weights_only=True)},
+        "inputs": {"drafter": hashed["drafter"], "cache_content_hash": index.get("content_hash"),
+                   "target_head": hashed["target_head"]},
         "outputs": export.output_hashes(out),
         "check": {k: report[k] for k in ("weight_error_summary", "layer_output_error_summary", "served", "weights_only", "served_rounding_band",
                                          "activation_error_summary")
                   if k in report},
-        "timings": clock.laps, "device": str(recipes.resolve_device(q.device)),
+        "timings": clock.finish(),
+        "device": str(recipes.resolve_device(q.device)),
     }
 
 
+def input_hashes(cfg) -> dict:
+    """sha256 of the drafter's files and of the target's weights (its embedding and lm_head are used)."""
+    return {"drafter": checkpoint_sha256(cfg.drafter.path, cfg.drafter.revision),
+            "target_head": checkpoint_sha256(cfg.target.path, cfg.target.revision, weights_only=True)}
+
+
 class _Clock:
-    """Wall time per phase of the stage (load, oneshot, write, check) for benchmarks."""
+    """Wall time per phase of the stage (prepare, load, oneshot, scale search, write, check, and the wait
+    for the inputs' hashes), and the peak GPU memory (torch.cuda.max_memory_allocated) at the end of each
+    phase, for benchmarks. `finish` adds `total_s` (the stage's own wall, from run()'s first line)."""
 
     def __init__(self):
         import time
 
         self._now = time.perf_counter
-        self._t = self._now()
+        self._t = self._start = self._now()
         self.laps: dict[str, float] = {}
+        self.peak_gpu: dict | None = None  # on CUDA: peak_gpu_alloc_bytes, _reserved_bytes, _alloc_bytes_after
 
     def lap(self, name: str) -> None:
         t = self._now()
         self.laps[name] = round(t - self._t, 3)
         self._t = t
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            devices = range(torch.cuda.device_count())
+            peak = int(max(torch.cuda.max_memory_allocated(d) for d in devices))
+            self.peak_gpu = {"peak_gpu_alloc_bytes": peak,
+                             "peak_gpu_reserved_bytes": int(max(torch.cuda.max_memory_reserved(d) for d in devices)),
+                             "peak_gpu_alloc_bytes_after": {**(self.peak_gpu or {}).get("peak_gpu_alloc_bytes_after", {}),
+                                                            name: peak}}
 
+    def finish(self) -> dict:
+        """The laps, `total_s`, and on CUDA the peak GPU memory (overall and as it stood after each phase);
+        under `timings`, which the manifests treat as measurements (pipeline.manifest TIMING_KEYS)."""
+        return {**self.laps, "total_s": round(self._now() - self._start, 3), **(self.peak_gpu or {})}

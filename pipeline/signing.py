@@ -2,7 +2,9 @@
 
 `publish` signs each assembled `publish/<variant>/` folder with an elliptic-curve private key
 (PEM; P-256, P-384 or P-521) named by `publish.signing_key` (a path) or `publish.signing_key_env`
-(a variable holding a path). The signature, `model.sig`, is an OMS Sigstore bundle: a DSSE envelope
+(a variable holding a path): as a bare key, or, with `publish.signing_certificate` (the key's X.509
+certificate, PEM) and `publish.certificate_chain` (the certificates that issued it), as that certificate,
+which then travels inside the bundle with its chain. The signature, `model.sig`, is an OMS Sigstore bundle: a DSSE envelope
 around an in-toto statement listing the sha256 of every file in the folder (weights, card, manifests,
 `provenance/` with the run's in-toto statement and the file list), signed offline (no transparency log).
 It is the one file the signature does not cover, and the Hub client's `.cache/huggingface/` metadata
@@ -13,13 +15,19 @@ record's resolved config) and its public key's sha256 (the OMS key hint, in the 
 record) are written anywhere; `pipeline.secrets` scrubs a PEM private key block from any text.
 
 `python -m pipeline verify` checks the signature with a public key (`--public-key PATH` or
-`publish.public_key`) through model_signing's own verifier, then names what fails in one sentence.
+`publish.public_key`) or, for a certificate signature, against trusted root certificates (`--root-certs
+PATH...` or `publish.root_certs`) through model_signing's own verifier, then names what fails in one
+sentence. model_signing checks the certificate chain at the signing certificate's start of validity (the
+bundle carries no trusted time, and no revocation is checked), so a certificate that has expired since
+still verifies; publish refuses to sign with one that is expired or not yet valid, and verify says when
+the certificate has expired since.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import datetime as _dt
 import hashlib
 import io
 import json
@@ -59,17 +67,47 @@ def _public_pem(key) -> bytes:
 
 
 @dataclass(frozen=True)
+class Roots:
+    """Trusted root CA certificates (PEM files) that a certificate signature must chain to."""
+
+    paths: tuple[Path, ...]
+    shown: str  # how a sentence names them: the paths as given, or "the publisher's root certificates"
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """A configured signing certificate and its chain (paths, and what the card and record show)."""
+
+    path: Path
+    chain: tuple[Path, ...]
+    subject: str
+    issuer: str
+    sha256: str  # of the certificate's DER, the usual certificate fingerprint
+    not_after: str
+    roots: Roots  # what publish checks its own signature against
+
+    def info(self) -> dict[str, str]:
+        return {"subject": self.subject, "issuer": self.issuer, "sha256": self.sha256, "not_after": self.not_after}
+
+
+@dataclass(frozen=True)
 class Signer:
-    """A configured signing key: its path (never its content) and its public half."""
+    """A configured signing key: its path (never its content), its public half, and its certificate if any."""
 
     key_path: Path
     field: str
     password_env: str | None
     public_pem: bytes
+    certificate: Certificate | None = None
 
     @property
     def fingerprint(self) -> str:
         return key_fingerprint(self.public_pem)
+
+    @property
+    def trust(self) -> bytes | Roots:
+        """What this signer's signature verifies with: its public key, or its certificate's roots."""
+        return self.certificate.roots if self.certificate else self.public_pem
 
     def password(self) -> bytes | None:
         value = os.environ.get(self.password_env) if self.password_env else None
@@ -126,6 +164,12 @@ def signer_from_config(cfg) -> Signer | None:
                         "P-256, P-384 or P-521 only", "generate one with "
                         "`openssl ecparam -name prime256v1 -genkey -noout -out key.pem`")
     signer = Signer(path, field, pw_env, _public_pem(key.public_key()))
+    if pc.get("signing_certificate"):
+        if pw_env:
+            raise bad_value("publish.signing_key_password_env", pw_env, "model signing's certificate signer "
+                            "cannot read an encrypted private key", "sign with a certificate using an unencrypted "
+                            "key file readable only by you, or drop publish.signing_certificate to sign with the bare key")
+        return Signer(path, field, None, signer.public_pem, certificate_from_config(pc, key, path))
     if pc.public_key:
         pub = load_public_key("publish.public_key", pc.public_key)
         if key_fingerprint(pub) != signer.fingerprint:
@@ -133,6 +177,123 @@ def signer_from_config(cfg) -> Signer | None:
                             f"{path} (public key sha256 {key_fingerprint(pub)[:16]}... vs {signer.fingerprint[:16]}...)",
                             "give the matching public key, or leave publish.public_key unset")
     return signer
+
+
+def _cert_name(name) -> str:
+    return name.rfc4514_string() or "(empty name)"
+
+
+def describe(cert) -> dict[str, str]:
+    """Subject, issuer, sha256 fingerprint and end of validity of an x509 certificate."""
+    from cryptography.hazmat.primitives import hashes
+
+    return {"subject": _cert_name(cert.subject), "issuer": _cert_name(cert.issuer),
+            "sha256": cert.fingerprint(hashes.SHA256()).hex(), "not_after": cert.not_valid_after_utc.isoformat()}
+
+
+def load_certificates(field: str, path: str | os.PathLike, what: str) -> list:
+    """The PEM certificates in a file (one sentence if it cannot be read or holds none)."""
+    from cryptography import x509
+
+    p = Path(str(path)).expanduser()
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise bad_value(field, str(path), f"the certificate file cannot be read ({exc.strerror or exc})",
+                        f"give the path of {what} (PEM)") from None
+    if b"PRIVATE KEY" in data:
+        raise bad_value(field, str(path), "it holds a private key, and only certificates belong here",
+                        f"give a file holding only {what} (PEM)")
+    try:
+        certs = x509.load_pem_x509_certificates(data)
+    except ValueError:
+        certs = []
+    if not certs:
+        raise bad_value(field, str(path), "it holds no PEM certificate (`-----BEGIN CERTIFICATE-----`)",
+                        f"give {what} (PEM)")
+    return certs
+
+
+def load_roots(field: str, paths, shown: str | None = None) -> Roots:
+    """Trusted root certificate files, each checked to hold PEM certificates."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths or [])
+    if not paths:
+        raise bad_value(field, [], "no root certificate is given", "give the issuing CA's root certificate (PEM)")
+    for p in paths:
+        load_certificates(field, p, "the issuing CA's root certificate")
+    return Roots(tuple(Path(str(p)).expanduser() for p in paths), shown or ", ".join(str(p) for p in paths))
+
+
+def _self_signed(cert) -> bool:
+    if cert.subject != cert.issuer:
+        return False
+    try:
+        cert.verify_directly_issued_by(cert)
+        return True
+    except Exception:  # noqa: BLE001 - not self-signed (a signature or key-type mismatch)
+        return False
+
+
+def certificate_from_config(pc, key, key_path: Path) -> Certificate:
+    """`publish.signing_certificate` and `publish.certificate_chain`, checked against the key, the time and
+    model signing's rules before any work; then the chain is tried on a one-file folder through model_signing
+    itself, so a chain publish could not verify is refused here, not after assembling."""
+    from cryptography import x509
+
+    field, raw = "publish.signing_certificate", str(pc.signing_certificate)
+    cert = load_certificates(field, raw, "the signing key's X.509 certificate")[0]
+    d = describe(cert)
+    if _public_pem(cert.public_key()) != _public_pem(key.public_key()):
+        raise bad_value(field, raw, f"the certificate {d['subject']} is not for the signing key (its public key "
+                        f"sha256 is {key_fingerprint(_public_pem(cert.public_key()))[:16]}..., the key's "
+                        f"{key_fingerprint(_public_pem(key.public_key()))[:16]}...)",
+                        "give the certificate issued for that key, or the key it was issued for")
+    now = _dt.datetime.now(_dt.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        when = (f"expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC" if now > cert.not_valid_after_utc else
+                f"is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC")
+        raise bad_value(field, raw, f"the certificate {d['subject']} {when}", "sign with a certificate valid now")
+    usable = False
+    with contextlib.suppress(x509.ExtensionNotFound):
+        usable = cert.extensions.get_extension_for_class(x509.KeyUsage).value.digital_signature
+    with contextlib.suppress(x509.ExtensionNotFound):
+        usable = usable or x509.oid.ExtendedKeyUsageOID.CODE_SIGNING in \
+            cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    if not usable:
+        raise bad_value(field, raw, f"the certificate {d['subject']} allows neither digital signatures (KeyUsage) "
+                        "nor code signing (ExtendedKeyUsage), so model signing refuses it",
+                        "ask the CA for a certificate with KeyUsage digitalSignature or ExtendedKeyUsage codeSigning")
+    chain_paths = list(pc.get("certificate_chain") or [])
+    if not chain_paths:
+        raise bad_value("publish.certificate_chain", [], f"it is empty, and model signing's certificate signer "
+                        f"needs the certificates that issued {d['subject']} (at least its issuer {d['issuer']})",
+                        "list the intermediate and root certificate files (PEM), e.g. "
+                        "publish.certificate_chain=[ca.pem]")
+    chain = [c for p in chain_paths for c in load_certificates("publish.certificate_chain", p, "an issuing certificate")]
+    if pc.get("root_certs"):
+        roots = load_roots("publish.root_certs", pc.root_certs)
+    else:
+        anchors = [str(Path(str(p)).expanduser()) for p in chain_paths
+                   if any(_self_signed(c) for c in load_certificates("publish.certificate_chain", p, "a certificate"))]
+        if not anchors:
+            raise bad_value("publish.root_certs", None, f"the certificate chain of {d['subject']} holds no root "
+                            "(self-signed) certificate, so publish cannot check the signature it writes",
+                            "set publish.root_certs=[<the root CA certificate (PEM)>] or add it to "
+                            "publish.certificate_chain")
+        roots = Roots(tuple(Path(a) for a in anchors), ", ".join(anchors))
+    out = Certificate(Path(raw).expanduser(), tuple(Path(str(p)).expanduser() for p in chain_paths), d["subject"],
+                      d["issuer"], d["sha256"], d["not_after"], roots)
+    with tempfile.TemporaryDirectory(prefix=TMP_PREFIX) as tmp:  # removed at once; nothing of the key in it
+        probe = Path(tmp) / "probe"
+        probe.mkdir()
+        (probe / "probe.txt").write_text("specquant certificate chain probe\n", encoding="utf-8")
+        _sign(probe, Signer(key_path, field, None, b"", out), probe / SIGNATURE)
+        res = check(probe, roots)
+    if res.problem:
+        raise bad_value(field, raw, f"model signing cannot verify a signature by it: {res.chain_error or res.problem}",
+                        "give in publish.certificate_chain the certificates that issued it, and in "
+                        "publish.root_certs (or the chain) its root")
+    return out
 
 
 def load_public_key(field: str, path: str | os.PathLike) -> bytes:
@@ -179,23 +340,53 @@ def _hashing_config():
     return hashing.Config().set_ignored_paths(paths=list(IGNORED), ignore_git_paths=True)
 
 
+def _sign(folder: Path, signer: Signer, out: Path) -> None:
+    """model_signing signs `folder` into `out` (the folder is hashed first, and model.sig is never hashed)."""
+    from model_signing import signing
+
+    config = signing.Config().set_hashing_config(_hashing_config())
+    if signer.certificate:
+        config.use_certificate_signer(private_key=signer.key_path, signing_certificate=signer.certificate.path,
+                                      certificate_chain=list(signer.certificate.chain))
+    else:
+        config.use_elliptic_key_signer(private_key=signer.key_path, password=signer.password())
+    config.sign(folder, out)
+
+
+def bundle_certificate(sig: Path) -> dict[str, str] | None:
+    """The signing certificate inside a bundle (subject, issuer, sha256, not_after), or None: signed with a
+    bare key, or unreadable (model_signing's verifier then says so)."""
+    from cryptography import x509
+
+    try:
+        chain = json.loads(sig.read_text(encoding="utf-8"))["verificationMaterial"]["x509CertificateChain"]
+        return describe(x509.load_der_x509_certificate(base64.b64decode(chain["certificates"][0]["rawBytes"])))
+    except Exception:  # noqa: BLE001 - no certificate, or a bundle too broken to show one
+        return None
+
+
+def _bundle_is_certificate(sig: Path) -> bool:
+    try:
+        return "x509CertificateChain" in json.loads(sig.read_text(encoding="utf-8"))["verificationMaterial"]
+    except Exception:  # noqa: BLE001 - unreadable: the verifier reports it
+        return False
+
+
 def sign_folder(folder: Path, signer: Signer, previous: bytes | None = None) -> str:
     """Write `folder/model.sig`. A previous signature by the same key over the same bytes is kept as it is
     (ECDSA signatures differ on every run, so re-signing would make every re-publish a new commit).
     Returns "kept" or "signed"."""
-    from model_signing import signing
-
     sig = folder / SIGNATURE
     if previous is not None:
         sig.write_bytes(previous)
-        if check(folder, signer.public_pem).problem is None:
+        same_cert = signer.certificate is None or (bundle_certificate(sig) or {}).get("sha256") == \
+            signer.certificate.sha256  # a renewed certificate re-signs
+        if same_cert and check(folder, signer.trust).problem is None:
             return "kept"
         sig.unlink()
     tmp = folder / f"{TMP_PREFIX}{SIGNATURE}"
     try:
-        # the folder is hashed before the signature is written, and model.sig is not hashed anyway
-        signing.Config().set_hashing_config(_hashing_config()).use_elliptic_key_signer(
-            private_key=signer.key_path, password=signer.password()).sign(folder, tmp)
+        _sign(folder, signer, tmp)
         os.chmod(tmp, 0o644)  # like every other published file
         os.replace(tmp, sig)
     finally:
@@ -210,6 +401,8 @@ class Result:
     altered: list[str] | None = None  # files the (authentic) signature disagrees with
     signed: dict[str, str] | None = None  # {file: sha256} the signature lists
     present: dict[str, str] | None = None  # {file: sha256} in the folder now
+    certificate: dict[str, str] | None = None  # the signing certificate of a verified certificate signature
+    chain_error: str | None = None  # why a certificate chain does not verify (publish's own check says it)
 
 
 def _signed_resources(sig: Path) -> dict[str, str]:
@@ -235,38 +428,87 @@ def _names(files: list[str]) -> str:
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
 
 
-def check(folder: str | os.PathLike, public_key: str | os.PathLike | bytes | None) -> Result:
-    """The signature of a published folder against a public key (a path or its PEM bytes)."""
+def _chain_error(exc: Exception) -> str:
+    """OpenSSL's reason for a chain that does not verify, e.g. 'unable to get local issuer certificate'."""
+    errors = getattr(exc, "errors", None)
+    return str(errors[-1]) if errors else (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def check(folder: str | os.PathLike, public_key: str | os.PathLike | bytes | Roots | None) -> Result:
+    """The signature of a published folder against a public key (a path or its PEM bytes) or, for a
+    certificate signature, trusted root certificates (`Roots`)."""
     folder = Path(folder)
     sig = folder / SIGNATURE
     if public_key is None:
+        if sig.is_file() and _bundle_is_certificate(sig):
+            return Result(note=f"{SIGNATURE}: certificate signature present but not checked (no root certificates: "
+                               "pass --root-certs PATH or set publish.root_certs)")
         if sig.is_file():
             return Result(note=f"{SIGNATURE}: signature present but not checked (no public key: pass "
                                "--public-key PATH or set publish.public_key)")
         return Result(note=f"unsigned: no {SIGNATURE} (the hashes show the files agree with their records, "
                            "not who published them)")
-    shown = "the publisher's public key" if isinstance(public_key, bytes) else str(public_key)
+    roots = public_key if isinstance(public_key, Roots) else None
+    shown = roots.shown if roots else "the publisher's public key" if isinstance(public_key, bytes) else str(public_key)
     if not sig.is_file():
         return Result(problem=f"{SIGNATURE}: missing; the folder is unsigned, so it cannot be verified "
                               f"with {shown}")
-    pem = public_key if isinstance(public_key, bytes) else load_public_key("--public-key", public_key)
+    cert = bundle_certificate(sig)
+    if roots is None and _bundle_is_certificate(sig):
+        who = f"the certificate {cert['subject']} (sha256 {cert['sha256'][:16]}...)" if cert else "a certificate"
+        return Result(problem=f"{SIGNATURE}: signed with {who}, not a bare key, so {shown} cannot verify it; "
+                              "verify it with --root-certs <the issuing CA's root certificate (PEM)>")
+    if roots is not None and not _bundle_is_certificate(sig):
+        hint = None
+        with contextlib.suppress(Exception):  # an unreadable bundle: shown without its key hint
+            hint = json.loads(sig.read_text(encoding="utf-8"))["verificationMaterial"]["publicKey"]["hint"]
+        key = f" (public key sha256 {hint[:16]}...)" if isinstance(hint, str) and hint else ""
+        return Result(problem=f"{SIGNATURE}: signed with a bare elliptic-curve key{key}, not a certificate, so "
+                              f"the root certificates {shown} cannot verify it; verify it with --public-key "
+                              "<the publisher's key.pub>")
+    pem = None if roots else public_key if isinstance(public_key, bytes) else load_public_key("--public-key", public_key)
     from cryptography.exceptions import InvalidSignature
     from model_signing import verifying
+    from OpenSSL.crypto import X509StoreContextError
 
-    with _public_key_file(public_key, folder.parent) as key_file:
+    with contextlib.ExitStack() as stack:
+        config = verifying.Config()
+        if roots:
+            config.use_certificate_verifier(certificate_chain=list(roots.paths))
+            signer = f"the certificate {cert['subject']} (sha256 {cert['sha256'][:16]}...)" if cert else \
+                "its certificate"
+        else:
+            config.use_elliptic_key_verifier(public_key=stack.enter_context(_public_key_file(public_key, folder.parent)))
+            signer = f"public key sha256 {key_fingerprint(pem)[:16]}..."
         try:
             # the verifier prints a warning for a bundle without a key hint; the sentence below says it all
             with contextlib.redirect_stdout(io.StringIO()):
-                verifying.Config().use_elliptic_key_verifier(public_key=key_file).verify(folder, sig)
-            return Result()
+                config.verify(folder, sig)
+            return Result(certificate=cert)
+        except X509StoreContextError as exc:
+            why = _chain_error(exc)
+            # OpenSSL's wording when no given root issued the chain (another CA, or the wrong roots given)
+            stranger = any(w in why for w in ("issuer certificate", "self-signed certificate"))
+            return Result(problem=f"{SIGNATURE}: its signing certificate {cert['subject'] if cert else ''} (issued by "
+                                  f"{cert['issuer'] if cert else '?'}) does not chain to the root certificates "
+                                  f"{shown} ({why})" + ("; it was issued by another CA, or these are not the "
+                                                        "publisher's roots" if stranger else ""),
+                          chain_error=f"it does not chain to {shown} ({why})")
         except InvalidSignature:
-            return Result(problem=f"{SIGNATURE}: its signature is not valid for {shown} (public key sha256 "
-                                  f"{key_fingerprint(pem)[:16]}...): it was made by another key or altered")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if roots:
+                return Result(problem=f"{SIGNATURE}: its signature is not valid for {signer}: the bundle was altered "
+                                      "or signed by another key than the certificate's")
+            return Result(problem=f"{SIGNATURE}: its signature is not valid for {shown} ({signer}): it was made by "
+                                  "another key or altered")
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, UnicodeDecodeError,
+                json.JSONDecodeError) as exc:
             text = str(exc)
             if text.startswith("Key mismatch"):
-                return Result(problem=f"{SIGNATURE}: signed by another key, not by {shown} (public key sha256 "
-                                      f"{key_fingerprint(pem)[:16]}...)")
+                return Result(problem=f"{SIGNATURE}: signed by another key, not by {shown} ({signer})")
+            if text.startswith("Signing certificate cannot be used for signing"):
+                return Result(problem=f"{SIGNATURE}: {signer} allows neither digital signatures nor code signing, "
+                                      "so model signing refuses it", chain_error="it allows neither digital "
+                                      "signatures nor code signing")
             if not text.startswith("Signature mismatch"):
                 return Result(problem=f"{SIGNATURE}: not a readable OMS signature bundle "
                                       f"({type(exc).__name__}: {text.splitlines()[0][:120] if text else ''}); "
@@ -277,6 +519,17 @@ def check(folder: str | os.PathLike, public_key: str | os.PathLike | bytes | Non
     return Result(problem=altered_sentence(altered, signed, present) if altered else
                   f"{SIGNATURE}: the folder no longer matches its signature ({text[:200]})",
                   altered=altered, signed=signed, present=present)
+
+
+def expiry_note(cert: dict[str, str] | None) -> str | None:
+    """One clause when a verified certificate signature's certificate has expired since (see the docstring)."""
+    if not cert:
+        return None
+    end = _dt.datetime.fromisoformat(cert["not_after"])
+    if end >= _dt.datetime.now(_dt.timezone.utc):
+        return None
+    return (f"its certificate {cert['subject']} expired on {end:%Y-%m-%d}; model signing checks the chain at the "
+            "certificate's start of validity, as the bundle carries no trusted time")
 
 
 def altered_sentence(altered: list[str], signed: dict[str, str], present: dict[str, str]) -> str:

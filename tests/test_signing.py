@@ -340,3 +340,277 @@ def test_published_card_passes_hub_validate_yaml(run_root, tmp_path):
     # the bf16 reference is the source drafter re-saved: no base_model_relation
     bf16 = modelcard.front_matter({"scheme": "bf16", "base_model": BASE})
     assert bf16["base_model"] == BASE and "base_model_relation" not in bf16 and "quantized" not in bf16["tags"]
+
+
+# ---------------------------------------------------------------- signing with an X.509 certificate
+def _name(cn: str):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "specquant tests"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(d: Path, file: str, cn: str, key, issuer_cn: str, issuer_key, *, ca: bool, days=(-1, 30),
+          signing: bool = True) -> Path:
+    """A certificate for `key`, issued by `issuer_key` (self-signed when it is the same key), written as PEM."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    now = dt.datetime.now(dt.UTC)
+    usage = dict(digital_signature=signing and not ca, content_commitment=False, key_encipherment=not signing,
+                 data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca, encipher_only=False,
+                 decipher_only=False)
+    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(issuer_cn))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now + dt.timedelta(days=days[0])).not_valid_after(now + dt.timedelta(days=days[1]))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(**usage), critical=True)
+            .sign(issuer_key, hashes.SHA256()))
+    p = d / file
+    p.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return p
+
+
+@pytest.fixture
+def pki(tmp_path, keys) -> dict[str, Path]:
+    """A throwaway CA (root and intermediate) and a leaf certificate for keys["priv"]; another CA beside it."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    d = keys["priv"].parent
+    leaf_key = serialization.load_pem_private_key(keys["priv"].read_bytes(), None)
+    root_key, mid_key, other_root_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    out = {
+        "root": _cert(d, "root-ca.pem", "Test Root CA", root_key, "Test Root CA", root_key, ca=True, days=(-60, 365)),
+        "mid": _cert(d, "intermediate-ca.pem", "Test Intermediate CA", mid_key, "Test Root CA", root_key, ca=True,
+                     days=(-60, 365)),
+        "leaf": _cert(d, "leaf.pem", "specquant publisher", leaf_key, "Test Intermediate CA", mid_key, ca=False),
+        "other_root": _cert(d, "other-root-ca.pem", "Other Root CA", other_root_key, "Other Root CA", other_root_key,
+                            ca=True, days=(-60, 365)),
+        # the same subject and key, issued by the other CA (someone else's CA claiming to be the publisher)
+        "other_leaf": _cert(d, "other-leaf.pem", "specquant publisher", leaf_key, "Other Root CA", other_root_key,
+                            ca=False),
+        "expired": _cert(d, "expired.pem", "specquant publisher", leaf_key, "Test Intermediate CA", mid_key,
+                         ca=False, days=(-30, -2)),
+        "not_for_signing": _cert(d, "encipher-only.pem", "specquant publisher", leaf_key, "Test Intermediate CA",
+                                 mid_key, ca=False, signing=False),
+        "for_other_key": _cert(d, "other-key-leaf.pem", "someone else",
+                               serialization.load_pem_private_key(keys["other"].read_bytes(), None),
+                               "Test Intermediate CA", mid_key, ca=False),
+    }
+    return out
+
+
+def cert_overrides(keys, pki, leaf: str = "leaf", chain: tuple[str, ...] = ("mid", "root")) -> list[str]:
+    return [f"publish.signing_key={keys['priv']}", f"publish.signing_certificate={pki[leaf]}",
+            f"publish.certificate_chain=[{','.join(str(pki[c]) for c in chain)}]"]
+
+
+@pytest.fixture
+def cert_signed(run_root, keys, pki) -> Path:
+    from pipeline import publish
+
+    publish.run(publish_cfg(run_root, *cert_overrides(keys, pki)))
+    return run_root / "tiny" / "publish" / "nvfp4"
+
+
+def _subject() -> str:
+    return "CN=specquant publisher,O=specquant tests"
+
+
+def test_certificate_signed_folder_verifies_and_names_its_certificate(cert_signed, keys, pki, run_root, capsys):
+    """Signed with a certificate: verifies against the root CA, names the certificate; the card and the record
+    say so (subject, fingerprint), and no private key material reaches any file."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    from pipeline import publish
+
+    fp = x509.load_pem_x509_certificate(pki["leaf"].read_bytes()).fingerprint(hashes.SHA256()).hex()
+    rc, lines = verify_cli(capsys, cert_signed, "--root-certs", pki["root"])
+    assert rc == 0 and len(lines) == 1, lines
+    assert lines[0].startswith("verify: OK") and f"and {SIG} verifies with {pki['root']} (signed by {_subject()}, " \
+        f"certificate sha256 {fp[:16]}...)" in lines[0], lines
+    bundle = json.loads((cert_signed / SIG).read_text())
+    chain = bundle["verificationMaterial"]["x509CertificateChain"]["certificates"]
+    assert len(chain) == 3  # leaf, intermediate, root: the chain travels inside the signature
+    statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    assert {prov.ATTESTATION, prov.FILE_LIST, "README.md", "model.safetensors"} <= \
+        {r["name"] for r in statement["predicate"]["resources"]}
+    readme = (cert_signed / "README.md").read_text()
+    assert f"**Signed** with OpenSSF model signing (OMS, `model-signing {signing.tool_version()}`) by the " \
+           f"certificate `{_subject()}` (sha256 fingerprint `{fp}`, issued by " \
+           "`CN=Test Intermediate CA,O=specquant tests`" in readme
+    assert "--root-certs <publisher's root CA certificate>" in readme and str(keys["priv"]) not in readme
+    rec = json.loads((run_root / "tiny" / "publish" / "nvfp4.json").read_text())["signature"]
+    assert rec["certificate"]["sha256"] == fp and rec["certificate"]["subject"] == _subject()
+    assert rec["signing_certificate_path"] == str(pki["leaf"]) and rec["root_certs_paths"] == [str(pki["root"])]
+    body = _key_body(keys["priv"])
+    for p in (run_root / "tiny").rglob("*"):
+        if p.is_file():
+            text = p.read_bytes().decode("utf-8", "replace")
+            assert "-----BEGIN PRIVATE KEY-----" not in text and not any(b in text for b in body), p
+    # the whole run verifies too, and a re-publish keeps the signature (no new Hub commit)
+    rc, lines = verify_cli(capsys, run_root / "tiny", "--root-certs", pki["root"])
+    assert rc == 0 and f"publish/nvfp4/{SIG} verifies with" in lines[0], lines
+    before = (cert_signed / SIG).read_bytes()
+    publish.run(publish_cfg(run_root, *cert_overrides(keys, pki)))
+    assert (cert_signed / SIG).read_bytes() == before
+
+
+def test_certificate_signature_from_an_expired_certificate_still_verifies_and_says_so(cert_signed, keys, pki, capsys):
+    """model_signing checks the chain at the certificate's start of validity (no trusted time in the bundle):
+    a folder signed (directly with model_signing) by a certificate that has since expired verifies, and the
+    OK line says it expired."""
+    from model_signing import signing as oms
+
+    (cert_signed / SIG).unlink()
+    oms.Config().set_hashing_config(signing._hashing_config()).use_certificate_signer(
+        private_key=keys["priv"], signing_certificate=pki["expired"],
+        certificate_chain=[pki["mid"], pki["root"]]).sign(cert_signed, cert_signed / SIG)
+    rc, lines = verify_cli(capsys, cert_signed, "--root-certs", pki["root"])
+    assert rc == 0 and len(lines) == 1, lines
+    assert f"its certificate {_subject()} expired on " in lines[0] and "no trusted time" in lines[0], lines
+
+
+def _resign(folder: Path, keys, pki, leaf: str, chain: tuple[str, ...]) -> None:
+    from model_signing import signing as oms
+
+    (folder / SIG).unlink()
+    oms.Config().set_hashing_config(signing._hashing_config()).use_certificate_signer(
+        private_key=keys["priv"], signing_certificate=pki[leaf],
+        certificate_chain=[pki[c] for c in chain]).sign(folder, folder / SIG)
+
+
+def _key_sign(folder: Path, keys) -> None:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"publish": {"signing_key": str(keys["priv"]), "signing_key_env": None,
+                                        "signing_key_password_env": None, "public_key": None}})
+    (folder / SIG).unlink()
+    signing.sign_folder(folder, signing.signer_from_config(cfg))
+
+
+WHAT.update({
+    "certificate: tampered file": "certificate-signed folder, model.safetensors altered and the statement and file "
+                                  "list rewritten to match: verify --root-certs names the file in one sentence.",
+    "certificate: tampered manifest": "certificate-signed folder, quant_run_manifest.json edited: named once, with "
+                                      "the signature failing on it.",
+    "certificate: another CA's certificate": "re-signed with a certificate of the same subject and key issued by "
+                                             "another CA: verify --root-certs refuses the chain in one sentence.",
+    "certificate: verified against another CA": "certificate-signed folder verified with another CA's root: one "
+                                                "sentence naming the certificate and the roots.",
+    "certificate: missing signature": "model.sig deleted, verified with --root-certs: one sentence naming model.sig.",
+    "certificate: verified with a public key": "certificate-signed folder verified with --public-key: one sentence "
+                                               "saying to use --root-certs.",
+    "certificate: a bare-key signature checked with root certs": "re-signed with the bare key, verified with "
+                                                                 "--root-certs: one sentence saying to use --public-key.",
+    "certificate: expired": "publish: publish.signing_certificate expired two days ago.",
+    "certificate: for another key": "publish: publish.signing_certificate was issued for another key.",
+    "certificate: not for signing": "publish: a certificate without digitalSignature key usage.",
+    "certificate: chain empty": "publish: publish.certificate_chain empty.",
+    "certificate: chain of another CA": "publish: a certificate whose chain does not reach publish.root_certs.",
+    "certificate: a key, not a certificate": "publish: publish.signing_certificate names a public key file.",
+    "certificate: no root to check with": "publish: a chain without a root and no publish.root_certs.",
+})
+
+CERT_CASES = {
+    "certificate: tampered file": (
+        lambda f, k, c: (_flip(f / "model.safetensors"), _rewrite_records(f, "model.safetensors")), "root",
+        f"{SIG}: the folder no longer matches its signature (model.safetensors, ", "changed since signing"),
+    "certificate: tampered manifest": (lambda f, k, c: _tamper_manifest(f), "root",
+                                       "quant_run_manifest.json: changed (",
+                                       f"the signature in {SIG} no longer matches it either"),
+    "certificate: another CA's certificate": (lambda f, k, c: _resign(f, k, c, "other_leaf", ("other_root",)), "root",
+                                              f"{SIG}: its signing certificate {_subject()} (issued by "
+                                              "CN=Other Root CA,O=specquant tests) does not chain to the root "
+                                              "certificates ", "it was issued by another CA"),
+    "certificate: verified against another CA": (lambda f, k, c: None, "other_root",
+                                                 f"{SIG}: its signing certificate {_subject()} (issued by "
+                                                 "CN=Test Intermediate CA,O=specquant tests) does not chain to the "
+                                                 "root certificates ", "self-signed certificate in certificate chain"),
+    "certificate: missing signature": (lambda f, k, c: (f / SIG).unlink(), "root",
+                                       f"{SIG}: missing; the folder is unsigned, so it cannot be verified with ", ""),
+    "certificate: verified with a public key": (lambda f, k, c: None, "pub",
+                                                f"{SIG}: signed with the certificate {_subject()} (sha256 ",
+                                                "verify it with --root-certs"),
+    "certificate: a bare-key signature checked with root certs": (
+        lambda f, k, c: _key_sign(f, k), "root", f"{SIG}: signed with a bare elliptic-curve key (public key sha256 ",
+        "verify it with --public-key"),
+}
+
+
+@pytest.mark.faults("tamper")
+@pytest.mark.parametrize("case", [Case(c, WHAT[c]) for c in CERT_CASES])
+def test_tampered_certificate_signed_folder_is_refused_in_one_sentence(case, cert_signed, keys, pki, capsys):
+    """A certificate-signed folder altered, re-signed by another CA, or checked with the wrong trust: refused in
+    one sentence naming model.sig or the file."""
+    tamper, trust, start, contains = CERT_CASES[case]
+    tamper(cert_signed, keys, pki)
+    how = ["--public-key", keys["pub"]] if trust == "pub" else ["--root-certs", pki[trust]]
+    rc, lines = verify_cli(capsys, cert_signed, *how)
+    assert rc == 1, lines
+    assert len(lines) == 2 and lines[1] == f"verify: FAILED, 1 problem(s) in {cert_signed}", lines
+    sentence = lines[0].removeprefix("verify: ")
+    assert sentence.startswith(start) and contains in sentence, sentence
+    assert sentence.count(". ") == 0 and "\n" not in sentence
+
+
+CERT_BAD = {
+    "certificate: expired": (lambda k, c: cert_overrides(k, c, "expired"), "`publish.signing_certificate` = ",
+                             f"the certificate {_subject()} expired on "),
+    "certificate: for another key": (lambda k, c: cert_overrides(k, c, "for_other_key"),
+                                     "`publish.signing_certificate` = ", "is not for the signing key"),
+    "certificate: not for signing": (lambda k, c: cert_overrides(k, c, "not_for_signing"),
+                                     "`publish.signing_certificate` = ", "allows neither digital signatures"),
+    "certificate: chain empty": (lambda k, c: cert_overrides(k, c, chain=()), "`publish.certificate_chain` = []: ",
+                                 "needs the certificates that issued"),
+    "certificate: chain of another CA": (lambda k, c: [*cert_overrides(k, c, chain=("mid",)),
+                                                       f"publish.root_certs=[{c['other_root']}]"],
+                                         "`publish.signing_certificate` = ",
+                                         "model signing cannot verify a signature by it: it does not chain to "),
+    "certificate: a key, not a certificate": (lambda k, c: [f"publish.signing_key={k['priv']}",
+                                                            f"publish.signing_certificate={k['pub']}",
+                                                            f"publish.certificate_chain=[{c['root']}]"],
+                                              "`publish.signing_certificate` = ", "holds no PEM certificate"),
+    "certificate: no root to check with": (lambda k, c: cert_overrides(k, c, chain=("mid",)),
+                                           "`publish.root_certs` = None: ", "holds no root (self-signed) certificate"),
+}
+
+
+@pytest.mark.faults("bad_input")
+@pytest.mark.parametrize("case", [Case(c, WHAT[c]) for c in CERT_BAD])
+def test_bad_certificate_settings_fail_in_one_sentence_before_writing(case, run_root, keys, pki):
+    """publish with a bad certificate setting: one sentence naming the field, nothing assembled."""
+    from pipeline import publish
+    from pipeline.errors import SpecquantError
+
+    overrides, start, contains = CERT_BAD[case]
+    with pytest.raises(SpecquantError) as err:
+        publish.run(publish_cfg(run_root, *overrides(keys, pki)))
+    msg = str(err.value)
+    assert msg.startswith(start) and contains in msg and msg.count("\n") == 0, msg
+    assert "PRIVATE KEY" not in msg and not any(b in msg for b in _key_body(keys["priv"]))
+    assert not (run_root / "tiny" / "publish").exists()
+
+
+def test_bad_root_certs_for_verify_fail_in_one_sentence(cert_signed, keys, capsys):
+    """verify --root-certs with a private key or a missing file: one sentence, no traceback."""
+    from pipeline.__main__ import main
+
+    for bad, contains in ((keys["priv"], "holds a private key"), (keys["priv"].parent / "nope.pem", "cannot be read")):
+        capsys.readouterr()
+        rc = main(["verify", str(cert_signed), "--root-certs", str(bad)])
+        out = capsys.readouterr()
+        text = out.out + out.err
+        assert rc != 0 and "Traceback" not in text and f"`--root-certs` = '{bad}'" in text and contains in text, text
+        assert not any(b in text for b in _key_body(keys["priv"]))
+
+
+def test_certificate_signature_without_roots_is_reported_not_checked(cert_signed, capsys):
+    rc, lines = verify_cli(capsys, cert_signed)
+    assert rc == 0 and lines[-1] == f"verify: {SIG}: certificate signature present but not checked (no root " \
+                                    "certificates: pass --root-certs PATH or set publish.root_certs)", lines

@@ -163,18 +163,30 @@ def activation_error_report(reference, quantized, held, q, search: dict | None) 
     return out
 
 
-def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict | None = None) -> dict:
+def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict | None = None,
+                  verifier: cache_batches.ShardVerifier | None = None) -> dict:
+    import copy
+
     from pipeline.models.formats import load_drafter
 
     ref_dir, out = rd.drafter("bf16"), rd.drafter(q.name)
     device = recipes.resolve_device(q.device)
     reference = load_drafter(ref_dir, target=cfg.target.path, dtype=torch.float32, device=device)
-    dense = load_drafter(ref_dir, target=cfg.target.path, dtype=torch.float32, device=device)
+    dense = copy.deepcopy(reference)  # the same weights, read once
     quantized = checks.load_dequantized(dense, out)
     errors = checks.weight_errors(quantized, reference)
-    held = cache_batches.drafter_batches(reader, held_idx, int(q.anchors_per_sequence), dconf.block_size,
-                                         int(dconf.mask_token_id), int(q.max_seq_len),
-                                         int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET)
+    held = cache_batches.Prefetched(
+        cache_batches.drafter_batches(reader, held_idx, int(q.anchors_per_sequence), dconf.block_size,
+                                      int(dconf.mask_token_id), int(q.max_seq_len),
+                                      int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET),
+        next(reference.parameters()).device, verifier)
+    try:
+        return _check(cfg, rd, q, reader, held_idx, reference, quantized, errors, held, dconf, search, out)
+    finally:
+        held.close()
+
+
+def _check(cfg, rd, q, reader, held_idx, reference, quantized, errors, held, dconf, search, out) -> dict:
     metrics = compare(reference, quantized, held, dconf.block_size, q.rounding_band_factors) if len(held) else {}
     act = activation_error_report(reference, quantized, held, q, search)
     out_err = layer_output_errors(reference, quantized, held) if len(held) else {}
