@@ -67,6 +67,7 @@ class _GuardedFile:
 
     def __init__(self, fh: BinaryIO, path: Path):
         self._fh, self._path = fh, path
+        self.hasher: HashingWriter | None = None  # set by a HashingWriter over this handle
 
     def write(self, data) -> int:
         try:
@@ -93,11 +94,17 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]
         fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
         os.fchmod(fd, _default_mode())
         with os.fdopen(fd, mode) as fh:
-            yield _GuardedFile(fh, path)
+            guarded = _GuardedFile(fh, path)
+            yield guarded
             fh.flush()
             os.fsync(fh.fileno())
+            hasher = guarded.hasher
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+        if hasher is not None:  # the bytes were hashed as they were written: nobody needs to read them back
+            from pipeline import hashes
+
+            hashes.record_written(path, hasher.hexdigest(), hasher.bytes)
     except BaseException as exc:
         if tmp is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -109,7 +116,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_open(path, "wb") as fh:
-        fh.write(data)
+        HashingWriter(fh).write(data)  # its sha256 is remembered (pipeline.hashes), never read back
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -136,12 +143,22 @@ def read_json(path: str | os.PathLike, field: str = "path") -> Any:
 
 
 class HashingWriter:
-    """A file-like wrapper that hashes bytes as they are written (no second read)."""
+    """A file-like wrapper that hashes bytes as they are written (no second read).
+
+    Over a handle of `atomic_open` (directly, or through wrappers that keep the inner handle as `_fh`,
+    like the cache's `_AsyncFile`), the digest is recorded in `pipeline.hashes` when the file is
+    renamed into place, if every byte of the file went through this writer."""
 
     def __init__(self, fh: BinaryIO):
         self._fh = fh
         self._h = hashlib.sha256()
         self.bytes = 0
+        inner = fh
+        for _ in range(4):
+            if isinstance(inner, _GuardedFile):
+                inner.hasher = self
+                break
+            inner = inner.__dict__.get("_fh") if hasattr(inner, "__dict__") else None
 
     def write(self, data: bytes) -> int:
         self._h.update(data)
@@ -163,11 +180,12 @@ def sha256_text(text: str) -> str:
     return sha256_bytes(text.encode("utf-8"))
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """The file's sha256 (`pipeline.hashes.sha256_file`, which counts the bytes read)."""
+def sha256_file(path: str | os.PathLike, reuse: bool = True) -> str:
+    """The file's sha256 (`pipeline.hashes.sha256_file`): remembered while the file is unchanged, else
+    read; `reuse=False` reads every byte."""
     from pipeline import hashes
 
-    return hashes.sha256_file(path)
+    return hashes.sha256_file(path, reuse=reuse)
 
 
 def in_hf_local_cache(rel: str) -> bool:
@@ -189,8 +207,10 @@ def list_files(root: str | os.PathLike, skip=lambda rel: False, follow_links: bo
     return out
 
 
-def hash_files(root: str | os.PathLike, rels: list[str], desc: str = "hashing") -> dict[str, dict[str, Any]]:
-    """{rel: {"sha256", "bytes"}} for the given files under root, in the given order (progress bar when large)."""
+def hash_files(root: str | os.PathLike, rels: list[str], desc: str = "hashing",
+                reuse: bool = True) -> dict[str, dict[str, Any]]:
+    """{rel: {"sha256", "bytes"}} for the given files under root, in the given order (progress bar when large).
+    A digest remembered by `pipeline.hashes` for an unchanged file is reused; `reuse=False` reads every byte."""
     from tqdm import tqdm
 
     root = Path(root)
@@ -199,7 +219,7 @@ def hash_files(root: str | os.PathLike, rels: list[str], desc: str = "hashing") 
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < (64 << 20)) as bar:
         for rel in rels:
             p = root / rel
-            out[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            out[rel] = {"sha256": sha256_file(p, reuse=reuse), "bytes": p.stat().st_size}
             bar.update(out[rel]["bytes"])
     return out
 

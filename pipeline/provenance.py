@@ -51,6 +51,9 @@ FILE_LIST = "provenance/files.sha256.json"
 ATTESTATION = "provenance/attestation.intoto.json"
 # written after the manifest stage, so never part of the run's list or attestation
 LATE_OUTPUTS = ("stages/manifest.json", "stages/publish", "publish/")
+# a run's scratch: stages' temporary folders and the hash memo (`pipeline.hashes`, .work/hashes.json);
+# never an output, so never listed either
+SCRATCH = ".work/"
 STAGE_ORDER = ("data", "cache", "quantize-drafter", "quantize-target", "evaluate", "serve-check", "manifest",
                "publish")
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -61,7 +64,8 @@ BUILDER_ID = "https://github.com/specquant/specquant/pipeline"
 
 # ---------------------------------------------------------------- file lists and hashing
 def is_late(rel: str) -> bool:
-    return any(rel == p or rel.startswith(p) for p in LATE_OUTPUTS)
+    """True for what a run's file list leaves out: the outputs written after the manifest stage, and scratch."""
+    return any(rel == p or rel.startswith(p) for p in LATE_OUTPUTS) or rel.startswith(SCRATCH)
 
 
 def files_sha256_of(doc: dict[str, Any]) -> str:
@@ -188,7 +192,7 @@ def source_info() -> dict[str, Any]:
     for rel in source_files():
         data = (REPO_ROOT / rel).read_bytes()
         files[rel], blobs[rel] = {"sha256": sha256_bytes(data)}, data
-        hashes.count_read(len(data))  # read for the snapshot and hashed from those bytes
+        hashes.count_read(len(data), REPO_ROOT / rel)  # read for the snapshot, hashed from those bytes
     state = git_state(with_diff=True)
     diff = state.pop("_diff")
     tree = sha256_bytes(dumps_json({r: e["sha256"] for r, e in files.items()}).encode())

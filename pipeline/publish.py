@@ -155,7 +155,8 @@ def _refuse_unless_verified(path: Path, field: str, ignore_prefix: str | None = 
                             public_key: bytes | None = None) -> None:
     from pipeline.verify import verify_dir
 
-    problems = [p for p in verify_dir(path, public_key=public_key)
+    # the digests of files unchanged since they were hashed are reused (pipeline.hashes); `verify` re-reads all
+    problems = [p for p in verify_dir(path, public_key=public_key, reuse=True)
                 if not (ignore_prefix and p.startswith(ignore_prefix))]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""

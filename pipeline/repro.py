@@ -4,6 +4,7 @@ Both runs use the same config and seed, into `<workdir>/a` and `<workdir>/b` (ru
 file's sha256 is compared, after these documented exclusions and normalizations, which are printed:
 
 - EXCLUDED files (their content legitimately differs): `stages/*.json` (start time, wall time, argv),
+  `.work/*` (scratch: the hash memo, `pipeline/hashes.py`),
   `eval/timings.json` (wall-clock seconds and speedups), `publish/*.json` (publish records: they
   carry the folder's files_sha256 and a tag derived from it; the folder itself is compared file by file).
 - NORMALIZED text: the runs root path (and the checkout path) is replaced by `<RUNS_ROOT>` (`<REPO>`)
@@ -40,6 +41,7 @@ EXCLUDED = {
     "stages/*.json": "stage records: start time, wall time and the captured argv",
     "eval/timings.json": "wall-clock seconds and speedups of the evaluation",
     "publish/*.json": "publish records: files_sha256 and tag of the folder, which is compared file by file",
+    ".work/*": "the run's scratch: the hash memo (pipeline/hashes.py), file identities and times, never an output",
 }
 DIGEST_LISTS = ("provenance/files.sha256.json", "provenance/attestation.intoto.json")
 TIMING_FIELDS = {"calibration_manifest.json": [("timing",)], "quant_run_manifest.json": [("timing",)],

@@ -95,6 +95,7 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
     from pipeline import hashes
     from pipeline.provenance import source_tree_sha256
 
+    hashes.use_run(rd.root)  # the digests earlier stages of this run remembered (hash once: pipeline/hashes.py)
     hashes.reset_counters()  # bytes_hashed: every byte this stage reads to hash a file, from here on
     source_sha256 = source_tree_sha256()  # the code that is about to run, for the manifests
     started = time.time()
@@ -118,12 +119,25 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
             "git": git_state(),
             "source_sha256": source_sha256,
             "device": device_info(),
-            # bytes this process read to hash files (pipeline/hashes.py); kept out of `result`, which the
-            # manifests copy
-            "bytes_hashed": hashes.bytes_hashed(),
+            # what this process read to hash files, and what remembered digests saved (pipeline/hashes.py);
+            # kept out of `result`, which the manifests copy
+            **hash_report(rd),
             "result": result,
         }
         atomic_write_json(rd.stages / f"{stage_record_name(stage, cfg)}.json", scrub_obj(record))
         where = result.get("output") if isinstance(result, dict) else None
         print(scrub(f"[specquant] {stage} done in {wall:.1f}s" + (f" -> {where}" if where else "")))
+    hashes.flush()  # every rank: the digests this stage learnt, for the next stages of the run
     return result
+
+
+def hash_report(rd: RunDir) -> dict[str, Any]:
+    """The stage record's hashing figures: `bytes_hashed` (bytes read to hash files in this process),
+    `files_hashed`, the digests reused instead (`hash_reused`: files, bytes) and which files were read
+    (`hashed_files`: {run-relative or absolute path: bytes})."""
+    from pipeline import hashes
+
+    c = hashes.counters()
+    return {"bytes_hashed": c["bytes_hashed"], "files_hashed": c["files_hashed"],
+            "hash_reused": {"files": c["files_reused"], "bytes": c["bytes_reused"]},
+            "hashed_files": hashes.reads(rd.root)}

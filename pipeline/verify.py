@@ -125,10 +125,13 @@ def _fold_signature(folder: Path, public_key, problems: list[str]) -> None:
         problems.append(problem)
 
 
-def verify_dir(path: str | Path, public_key: str | Path | bytes | None = None) -> list[str]:
+def verify_dir(path: str | Path, public_key: str | Path | bytes | None = None, reuse: bool = False) -> list[str]:
     """Every problem found in a run directory or a published folder, each naming the file; [] = verified.
 
-    `public_key` (a path, or PEM bytes): also check a published folder's `model.sig` with it."""
+    `public_key` (a path, or PEM bytes): also check a published folder's `model.sig` with it.
+    Every byte is read again (`reuse=False`, what `python -m pipeline verify` does); `reuse=True` takes
+    the digest `pipeline.hashes` remembers for a file whose size, mtime and ctime are unchanged since it
+    was hashed (publish's check of the run it is about to publish)."""
     folder = Path(path)
     if not folder.is_dir():
         return [f"{folder}: not a directory"]
@@ -150,7 +153,7 @@ def verify_dir(path: str | Path, public_key: str | Path | bytes | None = None) -
              if not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
     links = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_symlink()
              and not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
-    actual = prov.hash_files(folder, present, desc=f"verifying {folder.name}")
+    actual = prov.hash_files(folder, present, desc=f"verifying {folder.name}", reuse=reuse)
     for rel in sorted(set(listed) - set(actual)):
         problems.append(f"{rel}: missing (listed in {prov.FILE_LIST})")
     for rel in sorted(set(actual) - set(listed)):
@@ -176,7 +179,7 @@ def verify_dir(path: str | Path, public_key: str | Path | bytes | None = None) -
     if doc["kind"] == "run":
         for sub in sorted((folder / "publish").glob("*/" + prov.FILE_LIST)):
             pub = sub.parent.parent
-            problems += [f"publish/{pub.name}/{p}" for p in verify_dir(pub, public_key)]
+            problems += [f"publish/{pub.name}/{p}" for p in verify_dir(pub, public_key, reuse)]
     return problems
 
 
