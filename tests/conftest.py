@@ -1,59 +1,62 @@
-"""Shared fixtures: the real config tree, a small chat tokenizer, and run directories in tmp_path."""
+"""Shared fixtures (helpers live in tests/_support.py): a small chat tokenizer and the runs built once per
+session. `SPECQUANT_FIXTURES=/path` points every test at another golden fixture folder (tests/_support.py)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-FIXTURES = REPO / "tests" / "fixtures"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def build_chat_tokenizer(out: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """A small byte-level BPE tokenizer with chat special tokens and <|MASK|> (built in < 1 s)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = ["Hello, how are you? I am fine, thank you.", "What is 2 + 3? The answer is 5.",
-              "def add(a, b):\n    return a + b", "user assistant system"] * 20
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>", "<|MASK|>"])
-    if chat_template:
-        fast.chat_template = chat_template
-    fast.save_pretrained(out)
-    return out
+from tests import _support  # noqa: E402  (after the offline switches above)
 
 
 @pytest.fixture(scope="session")
 def chat_tokenizer(tmp_path_factory) -> Path:
-    return build_chat_tokenizer(tmp_path_factory.mktemp("tok"))
+    return _support.build_chat_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 600):
-    """Run `python -m pipeline ...` as a user would; returns CompletedProcess (text)."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+# ---------------------------------------------------------------- built once per session, shared by modules
+# Each is read-only for its users: a test that changes files works on a copy (copy_world, run_root).
+@pytest.fixture(scope="session")
+def fixture_world(tmp_path_factory) -> Path:
+    """runs root with `qw/`: the fixture world's blend (30 samples) and the real cache stage's output."""
+    import torch
+
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("fixture_world")
+    _support.build_world(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> dict:
+    """One real run of the fixture world: data -> cache -> quantize-drafter nvfp4 (subprocess) -> manifest."""
+    return _support.tiny_run(tmp_path_factory.mktemp("tiny_run"))
+
+
+@pytest.fixture(scope="session")
+def pristine_runs(tmp_path_factory) -> Path:
+    """The publish tests' small run (the manifest stage and torch import dominate): built once."""
+    root = tmp_path_factory.mktemp("pristine") / "runs"
+    _support.make_run(root)
+    return root
+
+
+@pytest.fixture
+def run_root(pristine_runs, tmp_path, monkeypatch):
+    """A fresh copy of `pristine_runs` per test, with the publish tests' token in the environment."""
+    import shutil
+
+    monkeypatch.setenv("HF_TOKEN", _support.PUBLISH_TOKEN)
+    root = tmp_path / "runs"
+    shutil.copytree(pristine_runs, root, symlinks=True)
+    return root
 
 
 # ---------------------------------------------------------------- reliability report

@@ -23,10 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES, REPO, build_chat_tokenizer, run_cli
+from tests._support import DRAFTER, REPO, TARGET, build_chat_tokenizer, run_cli
 
-TARGET = FIXTURES / "dflash" / "target"  # Qwen3, H=64, 6 layers, vocab 128
-DRAFTER = FIXTURES / "dflash" / "speculators" / "checkpoint"  # aux [2, 4], block 4, mask 127
 TINY_TARGET = REPO / "assets" / "tiny" / "target"  # vocab 2048, tokenizer with <|MASK|> = 3
 TOKEN = "hf_BadInputsPlantedToken0123456789"
 FAST_S = 10.0  # in-process: configs are checked before any weight or model is loaded
@@ -49,7 +47,7 @@ def world(tmp_path_factory) -> World:
     import torch
 
     from pipeline import cache
-    from tests.test_quant_world import world_cfg, write_blend
+    from tests._support import world_cfg, write_blend
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("bad_inputs")
@@ -136,7 +134,7 @@ def data_case(id_, rows=(), raw=(), needles=(), sources=SHAREGPT, extra=(), name
 
 
 def _cache_run(case: Path, w: World) -> Path:
-    from tests.test_quant_world import write_blend
+    from tests._support import write_blend
 
     run = case / "run"
     write_blend(run / "data", num_samples=4)

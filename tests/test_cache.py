@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,50 +12,22 @@ import pytest
 import torch
 
 from pipeline.config import compose
-from pipeline.io import atomic_write_json, sha256_file
+from pipeline.io import sha256_file
+from tests._support import (  # noqa: F401  (one_thread: autouse, one thread for every test here)
+    DFLASH,
+    DRAFTER,
+    REPO,
+    TARGET,
+    ZLAB_DRAFTER,
+    geometry,
+    hub_cache,
+    one_thread,
+    run_cache,
+    stage_overrides,
+    write_data,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-FIX = REPO / "tests" / "fixtures" / "dflash"
-TARGET = FIX / "target"
-SPEC_DRAFTER = FIX / "speculators" / "checkpoint"  # aux_hidden_state_layer_ids [2, 4]
-ZLAB_DRAFTER = FIX / "zlab" / "checkpoint"  # target_layer_ids [1, 3] -> HF [2, 4]
-
-
-def write_data(run_dir: Path, n: int = 10, seed: int = 0, max_len: int = 40) -> list[dict]:
-    """samples.jsonl + meta.json following the data stage's contract (ARCHITECTURE.md)."""
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(n):
-        t = int(torch.randint(3, max_len, (1,), generator=g))
-        ids = torch.randint(0, 127, (t,), generator=g).tolist()
-        mask = torch.randint(0, 2, (t,), generator=g).tolist()
-        samples.append({"id": f"syn/{i}", "source": "syn", "input_ids": ids, "loss_mask": mask})
-    d = run_dir / "data"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "samples.jsonl").write_text("".join(json.dumps(s, sort_keys=True) + "\n" for s in samples))
-    atomic_write_json(d / "meta.json", {"samples_sha256": sha256_file(d / "samples.jsonl"), "num_samples": n,
-                                        "num_tokens": sum(len(s["input_ids"]) for s in samples)})
-    return samples
-
-
-def stage_overrides(run_dir: Path, *extra: str) -> list[str]:
-    return [f"run_dir={run_dir}", f"target.path={TARGET}", f"drafter.path={SPEC_DRAFTER}",
-            "drafter.format=speculators", "cache.samples_per_shard=3", "cache.batch_tokens=64", *extra]
-
-
-def run_cache(run_dir: Path, *extra: str) -> dict:
-    from pipeline import cache
-
-    return cache.run(compose(stage_overrides(run_dir, *extra)))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Same thread count as the torchrun/subprocess runs, so hashes compare bit for bit."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+SPEC_DRAFTER = DRAFTER
 
 
 @pytest.fixture(scope="module")
@@ -249,23 +220,6 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["tokens"] == 4 * 2 * 64 for r in res)
     assert res[2]["bytes_written"] > res[3]["bytes_written"] > 0
     assert not list(tmp_path.glob("tmp*"))  # its scratch directories are removed
-
-
-def hub_cache(root: Path, repo: str, src: Path, commit: str = "c0ffee" * 6 + "abcd") -> Path:
-    """`src`'s files laid out as the Hub client caches repo `repo` at `commit` (blobs, snapshot links,
-    refs/main); returns the cache root to point huggingface_hub at."""
-    d = root / f"models--{repo.replace('/', '--')}"
-    snap = d / "snapshots" / commit
-    snap.mkdir(parents=True)
-    (d / "blobs").mkdir(exist_ok=True)
-    for p in sorted(src.iterdir()):
-        if p.is_file():
-            blob = d / "blobs" / sha256_file(p)
-            shutil.copyfile(p, blob)
-            (snap / p.name).symlink_to(os.path.relpath(blob, snap))
-    (d / "refs").mkdir(exist_ok=True)
-    (d / "refs" / "main").write_text(commit)
-    return root
 
 
 def test_hub_download_metadata_does_not_change_the_cache_inputs(tmp_path):

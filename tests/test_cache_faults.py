@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.config import compose
-from tests.test_cache import REPO, TARGET, one_thread, run_cache, stage_overrides, write_data  # noqa: F401
+from tests._support import REPO, TARGET, one_thread, run_cache, stage_overrides, write_data  # noqa: F401
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 

@@ -19,7 +19,7 @@ from pipeline import quantize_drafter
 from pipeline.config import compose
 from pipeline.errors import SpecquantError
 from pipeline.io import hash_tree, read_json
-from tests.test_quant_world import DRAFTER, TARGET, build_world, world_cfg
+from tests._support import DRAFTER, TARGET, build_world, world_cfg
 
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
 _TC = read_json(TARGET / "config.json", "target")

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from pipeline.config import DataSource, compose
 from pipeline.errors import SpecquantError
-from tests.conftest import REPO, build_chat_tokenizer, run_cli
+from tests._support import REPO, build_chat_tokenizer, run_cli
 
 CHAT = [{"conversations": [{"from": "human", "value": f"What is {i} + {i}?"},
                            {"from": "gpt", "value": f"The answer is {2 * i}."}]} for i in range(30)]
@@ -196,7 +196,7 @@ def test_tokenizer_hash_is_over_its_original_files(tmp_path, chat_tokenizer, sou
     from pipeline import data
     from pipeline.io import dumps_json, sha256_bytes, sha256_file
     from pipeline.quant.export import TOKENIZER_FILES
-    from tests.test_cache import hub_cache
+    from tests._support import hub_cache
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-tmpdir"))  # any temp file would fail
     cfg = make_cfg(tmp_path, chat_tokenizer, sources)

@@ -3,8 +3,6 @@ and the fake-quantized drafter still runs the serving path (what evaluation meas
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
@@ -12,8 +10,11 @@ from torch.utils.data import DataLoader
 from pipeline.models import calibration as C
 from pipeline.models.formats import load_drafter, save_native
 from pipeline.models.spec_decode import greedy_generate, spec_generate
+from tests._support import DFLASH as FIX
+from tests._support import geometry
 
-FIX = Path(__file__).parent / "fixtures" / "dflash"
+G = geometry()
+BS, MASK = G["block_size"], G["mask_token_id"]
 
 
 class _Processor:  # oneshot demands a processor whenever a dataset is given
@@ -32,13 +33,18 @@ def test_oneshot_basic_pipeline_calibrates_drafter(tmp_path):
     save_native(m, tmp_path / "bf16")  # oneshot re-reads the config from name_or_path via AutoConfig
     m.config.name_or_path = str(tmp_path / "bf16")
     inp = load_file(FIX / "speculators" / "inputs.safetensors")
-    hs = inp["hidden_states"][0].view(20, 2, 64)
+    doc = inp["document_ids"][0]
+    hs = inp["hidden_states"][0].view(doc.numel(), len(G["aux_layer_ids"]), G["hidden"])
+    bounds = [(int((doc == d).nonzero().min()), int((doc == d).nonzero().max()) + 1) for d in doc.unique().tolist()]
     samples = [{"input_ids": inp["input_ids"][0, s:e], "loss_mask": inp["loss_mask"][0, s:e],
-                "hidden_states": hs[s:e]} for s, e in ((0, 12), (12, 20))]
+                "hidden_states": hs[s:e]} for s, e in bounds]
     g = torch.Generator().manual_seed(0)
-    batches = [C.build_calibration_batch(samples, 4, 4, 127, g) for _ in range(3)]
-    ctx = inp["hidden_states"][:, :10]
-    block, pos = torch.tensor([[71, 127, 127, 127]]), torch.arange(14)[None]
+    batches = [C.build_calibration_batch(samples, 4, BS, MASK, g) for _ in range(3)]
+    n = bounds[0][1] - BS  # a context of the first document, and the block after it (bonus token + masks)
+    ctx = inp["hidden_states"][:, :n]
+    block = torch.full((1, BS), MASK)
+    block[0, 0] = inp["input_ids"][0, n]
+    pos = torch.arange(n + BS)[None]
     with torch.no_grad():
         before = m.draft_block(ctx, block, pos, None)
 

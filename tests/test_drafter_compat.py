@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -14,10 +13,13 @@ from pipeline.errors import SpecquantError
 from pipeline.models.compat import check_compatible
 from pipeline.models.dflash import DFlashConfig
 from pipeline.models.formats import load_drafter_config, zlab_config_dict
+from tests._support import REPO as ROOT
+from tests._support import TARGET as TARGET_DIR
+from tests._support import ZLAB_DRAFTER, geometry
 
-FIX = Path(__file__).parent / "fixtures" / "dflash"
-ROOT = Path(__file__).resolve().parents[1]
-TARGET = json.loads((FIX / "target" / "config.json").read_text())  # 6 layers, H=64, vocab 128
+TARGET = json.loads((TARGET_DIR / "config.json").read_text())
+G = geometry()  # every size from the fixture: target depth T, hidden H, vocabulary V, aux layer ids
+T, H, V, AUX = G["target_layers"], G["hidden"], G["vocab"], G["aux_layer_ids"]
 
 
 def tokenizer(n_tokens: int, mask: str | None = "<|MASK|>", mask_at: int | None = None):
@@ -33,7 +35,7 @@ def tokenizer(n_tokens: int, mask: str | None = "<|MASK|>", mask_at: int | None 
 
 
 def drafter(**over) -> DFlashConfig:
-    base = load_drafter_config(FIX / "zlab" / "checkpoint")
+    base = load_drafter_config(ZLAB_DRAFTER)
     fields = {k: getattr(base, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                             "num_attention_heads", "num_key_value_heads", "head_dim", "block_size",
                                             "mask_token_id", "aux_layer_ids", "num_target_layers")}
@@ -51,27 +53,29 @@ def fails(field: str, d: DFlashConfig, target=TARGET, tok=None, mask_token=None)
 
 
 def test_the_fixture_pair_is_compatible():
-    check_compatible(drafter(), TARGET, tokenizer(128), "<|MASK|>")
+    check_compatible(drafter(), TARGET, tokenizer(V), "<|MASK|>")
 
 
 @pytest.mark.faults("bad_input")
 def test_fc_input_width_must_match_target_hidden_size():
-    msg = fails("drafter.target_hidden_size", drafter(target_hidden_size=48))
-    assert "2 x 48" in msg and "64" in msg
+    other = H * 3 // 4
+    msg = fails("drafter.target_hidden_size", drafter(target_hidden_size=other))
+    assert f"{len(AUX)} x {other}" in msg and str(H) in msg
 
 
 @pytest.mark.faults("bad_input")
 def test_drafter_hidden_size_must_match_borrowed_embedding():
-    fails("drafter.hidden_size", drafter(hidden_size=96, target_hidden_size=64))
+    fails("drafter.hidden_size", drafter(hidden_size=H * 3 // 2, target_hidden_size=H))
 
 
 @pytest.mark.faults("bad_input")
 def test_vocab_size_and_tokenizer():
-    fails("drafter.vocab_size", drafter(vocab_size=256, mask_token_id=255))
-    fails("target.tokenizer", drafter(), tok=tokenizer(300))
+    fails("drafter.vocab_size", drafter(vocab_size=2 * V, mask_token_id=2 * V - 1))
+    fails("target.tokenizer", drafter(), tok=tokenizer(2 * V + 44))
 
 
-@pytest.mark.parametrize("ids", [[2, 6], [0, 2], [2, 9], []])
+# the target's final layer (its output is the separate verifier state), the embeddings, beyond the depth, none
+@pytest.mark.parametrize("ids", [[AUX[0], T], [0, AUX[0]], [AUX[0], T + 3], []])
 @pytest.mark.faults("bad_input")
 def test_aux_layer_ids_within_target_depth(ids):
     fails("drafter.aux_layer_ids", drafter(aux_layer_ids=ids))
@@ -79,26 +83,26 @@ def test_aux_layer_ids_within_target_depth(ids):
 
 @pytest.mark.faults("bad_input")
 def test_target_depth_recorded_by_drafter():
-    fails("drafter.num_target_layers", drafter(num_target_layers=36))
+    fails("drafter.num_target_layers", drafter(num_target_layers=T + 30))
 
 
 @pytest.mark.faults("bad_input")
 def test_mask_token_present_in_tokenizer():
-    fails("drafter.mask_token_id", drafter(mask_token_id=128))
-    fails("drafter.mask_token_id", drafter(mask_token_id=120), tok=tokenizer(100, mask=None))
-    fails("drafter.mask_token", drafter(), tok=tokenizer(128, mask_at=5), mask_token="<|MASK|>")
-    fails("drafter.mask_token", drafter(), tok=tokenizer(128, mask=None), mask_token="<|MASK|>")
+    fails("drafter.mask_token_id", drafter(mask_token_id=V))  # one past the vocabulary
+    fails("drafter.mask_token_id", drafter(mask_token_id=V - 8), tok=tokenizer(V - 28, mask=None))  # past the tokenizer
+    fails("drafter.mask_token", drafter(), tok=tokenizer(V, mask_at=5), mask_token="<|MASK|>")
+    fails("drafter.mask_token", drafter(), tok=tokenizer(V, mask=None), mask_token="<|MASK|>")
 
 
 @pytest.mark.faults("bad_input")
 def test_head_dims_consistent():
-    fails("num_attention_heads", drafter(num_attention_heads=3))
-    fails("head_dim", drafter(head_dim=15))
+    fails("num_attention_heads", drafter(num_attention_heads=G["kv_heads"] + 1))  # not a multiple of the KV heads
+    fails("head_dim", drafter(head_dim=G["head_dim"] - 1))
 
 
 @pytest.mark.faults("bad_input")
 def test_sliding_window_layers_refused():
-    fails("drafter.layer_types", drafter(layer_types=["sliding_attention", "full_attention"]))
+    fails("drafter.layer_types", drafter(layer_types=["sliding_attention"] + ["full_attention"] * (G["layers"] - 1)))
 
 
 @pytest.mark.faults("bad_input")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import build_chat_tokenizer
+from tests._support import build_chat_tokenizer, nvfp4_qdq_reference
 
 H, INTER, HEADS, KV, HEAD_DIM = 128, 256, 8, 2, 16  # in_features divisible by 16 (NVFP4) and 128 (W4A16)
 BLOCK = 4
@@ -208,20 +208,6 @@ def crafted_block(drafter, tok, outlier: float = 40.0):
     return aux, block, torch.arange(6 + BLOCK)[None]
 
 
-def nvfp4_qdq_reference(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """Independent NVFP4 activation quantize-dequantize with vLLM's semantics (per token, groups of 16):
-    block scale = fp8_e4m3(global_scale * amax / 6) (saturating), values rounded to the E2M1 grid."""
-    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    g = x.float().unflatten(-1, (-1, 16))
-    amax = g.abs().amax(-1, keepdim=True)
-    scale = (global_scale * amax / 6).clamp(max=448.0).to(torch.float8_e4m3fn).float()
-    scale = torch.where(scale == 0, torch.finfo(torch.float8_e4m3fn).tiny, scale)
-    y = (g / (scale / global_scale)).clamp(-6, 6)
-    idx = (y.abs()[..., None] - grid).abs().argmin(-1)
-    q = grid[idx] * y.sign()
-    return (q * (scale / global_scale)).flatten(-2).to(x.dtype)
-
-
 def test_nvfp4_linear_quantizes_its_input_like_vllm(world):
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
@@ -348,7 +334,7 @@ def test_evaluate_refuses_unknown_variant_before_work(world, tmp_path):
 
 @pytest.mark.faults("bad_input")
 def test_cli_unknown_variant_is_one_line_exit_2(world, tmp_path):
-    from tests.conftest import run_cli
+    from tests._support import run_cli
 
     r = run_cli("evaluate", f"runs_root={tmp_path}", f"drafter.path={world['run'] / 'drafter' / 'bf16'}",
                 "eval.variants=[fp8]")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests._support import run_cli
 
 
 def _tree(root):
@@ -85,7 +85,7 @@ def cached(tmp_path_factory) -> Path:
     import torch
 
     from pipeline import cache
-    from tests.test_quant_world import world_cfg, write_blend
+    from tests._support import world_cfg, write_blend
 
     torch.set_num_threads(1)
     cfg = world_cfg(tmp_path_factory.mktemp("round2") / "runs", "cache.samples_per_shard=4")
@@ -95,7 +95,7 @@ def cached(tmp_path_factory) -> Path:
 
 
 def _quant_args(run: Path, drafter: Path, *extra: str) -> list[str]:
-    from tests.test_quant_world import TARGET
+    from tests._support import TARGET
 
     return ["quantize-drafter", f"run_dir={run}", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
             f"drafter.path={drafter}", "drafter.format=speculators", "cache.storage_dtype=float32",
@@ -103,7 +103,7 @@ def _quant_args(run: Path, drafter: Path, *extra: str) -> list[str]:
 
 
 def _junk_drafter(dst: Path) -> Path:
-    from tests.test_quant_world import DRAFTER
+    from tests._support import DRAFTER
 
     shutil.copytree(DRAFTER, dst)
     for w in dst.glob("*.safetensors"):
@@ -183,7 +183,7 @@ def test_cache_reader_checks_the_index_and_the_cache_stage_repairs_it(cached, tm
     from pipeline import cache
     from pipeline.cache import CacheReader
     from pipeline.errors import SpecquantError
-    from tests.test_quant_world import world_cfg
+    from tests._support import world_cfg
 
     run = tmp_path / "runs" / "qw"
     shutil.copytree(cached, run)
@@ -200,7 +200,7 @@ def _sharded_target(dst: Path) -> Path:
     """The fixture target re-saved as two safetensors shards + model.safetensors.index.json, then shard 2 deleted."""
     from safetensors.torch import load_file, save_file
 
-    from tests.test_quant_world import TARGET
+    from tests._support import TARGET
 
     dst.mkdir()
     for f in TARGET.iterdir():
@@ -231,7 +231,7 @@ def _missing_shard_sentence(target: Path) -> str:
 def test_sharded_target_with_a_missing_shard_is_named_before_loading(stage, tmp_path, capsys):
     """A sharded target with one shard deleted: the missing file, its directory and the fix, before loading or writing."""
     stage = stage.key
-    from tests.test_quant_world import DRAFTER, write_blend
+    from tests._support import DRAFTER, write_blend
 
     target = _sharded_target(tmp_path / "target")
     run = tmp_path / "run"
@@ -250,7 +250,7 @@ def test_sharded_target_with_a_missing_shard_in_the_drafter_and_eval_loaders(tmp
     from pipeline.errors import SpecquantError
     from pipeline.evaluation.fakequant import load_target
     from pipeline.models.formats import load_drafter
-    from tests.test_quant_world import DRAFTER
+    from tests._support import DRAFTER
 
     target = _sharded_target(tmp_path / "target")
     with pytest.raises(SpecquantError) as err:
@@ -382,7 +382,7 @@ def test_prompt_file_with_a_bom_keeps_its_first_prompt(tmp_path):
 
     from pipeline.config import compose
     from pipeline.evaluation.prompts import load_prompt_sets
-    from tests.conftest import REPO
+    from tests._support import REPO
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_bytes(BOM + b'{"prompt": "first"}\n{"prompt": "second"}\n')
@@ -395,7 +395,7 @@ def test_prompt_file_with_a_bom_keeps_its_first_prompt(tmp_path):
 @pytest.mark.faults("bad_input")
 def test_convert_into_a_non_empty_directory_is_refused(tmp_path):
     """`python -m pipeline convert` into a directory that holds files: refused naming it, nothing written there."""
-    from tests.conftest import REPO
+    from tests._support import REPO
 
     dst = tmp_path / "out"
     dst.mkdir()
@@ -410,7 +410,7 @@ def test_convert_into_a_non_empty_directory_is_refused(tmp_path):
 
 
 def test_convert_into_a_file_or_under_one_is_one_sentence(tmp_path, capsys):
-    from tests.conftest import REPO
+    from tests._support import REPO
 
     src = str(REPO / "assets" / "tiny" / "drafter")
     afile = tmp_path / "notes.txt"

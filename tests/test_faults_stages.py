@@ -4,7 +4,7 @@ or `python -m pipeline verify`.
 
 The cache stage's own kill tests are in tests/test_cache_faults.py; publish's in
 tests/test_publish_faults.py; verify's per-file flips on a hand-built run in tests/test_verify.py.
-Here everything runs on one real run of the fixture world (tests/fixtures/dflash target + drafter):
+Here everything runs on one real run of the fixture world (the golden fixtures' target + drafter):
 data -> cache -> quantize-drafter (nvfp4, a subprocess: the uninterrupted reference) -> manifest.
 """
 
@@ -22,103 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.io import TMP_PREFIX, hash_tree, read_json
-from tests.conftest import REPO
-
-QUANT = ["quant=nvfp4", "quant.num_samples=6", "quant.heldout_samples=4", "quant.anchors_per_sequence=8",
-         "quant.max_seq_len=64",
-         # the drafter names its target by Hub id, as a pushed drafter must (pipeline/serving/contract.py)
-         "publish.target_model=Qwen/Qwen3-8B"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-PARTIAL = ".partial-"  # pipeline.quant.export.PARTIAL_PREFIX
-
-# `python -c KILLPOINT_MAIN <stage> [overrides]`: the real entry point, with one function wrapped so
-# that its n-th call writes a marker file and hangs - a precise place for the test to SIGKILL.
-KILLPOINT_MAIN = r"""
-import functools, importlib, os, sys, time
-target, nth, marker = os.environ["SPECQUANT_TEST_KILLPOINT"].split("|")
-modname, qual = target.split(":")
-owner = importlib.import_module(modname)
-*path, name = qual.split(".")
-for p in path:
-    owner = getattr(owner, p)
-original, calls = getattr(owner, name), [0]
-@functools.wraps(original)
-def hooked(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == int(nth):
-        with open(marker, "w") as fh:
-            fh.write(str(os.getpid()))
-        while True:
-            time.sleep(60)
-    return original(*args, **kwargs)
-setattr(owner, name, hooked)
-from pipeline.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def overrides(runs_root: Path, *extra: str) -> list[str]:
-    from tests.test_quant_world import DRAFTER, TARGET
-
-    return [f"runs_root={runs_root}", "run_name=qw", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
-            f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32", *QUANT, *extra]
-
-
-def quantize_cli(runs_root: Path, tmpdir: Path, killpoint: str | None = None) -> subprocess.Popen:
-    tmpdir.mkdir(parents=True, exist_ok=True)
-    env = {**ENV, "TMPDIR": str(tmpdir), **({"SPECQUANT_TEST_KILLPOINT": killpoint} if killpoint else {})}
-    argv = [sys.executable, "-c", KILLPOINT_MAIN] if killpoint else [sys.executable, "-m", "pipeline"]
-    return subprocess.Popen([*argv, "quantize-drafter", *overrides(runs_root)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def outputs(run: Path) -> dict[str, str]:
-    """sha256 of everything quantize-drafter writes (its stage record aside: it holds wall times)."""
-    return {f"{d}/{k}": v["sha256"] for d in ("drafter", "checks") if (run / d).is_dir()
-            for k, v in hash_tree(run / d).items()}
-
-
-def leftovers(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                  if p.name.startswith((TMP_PREFIX, PARTIAL)))
-
-
-# ---------------------------------------------------------------- one real run, shared
-_RUN: dict = {}
-
-
-def tiny_run(tmp_path_factory) -> dict:
-    """Built once per test process: `template` (data + cache), `reference` (+ quantize-drafter nvfp4
-    as a subprocess, + manifest) and `outputs` (the reference's quantize-drafter file hashes)."""
-    if _RUN:
-        return _RUN
-    import torch
-
-    from pipeline import manifest
-    from pipeline.config import compose
-    from pipeline.stage import run_stage
-    from tests.test_quant_world import write_blend
-
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("tiny_run")
-    template = root / "template"
-    write_blend(template / "qw" / "data", num_samples=16)
-    ov = overrides(template, "cache.samples_per_shard=4")
-    run_stage("cache", "pipeline.cache", compose(ov), ov)
-    reference = root / "reference"
-    shutil.copytree(template, reference)
-    proc = quantize_cli(reference, root / "tmp")
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    _RUN.update(template=template / "qw", reference=reference / "qw", outputs=outputs(reference / "qw"))
-    manifest.run(compose(overrides(reference)))
-    return _RUN
+from pipeline.io import read_json
+from tests._support import ENV, REPO, leftovers, outputs, overrides, quantize_cli
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    return tiny_run(tmp_path_factory)
+def run(tiny_run) -> dict:
+    """The session's one real run of the fixture world (tests/conftest.py)."""
+    return tiny_run
 
 
 # ---------------------------------------------------------------- SIGKILL of quantize-drafter
@@ -202,7 +113,7 @@ def _limit_file_size(nbytes: int):
 @pytest.mark.faults("disk_full")
 def test_cache_stage_on_a_full_disk_then_resume(tmp_path):
     """The disk fills during the cache stage: one `error:` line naming the file; finished shards stay; a re-run with space completes with the same content hash."""
-    from tests.test_cache import run_cache, stage_overrides, write_data
+    from tests._support import run_cache, stage_overrides, write_data
 
     write_data(tmp_path / "ref", n=10)
     ref = run_cache(tmp_path / "ref")

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests._support import REPO, run_cli
 
 
 def _make_targets() -> list[str]:

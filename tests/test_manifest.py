@@ -4,111 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import types
-from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from safetensors.torch import save_file
 
 from pipeline import manifest, provenance
 from pipeline.config import compose
 from pipeline.errors import SpecquantError
-from pipeline.io import atomic_write_json, atomic_write_text, sha256_file
-from pipeline.stage import run_stage
-
-REPO = Path(__file__).resolve().parent.parent
-FIX = REPO / "tests" / "fixtures" / "dflash"
-# not shaped like an HF token (those are scrubbed by pattern wherever they appear): this one must be
-# caught as a known value (HF_TOKEN), the path a token of any shape takes
-TOKEN = "sq_PlantedSecretToken1234567890abcdef"
-RECIPE = """quant_stage:
-  quant_modifiers:
-    QuantizationModifier:
-      targets: [Linear]
-      scheme: NVFP4
-      ignore: ['re:.*q_proj', 're:.*k_proj', 're:.*v_proj']
-"""
-
-
-def _overrides(runs_root: Path) -> list[str]:
-    return [f"runs_root={runs_root}", "run_name=fake", "seed=3",
-            f"target.path={FIX / 'target'}", f"drafter.path={FIX / 'speculators' / 'checkpoint'}",
-            "+quant.observer_kwargs.averaging_constant=0.01", "quant.ignore=[re:.*q_proj,re:.*k_proj,re:.*v_proj]"]
-
-
-def _fake_stage(monkeypatch, stage: str, overrides: list[str], body) -> None:
-    """Run `body(cfg)` as stage `stage` through the real pipeline.stage so its record is genuine."""
-    mod = types.ModuleType(f"_fake_{stage.replace('-', '_')}")
-    mod.run = body
-    monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setattr(sys, "argv", [str(REPO / "pipeline" / "__main__.py"), stage, *overrides])
-    run_stage(stage, mod.__name__, compose(overrides), overrides)
-
-
-def _data(cfg) -> dict:
-    d = Path(cfg.run_dir) / "data"
-    rows = [{"id": f"chat/{i}", "source": "chat", "input_ids": [5, 6, 7 + i], "loss_mask": [0, 1, 1]} for i in range(3)]
-    atomic_write_text(d / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    atomic_write_json(d / "counts.json", {"chat": {"requested": 4, "available": 5, "kept": 3,
-                                                   "dropped": {"no_assistant_turn": 1, "too_long": 0}}})
-    atomic_write_json(d / "meta.json", {
-        "seed": int(cfg.seed), "max_seq_len": int(cfg.data.max_seq_len), "num_samples": 3, "num_tokens": 9,
-        "samples_sha256": sha256_file(d / "samples.jsonl"),
-        "tokenizer": {"path": "assets/tiny/target", "sha256": "a" * 64},
-        "sources": [{"name": "chat", "path": "assets/tiny/corpus/chat.jsonl", "revision": None,
-                     "note": f"token {TOKEN} leaked here"}]})
-    return {"output": str(d)}
-
-
-def _cache(cfg) -> dict:
-    d = Path(cfg.run_dir) / "cache"
-    d.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(0)
-    save_file({"input_ids": torch.arange(9), "hidden_states": torch.randn(9, 2, 8, generator=g)},
-              str(d / "shard-00000.safetensors"))
-    atomic_write_json(d / "index.json", {
-        "aux_layer_ids": [2, 4], "storage_dtype": "bfloat16", "num_samples": 3, "content_sha256": "c" * 64,
-        "shards": [{"file": "shard-00000.safetensors", "sha256": sha256_file(d / "shard-00000.safetensors")}]})
-    return {"output": str(d)}
-
-
-def _quantize(cfg) -> dict:
-    root = Path(cfg.run_dir)
-    src = FIX / "speculators" / "checkpoint"
-    for variant in ("bf16", cfg.quant.name):
-        shutil.copytree(src, root / "drafter" / variant, dirs_exist_ok=True)
-    out = root / "drafter" / cfg.quant.name
-    conf = json.loads((out / "config.json").read_text())
-    conf["quantization_config"] = {"format": "nvfp4-pack-quantized", "quant_method": "compressed-tensors"}
-    atomic_write_json(out / "config.json", conf)
-    atomic_write_text(out / "recipe.yaml", RECIPE)
-    atomic_write_json(root / "checks" / f"drafter-{cfg.quant.name}.json", {"kl_vs_bf16": 0.01})
-    return {"output": str(out), "reference": str(root / "drafter" / "bf16"), "scheme": cfg.quant.scheme, "calibration_seed": 7, "group_size": 16,
-            "ignore": ["lm_head", *cfg.quant.ignore], "seeds": {"anchors": 11},
-            "timings": {"oneshot_s": 1.5}, "load_s": 0.25}
-
-
-def build_run(tmp_path: Path, monkeypatch, stages=("data", "cache", "quantize-drafter")) -> tuple[Path, list[str]]:
-    """A run dir with data/, cache/, drafter/{bf16,nvfp4}/, checks/ and genuine stage records."""
-    monkeypatch.delenv("HF_TOKEN", raising=False)  # records are written before the token is known
-    ov = _overrides(tmp_path / "runs")
-    bodies = {"data": _data, "cache": _cache, "quantize-drafter": _quantize}
-    for s in stages:
-        _fake_stage(monkeypatch, s, ov + ([f"publish.namespace={TOKEN}"] if s == "data" else []), bodies[s])
-    eval_dir = tmp_path / "runs" / "fake" / "eval"
-    atomic_write_text(eval_dir / "vllm_commands.sh", "vllm bench serve --dataset-name custom  # chat\n")
-    return tmp_path / "runs" / "fake", ov
-
-
-def run_manifest(run: Path, ov: list[str], monkeypatch) -> dict:
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
-    return manifest.run(compose(ov))
+from pipeline.io import sha256_file
+from tests._support import DFLASH as FIX
+from tests._support import MANIFEST_RECIPE as RECIPE
+from tests._support import MANIFEST_TOKEN as TOKEN
+from tests._support import REPO, build_run, run_manifest
+from tests._support import manifest_overrides as _overrides
 
 
 @pytest.fixture(scope="module")

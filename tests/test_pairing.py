@@ -19,8 +19,7 @@ from pipeline import pairing
 from pipeline.config import compose
 from pipeline.errors import SpecquantError
 from pipeline.io import read_json
-from tests.conftest import run_cli
-from tests.test_quant_world import DRAFTER, TARGET, build_world
+from tests._support import DRAFTER, TARGET, build_world, run_cli
 
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
 _TC = read_json(TARGET / "config.json", "target")

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from pipeline import repro
-from tests.test_manifest import build_run, run_manifest
+from tests._support import build_run, run_manifest
 
 
 def _state(rd):

@@ -1,121 +1,36 @@
 """The publish stage against the project's Hub server on 127.0.0.1 (pipeline.hubserver).
 
-The run folder is small but real: a safetensors drafter checkpoint (the golden speculators
+The run folder (tests/_support.make_run; conftest's `pristine_runs`, `run_root`) is small but real: a safetensors drafter checkpoint (the golden speculators
 fixture for bf16, a re-saved tiny one for nvfp4), a captured stage record, eval results, and
 the real manifest stage on top (manifests, provenance, in-toto statement, file list).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import socket
-import zlib
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pipeline.config import compose
 from pipeline.errors import SpecquantError
 from pipeline.hubserver import HubServer
+from tests._support import (
+    DRAFTER,
+    download,
+    front_matter,
+    publish_cfg,
+    push_cfg,
+    remanifest,
+    sha256,
+)
+from tests._support import HUB_BASE as BASE
+from tests._support import HUB_TARGET as TARGET
+from tests._support import PUBLISH_TOKEN as TOKEN
 
-REPO = Path(__file__).resolve().parent.parent
-CKPT = REPO / "tests" / "fixtures" / "dflash" / "speculators" / "checkpoint"
-TOKEN = "hf_plantedTOKENpublish0123456789abcd"
-BASE = "z-lab/Qwen3-8B-DFlash-b16"
-TARGET = "Qwen/Qwen3-8B"
-
-
-def _png() -> bytes:
-    """A valid 2x2 grey PNG (no plotting library needed)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
-    raw = b"".join(b"\x00" + bytes([128, 128]) for _ in range(2))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", (2).to_bytes(4, "big") * 2 + bytes([8, 0, 0, 0, 0]))
-            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
-
-
-def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
-    """A run with drafter/{bf16,nvfp4}, a stage record, checks, eval; then the real manifest stage."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    rd = runs_root / name
-    (rd / "drafter" / "bf16").mkdir(parents=True)
-    for f in ("config.json", "model.safetensors"):
-        shutil.copyfile(CKPT / f, rd / "drafter" / "bf16" / f)
-    q = rd / "drafter" / "nvfp4"
-    q.mkdir()
-    conf = json.loads((CKPT / "config.json").read_text())
-    conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
-    # what quantize-drafter writes with publish.target_model set: the target's Hub id (a push refuses a path)
-    conf["speculators_config"]["verifier"]["name_or_path"] = TARGET
-    (q / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-    g = torch.Generator().manual_seed(seed)
-    tensors = {k: (v + 0.01 * torch.randn(v.shape, generator=g)).contiguous()
-               for k, v in load_file(CKPT / "model.safetensors").items()}
-    save_file(tensors, q / "model.safetensors")
-    (q / "recipe.yaml").write_text("default_stage:\n  default_modifiers:\n    QuantizationModifier:\n"
-                                   "      scheme: NVFP4\n      ignore: [lm_head]\n")
-    (rd / "checks").mkdir()
-    (rd / "checks" / "drafter-nvfp4.json").write_text('{"max_rel_error": 0.1}\n')
-    (rd / "eval").mkdir()
-    rows = [{"variant": v, "subset": s, "tau": t} for v, s, t in
-            (("bf16", "chat", 2.5), ("nvfp4", "chat", 2.4), ("bf16", "code", 3.0), ("nvfp4", "code", 2.7))]
-    (rd / "eval" / "results.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    (rd / "eval" / "report.md").write_text("# Acceptance\n\n| subset | bf16 | nvfp4 |\n")
-    (rd / "eval" / "tau.png").write_bytes(_png())
-    cfg = compose([f"runs_root={runs_root}", f"run_name={name}", f"seed={seed}"])
-    from omegaconf import OmegaConf
-
-    record = {"stage": "quantize-drafter", "command": "python -m pipeline quantize-drafter quant=nvfp4",
-              "argv": ["python", "-m", "pipeline", "quantize-drafter", "quant=nvfp4"], "overrides": ["quant=nvfp4"],
-              "resolved_config": OmegaConf.to_container(cfg, resolve=True), "seed": seed,
-              "started_utc": "2026-01-01T00:00:00+00:00", "wall_time_s": 1.0, "result": {}}
-    (rd / "stages").mkdir()
-    (rd / "stages" / "quantize-drafter-nvfp4.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    remanifest(runs_root, name)
-    return rd
-
-
-def remanifest(runs_root: Path, name: str = "tiny") -> None:
-    from pipeline import manifest
-
-    manifest.run(compose([f"runs_root={runs_root}", f"run_name={name}"]))
-
-
-def publish_cfg(runs_root: Path, *extra: str, name: str = "tiny"):
-    return compose([f"runs_root={runs_root}", f"run_name={name}", f"publish.base_model={BASE}",
-                    f"publish.target_model={TARGET}", "publish.namespace=specquant-test", *extra])
-
-
-def push_cfg(runs_root: Path, url: str, *extra: str):
-    return publish_cfg(runs_root, "publish.dry_run=false", f"publish.endpoint={url}", *extra)
-
-
-def front_matter(readme: str) -> dict:
-    assert readme.startswith("---\n")
-    return yaml.safe_load(readme.split("---\n")[1])
-
-
-def sha256(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def download(url: str, repo_id: str, revision: str, cache: Path) -> Path:
-    from huggingface_hub import snapshot_download
-
-    from pipeline.publish import hub_online
-
-    with hub_online():
-        snap = Path(snapshot_download(repo_id, revision=revision, endpoint=url, token=TOKEN, cache_dir=cache))
-    plain = cache.parent / f"{cache.name}-files"  # the cache's snapshot is symlinks; verify wants files
-    shutil.rmtree(plain, ignore_errors=True)
-    shutil.copytree(snap, plain, symlinks=False)
-    return plain
+CKPT = DRAFTER
 
 
 def repos_on(server_root: Path) -> list[str]:
@@ -127,22 +42,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def pristine_runs(tmp_path_factory) -> Path:
-    """Built once (the manifest stage and torch import dominate); each test gets a copy."""
-    root = tmp_path_factory.mktemp("pristine") / "runs"
-    make_run(root)
-    return root
-
-
-@pytest.fixture
-def run_root(pristine_runs, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
-    root = tmp_path / "runs"
-    shutil.copytree(pristine_runs, root, symlinks=True)
-    return root
 
 
 @pytest.fixture

@@ -19,10 +19,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import SpecquantError
-from tests import test_publish as tp
-from tests.test_publish import TOKEN, download, push_cfg
-
-pristine_runs, run_root = tp.pristine_runs, tp.run_root  # the same fixtures as test_publish
+from tests._support import PUBLISH_TOKEN as TOKEN
+from tests._support import REPO, download, publish_cfg, push_cfg
 
 REPO_ID = "specquant-test/tiny-dflash-b8-nvfp4"
 
@@ -141,7 +139,7 @@ def test_publish_process_killed_mid_upload_then_rerun_completes(run_root, pristi
     with HubServer(store, slow_put=0.3) as srv:
         overrides = [f"runs_root={run_root}", "run_name=tiny", "publish.dry_run=false",
                      f"publish.endpoint={srv.url}", "publish.namespace=specquant-test"]
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "publish", *overrides], cwd=tp.REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "publish", *overrides], cwd=REPO,
                                 env={**os.environ, "HF_TOKEN": TOKEN}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 90
@@ -161,5 +159,5 @@ def test_publish_process_killed_mid_upload_then_rerun_completes(run_root, pristi
         _check_complete(run_root, store, srv.url, out["tag"], tmp_path / "cache")
     # the same files an uninterrupted run assembles
     shutil.copytree(pristine_runs, tmp_path / "clean", symlinks=True)
-    clean = publish.run(tp.publish_cfg(tmp_path / "clean"))["variants"]["nvfp4"]
+    clean = publish.run(publish_cfg(tmp_path / "clean"))["variants"]["nvfp4"]
     assert clean["files_sha256"] == out["files_sha256"] and clean["tag"] == out["tag"]

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from pipeline import quantize_drafter
 from pipeline.io import hash_tree, read_json
 from pipeline.quant import cache_batches, recipes
-from tests.test_quant_world import build_world, massive_activation_target, world_cfg
+from tests._support import build_world, massive_activation_target, world_cfg
 
 
 @pytest.fixture(scope="module")

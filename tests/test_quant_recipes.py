@@ -11,7 +11,7 @@ import torch
 from pipeline import quantize_drafter, quantize_target
 from pipeline.errors import SpecquantError
 from pipeline.quant import recipes
-from tests.test_quant_world import DRAFTER, world_cfg
+from tests._support import DRAFTER, world_cfg
 
 
 @pytest.fixture()

@@ -10,8 +10,14 @@ from safetensors import safe_open
 from pipeline import quantize_drafter
 from pipeline.io import read_json
 from pipeline.quant import act_scale, cache_batches, recipes
-from tests.test_evaluate import nvfp4_qdq_reference
-from tests.test_quant_world import DRAFTER, TARGET, build_world, massive_activation_target, world_cfg
+from tests._support import (
+    DRAFTER,
+    TARGET,
+    build_world,
+    massive_activation_target,
+    nvfp4_qdq_reference,
+    world_cfg,
+)
 
 FIXED = recipes.fixed_input_global_scale(2688.0)  # 1.0, the calibration-free scale
 

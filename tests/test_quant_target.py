@@ -7,7 +7,7 @@ import torch
 
 from pipeline import quantize_target
 from pipeline.io import hash_tree, read_json
-from tests.test_quant_world import TARGET, world_cfg, write_blend
+from tests._support import TARGET, world_cfg, write_blend
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
-from tests.test_quant_world import DRAFTER, TARGET, build_world
+from tests._support import DRAFTER, REPO, TARGET, build_world, run_cli
 
 # the lines pipeline.quiet mutes at their source (pipeline/quant/calibrate.py, export.py, stage.py)
 FILTERED = ("No accelerator available!", "Attempted to calibrate a module",

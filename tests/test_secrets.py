@@ -18,16 +18,15 @@ import pytest
 
 from pipeline.config import CONF_DIR, compose
 from pipeline.hubserver import HubServer
-from tests.conftest import REPO
-from tests.test_faults_stages import ENV, overrides, tiny_run
+from tests._support import ENV, REPO, overrides
 
 TOKEN = "hf_PLANTEDsecret123456SpecquantXyZ"  # from the environment
 ARG_TOKEN = "hf_PLANTEDonTheCommandLine987654"  # given as publish.token=... instead
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    return tiny_run(tmp_path_factory)
+def run(tiny_run) -> dict:
+    return tiny_run
 
 
 def _runs(run: dict, tmp_path: Path) -> Path:

@@ -1,6 +1,6 @@
 """OpenSSF model signing of published folders, and the card's Hub front matter against validate-yaml.
 
-The run is test_publish's small real one (safetensors checkpoints, the real manifest stage); publish is
+The run is test_publish's small real one (tests/_support.make_run) (safetensors checkpoints, the real manifest stage); publish is
 the real dry run with an elliptic-curve key generated here; verification is `python -m pipeline verify`
 (in process, through `pipeline.__main__.main`, so what is printed is what a user sees).
 """
@@ -18,11 +18,12 @@ from pipeline import provenance as prov
 from pipeline import signing
 from pipeline.hubserver import HubServer
 from pipeline.io import sha256_file
-from tests import test_publish as tp
-from tests.test_publish import BASE, TARGET, front_matter, publish_cfg
+from tests._support import HUB_BASE as BASE
+from tests._support import HUB_TARGET as TARGET
+from tests._support import download, front_matter, publish_cfg, push_cfg
 
-pristine_runs = tp.pristine_runs  # the session's small real run, built once (shared with test_publish)
-run_root = tp.run_root  # a fresh copy of it per test
+# `pristine_runs` (the session's small real run, built once) and `run_root` (a fresh copy of it per test)
+# are tests/conftest.py's fixtures, shared with test_publish
 
 SIG = signing.SIGNATURE
 
@@ -125,10 +126,10 @@ def test_signed_push_downloads_and_verifies(run_root, keys, tmp_path):
     from pipeline.verify import verify_dir
 
     with HubServer(tmp_path / "hub") as hub:
-        out = publish.run(tp.push_cfg(run_root, hub.url, f"publish.signing_key={keys['priv']}"))["variants"]["nvfp4"]
+        out = publish.run(push_cfg(run_root, hub.url, f"publish.signing_key={keys['priv']}"))["variants"]["nvfp4"]
         assert out["status"] == "pushed"
-        got = tp.download(hub.url, "specquant-test/tiny-dflash-b8-nvfp4", out["tag"], tmp_path / "cache")
-        again = publish.run(tp.push_cfg(run_root, hub.url, f"publish.signing_key={keys['priv']}"))["variants"]
+        got = download(hub.url, "specquant-test/tiny-dflash-b8-nvfp4", out["tag"], tmp_path / "cache")
+        again = publish.run(push_cfg(run_root, hub.url, f"publish.signing_key={keys['priv']}"))["variants"]
     assert (got / SIG).read_bytes() == (run_root / "tiny" / "publish" / "nvfp4" / SIG).read_bytes()
     assert verify_dir(got, public_key=keys["pub"]) == []
     assert again["nvfp4"]["status"] == "no changes"  # the kept signature makes no new commit

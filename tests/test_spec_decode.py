@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,9 +10,12 @@ import torch
 
 from pipeline.models.formats import load_drafter
 from pipeline.models.spec_decode import greedy_generate, load_prompts, spec_generate
+from tests._support import DFLASH as FIX
+from tests._support import REPO, geometry
 
-FIX = Path(__file__).parent / "fixtures" / "dflash"
-TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny"
+TINY = REPO / "assets" / "tiny"
+G = geometry()
+BS, V, MASK = G["block_size"], G["vocab"], G["mask_token_id"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def drafter():
 
 def prompts(n: int, seed: int = 3) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 127, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+    return [torch.randint(0, MASK, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
 
 
@@ -47,7 +49,7 @@ class ScriptedDrafter(torch.nn.Module):
     def __init__(self, continuation: list[int], block_size: int, wrong_from: int, vocab: int):
         super().__init__()
         self.fc = torch.nn.Linear(1, 1)  # the loop casts context to fc's dtype
-        self.config = SimpleNamespace(block_size=block_size, mask_token_id=127, aux_layer_ids=[2, 4])
+        self.config = SimpleNamespace(block_size=block_size, mask_token_id=MASK, aux_layer_ids=G["aux_layer_ids"])
         self.seq, self.wrong_from, self.vocab = continuation, wrong_from, vocab
 
     def new_cache(self):
@@ -64,15 +66,15 @@ class ScriptedDrafter(torch.nn.Module):
         return logits
 
 
-@pytest.mark.parametrize("wrong_from", [1, 2, 4])
+@pytest.mark.parametrize("wrong_from", sorted({1, 2, BS}))  # first slot wrong, second, none (all accepted)
 def test_scripted_drafter_acceptance_and_losslessness(target, wrong_from):
     for ids in prompts(2, seed=wrong_from):
         ref = greedy_generate(target, ids, 16)
-        d = ScriptedDrafter(ref, 4, wrong_from, 128)
+        d = ScriptedDrafter(ref, BS, wrong_from, V)
         res = spec_generate(target, d, ids, 16)
         assert res.output_ids == ref
         # every step accepts wrong_from - 1 drafted tokens (capped by the block) plus the bonus
-        assert set(res.acceptance_lengths[:-1]) == {min(wrong_from, 4)}
+        assert set(res.acceptance_lengths[:-1]) == {min(wrong_from, BS)}
         steps = len(res.acceptance_lengths)
         assert res.accepted[0] >= steps - 1 if wrong_from > 1 else res.accepted[0] == 0
 
@@ -83,7 +85,7 @@ def test_random_drafter_is_lossless_and_stops(target, drafter):
         res = spec_generate(target, drafter, ids, 16)
         assert res.output_ids == ref and len(ref) == len(ids) + 16
         assert all(t >= 1 for t in res.acceptance_lengths)
-        assert sum(res.drafted) == 3 * len(res.acceptance_lengths)
+        assert sum(res.drafted) == (BS - 1) * len(res.acceptance_lengths)
         stop = ref[len(ids) + 5]  # a token the target emits: both loops must stop right after it
         cut = greedy_generate(target, ids, 16, stop_token_ids=[stop])
         assert spec_generate(target, drafter, ids, 16, stop_token_ids=[stop]).output_ids == cut
@@ -95,7 +97,7 @@ def test_block_size_override_checked(target, drafter):
     from pipeline.errors import SpecquantError
 
     with pytest.raises(SpecquantError, match="block_size"):
-        spec_generate(target, drafter, [1, 2, 3], 4, block_size=5)
+        spec_generate(target, drafter, [1, 2, 3], 4, block_size=BS + 1)  # more than the drafter was trained for
     assert spec_generate(target, drafter, [5, 6, 7], 8, block_size=2).output_ids == greedy_generate(target, [5, 6, 7], 8)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline import provenance, verify
 from pipeline.io import TMP_PREFIX, atomic_write_json
-from tests.test_manifest import build_run, run_manifest
+from tests._support import build_run, run_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,8 +22,7 @@ from pipeline import quantize_drafter
 from pipeline.errors import SpecquantError
 from pipeline.io import read_json
 from pipeline.serving import contract
-from tests.conftest import REPO, run_cli
-from tests.test_quant_world import DRAFTER, TARGET, build_world, world_cfg
+from tests._support import DRAFTER, REPO, TARGET, build_world, run_cli, world_cfg
 
 T = int(read_json(TARGET / "config.json", "target")["num_hidden_layers"])
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]

@@ -1,0 +1,492 @@
+"""Helpers shared by the test modules (not a test module: nothing here is collected).
+
+The golden DFlash fixtures are read from `SPECQUANT_FIXTURES` (a folder laid out as
+tests/fixtures/dflash/, see its README), default tests/fixtures/dflash. Every size a test needs
+(layers, block size, vocabulary, aux layers, hidden size) comes from that folder's own configs and
+tensors (`geometry()`), so the same tests run against fixtures of another geometry.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pipeline.config import compose
+from pipeline.io import atomic_write_json, atomic_write_text, sha256_file
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+DFLASH = Path(os.environ.get("SPECQUANT_FIXTURES") or FIXTURES / "dflash").resolve()
+TARGET = DFLASH / "target"  # Qwen3 target/verifier in HF format
+DRAFTER = DFLASH / "speculators" / "checkpoint"  # the drafter in speculators format
+ZLAB_DRAFTER = DFLASH / "zlab" / "checkpoint"  # the same drafter in z-lab format
+
+
+@functools.cache
+def geometry() -> dict:
+    """The fixture pair's sizes, read from its configs (z-lab ids are HF ids - 1)."""
+    target = json.loads((TARGET / "config.json").read_text())
+    zlab = json.loads((ZLAB_DRAFTER / "config.json").read_text())
+    spec = json.loads((DRAFTER / "config.json").read_text())
+    tlc = spec["transformer_layer_config"]
+    hidden = int(target["hidden_size"])
+    heads = int(tlc["num_attention_heads"])
+    return {
+        "target_layers": int(target["num_hidden_layers"]), "hidden": hidden, "vocab": int(target["vocab_size"]),
+        "layers": int(tlc["num_hidden_layers"]), "block_size": int(spec["block_size"]),
+        "mask_token_id": int(spec["mask_token_id"]), "aux_layer_ids": list(spec["aux_hidden_state_layer_ids"]),
+        "zlab_layer_ids": list(zlab["dflash_config"]["target_layer_ids"]),
+        "intermediate": int(tlc["intermediate_size"]), "heads": heads,
+        "kv_heads": int(tlc["num_key_value_heads"]), "head_dim": int(tlc.get("head_dim") or hidden // heads),
+    }
+
+
+# ---------------------------------------------------------------- entry points and a small tokenizer
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_chat_tokenizer(out: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """A small byte-level BPE tokenizer with chat special tokens and <|MASK|> (built in < 1 s)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = ["Hello, how are you? I am fine, thank you.", "What is 2 + 3? The answer is 5.",
+              "def add(a, b):\n    return a + b", "user assistant system"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", "<|MASK|>"])
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    return out
+
+
+def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 600):
+    """Run `python -m pipeline ...` as a user would; returns CompletedProcess (text)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- the fixture world: target, drafter, blend, cache
+def write_blend(data_dir: Path, num_samples: int = 30, seq_len: int = 40, seed: int = 0) -> Path:
+    """samples.jsonl + meta.json in the data stage's contract: random ids below the mask id, loss mask 1
+    after a short prompt. By hand on purpose: the data stage's writer is inline in `pipeline.data.run`,
+    which tokenizes text, and the fixture target has no tokenizer."""
+    g = torch.Generator().manual_seed(seed)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(num_samples):
+        n = seq_len - int(torch.randint(0, 8, (1,), generator=g))
+        ids = torch.randint(2, geometry()["mask_token_id"], (n,), generator=g).tolist()
+        prompt = 6 + i % 5
+        mask = [0] * prompt + [1] * (n - prompt)
+        lines.append(json.dumps({"id": f"synthetic/{i}", "input_ids": ids, "loss_mask": mask,
+                                 "source": "synthetic"}, sort_keys=True))
+    path = data_dir / "samples.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    atomic_write_json(data_dir / "meta.json", {"samples_sha256": sha256_file(path), "num_samples": num_samples,
+                                               "seed": seed})
+    return path
+
+
+def world_cfg(runs_root: Path, *overrides: str, target: Path = TARGET):
+    return compose([f"runs_root={runs_root}", "run_name=qw", f"target.path={target}", f"target.tokenizer={target}",
+                    f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32",
+                    "quant.num_samples=12", "quant.heldout_samples=12", "quant.anchors_per_sequence=8",
+                    "quant.max_seq_len=64", "target_quant.num_samples=4", "target_quant.max_seq_len=64",
+                    *overrides])
+
+
+def build_world(runs_root: Path, blend_seed: int = 0, num_samples: int = 30, target: Path = TARGET) -> Path:
+    """Blend + cache (the real cache stage) under runs_root/qw; returns the run directory."""
+    from pipeline import cache
+
+    cfg = world_cfg(runs_root, target=target)
+    run_dir = Path(cfg.run_dir)
+    write_blend(run_dir / "data", num_samples=num_samples, seed=blend_seed)
+    cache.run(cfg)
+    return run_dir
+
+
+def copy_world(world: Path, runs_root: Path) -> Path:
+    """A private copy of a built world (blend + cache, anything quantized in it) under runs_root."""
+    shutil.copytree(world, runs_root, symlinks=True, dirs_exist_ok=True)
+    return runs_root
+
+
+def massive_activation_target(out: Path, factor: float = 1e4) -> Path:
+    """The fixture target with layer 0's down_proj scaled: its residual stream (and so every cached
+    hidden state after it) reaches ~3e4, like the massive activations of real LLMs' hidden states."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(TARGET, out)
+    state = load_file(str(out / "model.safetensors"))
+    state["model.layers.0.mlp.down_proj.weight"] *= factor
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# ---------------------------------------------------------------- the cache stage on the fixture world
+def write_data(run_dir: Path, n: int = 10, seed: int = 0, max_len: int = 40) -> list[dict]:
+    """samples.jsonl + meta.json in the data stage's contract (ARCHITECTURE.md); random ids and loss mask."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        t = int(torch.randint(3, max_len, (1,), generator=g))
+        ids = torch.randint(0, geometry()["mask_token_id"], (t,), generator=g).tolist()
+        mask = torch.randint(0, 2, (t,), generator=g).tolist()
+        samples.append({"id": f"syn/{i}", "source": "syn", "input_ids": ids, "loss_mask": mask})
+    d = run_dir / "data"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "samples.jsonl").write_text("".join(json.dumps(s, sort_keys=True) + "\n" for s in samples))
+    atomic_write_json(d / "meta.json", {"samples_sha256": sha256_file(d / "samples.jsonl"), "num_samples": n,
+                                        "num_tokens": sum(len(s["input_ids"]) for s in samples)})
+    return samples
+
+
+def stage_overrides(run_dir: Path, *extra: str) -> list[str]:
+    return [f"run_dir={run_dir}", f"target.path={TARGET}", f"drafter.path={DRAFTER}",
+            "drafter.format=speculators", "cache.samples_per_shard=3", "cache.batch_tokens=64", *extra]
+
+
+def run_cache(run_dir: Path, *extra: str) -> dict:
+    from pipeline import cache
+    return cache.run(compose(stage_overrides(run_dir, *extra)))
+
+
+def hub_cache(root: Path, repo: str, src: Path, commit: str = "c0ffee" * 6 + "abcd") -> Path:
+    """`src`'s files laid out as the Hub client caches repo `repo` at `commit` (blobs, snapshot links,
+    refs/main); returns the cache root to point huggingface_hub at."""
+    d = root / f"models--{repo.replace('/', '--')}"
+    snap = d / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (d / "blobs").mkdir(exist_ok=True)
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            blob = d / "blobs" / sha256_file(p)
+            shutil.copyfile(p, blob)
+            (snap / p.name).symlink_to(os.path.relpath(blob, snap))
+    (d / "refs").mkdir(exist_ok=True)
+    (d / "refs" / "main").write_text(commit)
+    return root
+
+
+# ---------------------------------------------------------------- one real run of the fixture world, shared
+QUANT = ["quant=nvfp4", "quant.num_samples=6", "quant.heldout_samples=4", "quant.anchors_per_sequence=8",
+         "quant.max_seq_len=64",
+         # the drafter names its target by Hub id, as a pushed drafter must (pipeline/serving/contract.py)
+         "publish.target_model=Qwen/Qwen3-8B"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+PARTIAL = ".partial-"  # pipeline.quant.export.PARTIAL_PREFIX
+
+# `python -c KILLPOINT_MAIN <stage> [overrides]`: the real entry point, with one function wrapped so
+# that its n-th call writes a marker file and hangs - a precise place for the test to SIGKILL.
+KILLPOINT_MAIN = r"""
+import functools, importlib, os, sys, time
+target, nth, marker = os.environ["SPECQUANT_TEST_KILLPOINT"].split("|")
+modname, qual = target.split(":")
+owner = importlib.import_module(modname)
+*path, name = qual.split(".")
+for p in path:
+    owner = getattr(owner, p)
+original, calls = getattr(owner, name), [0]
+@functools.wraps(original)
+def hooked(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == int(nth):
+        with open(marker, "w") as fh:
+            fh.write(str(os.getpid()))
+        while True:
+            time.sleep(60)
+    return original(*args, **kwargs)
+setattr(owner, name, hooked)
+from pipeline.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def overrides(runs_root: Path, *extra: str) -> list[str]:
+    return [f"runs_root={runs_root}", "run_name=qw", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
+            f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32", *QUANT, *extra]
+
+
+def quantize_cli(runs_root: Path, tmpdir: Path, killpoint: str | None = None) -> subprocess.Popen:
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    env = {**ENV, "TMPDIR": str(tmpdir), **({"SPECQUANT_TEST_KILLPOINT": killpoint} if killpoint else {})}
+    argv = [sys.executable, "-c", KILLPOINT_MAIN] if killpoint else [sys.executable, "-m", "pipeline"]
+    return subprocess.Popen([*argv, "quantize-drafter", *overrides(runs_root)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def outputs(run: Path) -> dict[str, str]:
+    """sha256 of everything quantize-drafter writes (its stage record aside: it holds wall times)."""
+    from pipeline.io import hash_tree
+
+    return {f"{d}/{k}": v["sha256"] for d in ("drafter", "checks") if (run / d).is_dir()
+            for k, v in hash_tree(run / d).items()}
+
+
+def leftovers(root: Path) -> list[str]:
+    from pipeline.io import TMP_PREFIX
+
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.name.startswith((TMP_PREFIX, PARTIAL)))
+
+
+def tiny_run(root: Path) -> dict:
+    """The real stages under root: `template` (data + cache), `reference` (+ quantize-drafter nvfp4 as a
+    subprocess, + manifest) and `outputs` (the reference's quantize-drafter file hashes). Built once per
+    session by conftest's `tiny_run` fixture."""
+    from pipeline import manifest
+    from pipeline.stage import run_stage
+
+    torch.set_num_threads(1)
+    template = root / "template"
+    write_blend(template / "qw" / "data", num_samples=16)
+    ov = overrides(template, "cache.samples_per_shard=4")
+    run_stage("cache", "pipeline.cache", compose(ov), ov)
+    reference = root / "reference"
+    shutil.copytree(template, reference)
+    proc = quantize_cli(reference, root / "tmp")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    run = {"template": template / "qw", "reference": reference / "qw", "outputs": outputs(reference / "qw")}
+    manifest.run(compose(overrides(reference)))
+    return run
+
+
+# ---------------------------------------------------------------- a small run for the manifest and verify tests
+# The stage bodies run through the real pipeline.stage (genuine records); their outputs are written here by
+# hand and tests/test_manifest.py pins these values.
+
+# not shaped like an HF token (those are scrubbed by pattern wherever they appear): this one must be
+# caught as a known value (HF_TOKEN), the path a token of any shape takes
+MANIFEST_TOKEN = "sq_PlantedSecretToken1234567890abcdef"
+MANIFEST_RECIPE = """quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      targets: [Linear]
+      scheme: NVFP4
+      ignore: ['re:.*q_proj', 're:.*k_proj', 're:.*v_proj']
+"""
+
+
+def manifest_overrides(runs_root: Path) -> list[str]:
+    return [f"runs_root={runs_root}", "run_name=fake", "seed=3",
+            f"target.path={TARGET}", f"drafter.path={DRAFTER}",
+            "+quant.observer_kwargs.averaging_constant=0.01", "quant.ignore=[re:.*q_proj,re:.*k_proj,re:.*v_proj]"]
+
+
+def fake_stage(monkeypatch, stage: str, overrides: list[str], body) -> None:
+    """Run `body(cfg)` as stage `stage` through the real pipeline.stage so its record is genuine."""
+    from pipeline.stage import run_stage
+
+    mod = types.ModuleType(f"_fake_{stage.replace('-', '_')}")
+    mod.run = body
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(sys, "argv", [str(REPO / "pipeline" / "__main__.py"), stage, *overrides])
+    run_stage(stage, mod.__name__, compose(overrides), overrides)
+
+
+def _data(cfg) -> dict:
+    d = Path(cfg.run_dir) / "data"
+    rows = [{"id": f"chat/{i}", "source": "chat", "input_ids": [5, 6, 7 + i], "loss_mask": [0, 1, 1]} for i in range(3)]
+    atomic_write_text(d / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_json(d / "counts.json", {"chat": {"requested": 4, "available": 5, "kept": 3,
+                                                   "dropped": {"no_assistant_turn": 1, "too_long": 0}}})
+    atomic_write_json(d / "meta.json", {
+        "seed": int(cfg.seed), "max_seq_len": int(cfg.data.max_seq_len), "num_samples": 3, "num_tokens": 9,
+        "samples_sha256": sha256_file(d / "samples.jsonl"),
+        "tokenizer": {"path": "assets/tiny/target", "sha256": "a" * 64},
+        "sources": [{"name": "chat", "path": "assets/tiny/corpus/chat.jsonl", "revision": None,
+                     "note": f"token {MANIFEST_TOKEN} leaked here"}]})
+    return {"output": str(d)}
+
+
+def _cache(cfg) -> dict:
+    d = Path(cfg.run_dir) / "cache"
+    d.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    save_file({"input_ids": torch.arange(9), "hidden_states": torch.randn(9, 2, 8, generator=g)},
+              str(d / "shard-00000.safetensors"))
+    atomic_write_json(d / "index.json", {
+        "aux_layer_ids": [2, 4], "storage_dtype": "bfloat16", "num_samples": 3, "content_sha256": "c" * 64,
+        "shards": [{"file": "shard-00000.safetensors", "sha256": sha256_file(d / "shard-00000.safetensors")}]})
+    return {"output": str(d)}
+
+
+def _quantize(cfg) -> dict:
+    root = Path(cfg.run_dir)
+    src = DRAFTER
+    for variant in ("bf16", cfg.quant.name):
+        shutil.copytree(src, root / "drafter" / variant, dirs_exist_ok=True)
+    out = root / "drafter" / cfg.quant.name
+    conf = json.loads((out / "config.json").read_text())
+    conf["quantization_config"] = {"format": "nvfp4-pack-quantized", "quant_method": "compressed-tensors"}
+    atomic_write_json(out / "config.json", conf)
+    atomic_write_text(out / "recipe.yaml", MANIFEST_RECIPE)
+    atomic_write_json(root / "checks" / f"drafter-{cfg.quant.name}.json", {"kl_vs_bf16": 0.01})
+    return {"output": str(out), "reference": str(root / "drafter" / "bf16"), "scheme": cfg.quant.scheme, "calibration_seed": 7, "group_size": 16,
+            "ignore": ["lm_head", *cfg.quant.ignore], "seeds": {"anchors": 11},
+            "timings": {"oneshot_s": 1.5}, "load_s": 0.25}
+
+
+def build_run(tmp_path: Path, monkeypatch, stages=("data", "cache", "quantize-drafter")) -> tuple[Path, list[str]]:
+    """A run dir with data/, cache/, drafter/{bf16,nvfp4}/, checks/ and genuine stage records."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)  # records are written before the token is known
+    ov = manifest_overrides(tmp_path / "runs")
+    bodies = {"data": _data, "cache": _cache, "quantize-drafter": _quantize}
+    for s in stages:
+        fake_stage(monkeypatch, s, ov + ([f"publish.namespace={MANIFEST_TOKEN}"] if s == "data" else []), bodies[s])
+    eval_dir = tmp_path / "runs" / "fake" / "eval"
+    atomic_write_text(eval_dir / "vllm_commands.sh", "vllm bench serve --dataset-name custom  # chat\n")
+    return tmp_path / "runs" / "fake", ov
+
+
+def run_manifest(run: Path, ov: list[str], monkeypatch) -> dict:
+    from pipeline import manifest
+    monkeypatch.setenv("HF_TOKEN", MANIFEST_TOKEN)
+    return manifest.run(compose(ov))
+
+
+# ---------------------------------------------------------------- a small real run for the publish tests
+PUBLISH_TOKEN = "hf_plantedTOKENpublish0123456789abcd"
+HUB_BASE = "z-lab/Qwen3-8B-DFlash-b16"
+HUB_TARGET = "Qwen/Qwen3-8B"
+
+
+def _png() -> bytes:
+    """A valid 2x2 grey PNG (no plotting library needed)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+    raw = b"".join(b"\x00" + bytes([128, 128]) for _ in range(2))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", (2).to_bytes(4, "big") * 2 + bytes([8, 0, 0, 0, 0]))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
+    """A run with drafter/{bf16,nvfp4}, a stage record, checks, eval; then the real manifest stage."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    rd = runs_root / name
+    (rd / "drafter" / "bf16").mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copyfile(DRAFTER / f, rd / "drafter" / "bf16" / f)
+    q = rd / "drafter" / "nvfp4"
+    q.mkdir()
+    conf = json.loads((DRAFTER / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    # what quantize-drafter writes with publish.target_model set: the target's Hub id (a push refuses a path)
+    conf["speculators_config"]["verifier"]["name_or_path"] = HUB_TARGET
+    (q / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: (v + 0.01 * torch.randn(v.shape, generator=g)).contiguous()
+               for k, v in load_file(DRAFTER / "model.safetensors").items()}
+    save_file(tensors, q / "model.safetensors")
+    (q / "recipe.yaml").write_text("default_stage:\n  default_modifiers:\n    QuantizationModifier:\n"
+                                   "      scheme: NVFP4\n      ignore: [lm_head]\n")
+    (rd / "checks").mkdir()
+    (rd / "checks" / "drafter-nvfp4.json").write_text('{"max_rel_error": 0.1}\n')
+    (rd / "eval").mkdir()
+    rows = [{"variant": v, "subset": s, "tau": t} for v, s, t in
+            (("bf16", "chat", 2.5), ("nvfp4", "chat", 2.4), ("bf16", "code", 3.0), ("nvfp4", "code", 2.7))]
+    (rd / "eval" / "results.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    (rd / "eval" / "report.md").write_text("# Acceptance\n\n| subset | bf16 | nvfp4 |\n")
+    (rd / "eval" / "tau.png").write_bytes(_png())
+    cfg = compose([f"runs_root={runs_root}", f"run_name={name}", f"seed={seed}"])
+    from omegaconf import OmegaConf
+
+    record = {"stage": "quantize-drafter", "command": "python -m pipeline quantize-drafter quant=nvfp4",
+              "argv": ["python", "-m", "pipeline", "quantize-drafter", "quant=nvfp4"], "overrides": ["quant=nvfp4"],
+              "resolved_config": OmegaConf.to_container(cfg, resolve=True), "seed": seed,
+              "started_utc": "2026-01-01T00:00:00+00:00", "wall_time_s": 1.0, "result": {}}
+    (rd / "stages").mkdir()
+    (rd / "stages" / "quantize-drafter-nvfp4.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    remanifest(runs_root, name)
+    return rd
+
+
+def remanifest(runs_root: Path, name: str = "tiny") -> None:
+    from pipeline import manifest
+
+    manifest.run(compose([f"runs_root={runs_root}", f"run_name={name}"]))
+
+
+def publish_cfg(runs_root: Path, *extra: str, name: str = "tiny"):
+    return compose([f"runs_root={runs_root}", f"run_name={name}", f"publish.base_model={HUB_BASE}",
+                    f"publish.target_model={HUB_TARGET}", "publish.namespace=specquant-test", *extra])
+
+
+def push_cfg(runs_root: Path, url: str, *extra: str):
+    return publish_cfg(runs_root, "publish.dry_run=false", f"publish.endpoint={url}", *extra)
+
+
+def front_matter(readme: str) -> dict:
+    assert readme.startswith("---\n")
+    return yaml.safe_load(readme.split("---\n")[1])
+
+
+def sha256(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def download(url: str, repo_id: str, revision: str, cache: Path) -> Path:
+    from huggingface_hub import snapshot_download
+
+    from pipeline.publish import hub_online
+
+    with hub_online():
+        snap = Path(snapshot_download(repo_id, revision=revision, endpoint=url, token=PUBLISH_TOKEN, cache_dir=cache))
+    plain = cache.parent / f"{cache.name}-files"  # the cache's snapshot is symlinks; verify wants files
+    shutil.rmtree(plain, ignore_errors=True)
+    shutil.copytree(snap, plain, symlinks=False)
+    return plain
+
+
+# ---------------------------------------------------------------- numerics shared by the quantization tests
+def nvfp4_qdq_reference(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Independent NVFP4 activation quantize-dequantize with vLLM's semantics (per token, groups of 16):
+    block scale = fp8_e4m3(global_scale * amax / 6) (saturating), values rounded to the E2M1 grid."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    g = x.float().unflatten(-1, (-1, 16))
+    amax = g.abs().amax(-1, keepdim=True)
+    scale = (global_scale * amax / 6).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+    scale = torch.where(scale == 0, torch.finfo(torch.float8_e4m3fn).tiny, scale)
+    y = (g / (scale / global_scale)).clamp(-6, 6)
+    idx = (y.abs()[..., None] - grid).abs().argmin(-1)
+    q = grid[idx] * y.sign()
+    return (q * (scale / global_scale)).flatten(-2).to(x.dtype)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Same thread count as the torchrun/subprocess runs, so hashes compare bit for bit (autouse where imported)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
