@@ -205,13 +205,16 @@ def flush() -> Path | None:
         store, new = _store, dict(_new)
     if store is None or not new:
         return None
-    store.parent.mkdir(parents=True, exist_ok=True)
-    with open(store.with_name("hashes.lock"), "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        merged = {**_read_store(store), **new}
-        kept = {k: e for k, e in sorted(merged.items()) if _still_there(k, e)}
-        with atomic_open(store) as fh:  # a plain handle: the store itself is never recorded
-            fh.write(dumps_json({"schema": SCHEMA, "entries": kept}).encode("utf-8"))
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        with open(store.with_name("hashes.lock"), "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            merged = {**_read_store(store), **new}
+            kept = {k: e for k, e in sorted(merged.items()) if _still_there(k, e)}
+            with atomic_open(store) as fh:  # a plain handle: the store itself is never recorded
+                fh.write(dumps_json({"schema": SCHEMA, "entries": kept}).encode("utf-8"))
+    except OSError:  # a memo that cannot be saved (read-only run dir, full disk) costs re-reads, never the stage
+        return None
     with _lock:
         for k in new:
             if _new.get(k) is new[k]:

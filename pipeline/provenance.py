@@ -19,7 +19,8 @@ The file list rule (a run directory and a published repo folder carry the same t
 canonical JSON of the other fields}.
 It lists every regular file under the folder except itself and temp files. In a run directory
 it also leaves out what is written after the manifest stage: `stages/manifest.json`,
-`stages/publish*.json` and `publish/` (each `publish/<variant>/` carries its own list).
+`stages/publish*.json` and `publish/` (each `publish/<variant>/` carries its own list), and the
+run's scratch `.work/` (stages' temporary folders, the hash memo of `pipeline.hashes`).
 In a published folder, "origin" is the run-relative path a file was copied from, so `verify`
 can check it against the run's attestation. Write it last with `write_file_list`.
 """

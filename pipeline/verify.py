@@ -1,12 +1,15 @@
 """`python -m pipeline verify <run dir or published dir>`: re-hash every file against the records.
 
+Every byte is read again: the digests `pipeline.hashes` remembers are never used here.
+
 What is checked (each problem names the file):
 - `provenance/files.sha256.json` (the folder's own list; rule in pipeline/provenance.py) is intact:
   valid JSON, canonical bytes, and its `files_sha256` matches its content;
 - every listed file exists with that sha256 and size (missing / changed), and no unlisted file
   exists (extra; temp files left by an interrupted write and symbolic links count as extra). In a run directory,
   `stages/manifest.json`, `stages/publish*.json` and `publish/` are written after the manifest, so
-  they are not listed; each `publish/<variant>/` holding a file list is verified in turn;
+  they are not listed, nor is the scratch `.work/` (the hash memo); each `publish/<variant>/` holding a
+  file list is verified in turn;
 - the in-toto statement's subjects, the calibration manifest's cache shards and the quant run
   manifest's checkpoint files agree with the files (a record that disagrees while the file matches
   the list is reported as that record being altered); in a published folder, each file's "origin"
