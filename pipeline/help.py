@@ -161,6 +161,34 @@ def _example_preset(choices: dict[str, str], groups: tuple[str, ...]) -> str:
     return "experiment=tiny"
 
 
+def output_line(stage: str, cfg) -> str | None:
+    """Where the stage writes its named folder and how that name is derived, on one line (the name may
+    differ from the key's value: pipeline.config.derive_names appends `-on-<target>`)."""
+    from omegaconf import OmegaConf
+
+    def value(key: str, default: str) -> str:
+        try:
+            found = OmegaConf.select(cfg, key, throw_on_missing=True)
+        except Exception:  # noqa: BLE001 - unset (???) or an interpolation that cannot resolve: the placeholder
+            return default
+        return default if found is None else str(found)
+
+    run_dir = value("run_dir", "runs/<run_name>")
+    if stage == "quantize-drafter":
+        names = OmegaConf.create({"quant": {"name": value("quant.name", "<quant.name>"),
+                                            "calibration_target": value("quant.calibration_target", "bf16")}})
+        schema.derive_names(names)  # the rule itself, not a copy of it
+        return (f"output: {run_dir}/drafter/{names.quant.name}/ (the folder is quant.name, plus "
+                f"`{schema.PAIR_SUFFIX}<quant.calibration_target>` when that is not bf16)")
+    if stage == "quantize-target":
+        return f"output: {run_dir}/target/{value('target_quant.name', '<target_quant.name>')}/ (the folder is target_quant.name)"
+    if stage == "cache":
+        target = value("cache.target", "bf16")
+        return (f"output: {run_dir}/{'cache' if target == 'bf16' else 'cache-' + target}/ (cache/ for cache.target=bf16, "
+                "else cache-<cache.target>/)")
+    return None
+
+
 def render(stage: str, module: str, overrides: list[str]) -> str:
     cfg, choices = _compose(overrides)
     groups = STAGE_GROUPS.get(stage, ())
@@ -170,6 +198,8 @@ def render(stage: str, module: str, overrides: list[str]) -> str:
         out.append("conf groups: " + ", ".join(f"{g} (conf/{g}/, now {choices.get(g, '-')})" for g in groups))
     else:
         out.append("conf groups: none of its own (it reads what the earlier stages wrote)")
+    if (line := output_line(stage, cfg)) is not None:
+        out.append(line)
     out += ["", "keys (type, value as composed now, description; from pipeline/config.py):"]
     sections = [("top level:", [r for r in keys(schema.SpecquantConfig, cfg, "") if r[0] in _TOP_LEVEL])]
     sections += [(f"{g}:", keys(hints[g], cfg[g], f"{g}.")) for g in groups]

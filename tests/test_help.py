@@ -70,3 +70,17 @@ def test_help_through_the_cli_is_not_a_hydra_override():
     assert r.stdout.startswith("usage: python -m pipeline evaluate") and "eval.max_new_tokens" in r.stdout
     bad = run_cli("evaluate", "--help", "eval=nope", timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("overrides, folder", [([], "drafter/nvfp4/"),
+                                               (["quant.calibration_target=nvfp4"], "drafter/nvfp4-on-nvfp4/")])
+def test_quantize_drafter_help_shows_the_derived_output_folder(capsys, overrides, folder):
+    """quant.name is shown as given; the output line shows the folder derive_names makes of it, and the rule."""
+    from pipeline.__main__ import main
+
+    assert main(["quantize-drafter", *overrides, "--help"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("output: "))
+    assert line == f"output: runs/tiny/{folder} (the folder is quant.name, plus `-on-<quant.calibration_target>` " \
+                   "when that is not bf16)", line
+    assert re.search(r"^    quant\.name +str = nvfp4$", out, flags=re.M)
