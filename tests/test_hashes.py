@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import hashes, verify
+from pipeline import hashes, provenance, repro, verify
 from pipeline.io import atomic_write_bytes, sha256_bytes, sha256_file
+
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1",
        "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -69,6 +70,7 @@ def test_a_later_stage_reuses_the_recorded_hash_and_reads_none_of_the_file(run):
     assert listed["data/samples.jsonl"]["sha256"] == sha256_bytes(samples.read_bytes())
     # the memo is scratch: in no list, and the run verifies
     assert not [f for f in listed if f.startswith(".work/")] and (rd / ".work" / "hashes.json").is_file()
+    assert repro.excluded(".work/hashes.json") and provenance.is_late(".work/hashes.lock")
     assert verify.verify_dir(rd) == []
 
 

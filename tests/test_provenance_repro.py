@@ -50,7 +50,8 @@ def test_same_inputs_compare_equal(two_runs):
     da, skipped = repro.digests(a, ra)
     db, _ = repro.digests(b, rb)
     assert repro.compare(da, db) == []
-    assert sorted(skipped) == ["stages/cache.json", "stages/data.json", "stages/quantize-drafter-nvfp4.json"]
+    assert sorted(skipped) == [".work/hashes.json", ".work/hashes.lock",  # the hash memo (pipeline/hashes.py)
+                               "stages/cache.json", "stages/data.json", "stages/quantize-drafter-nvfp4.json"]
     assert {"quant_run_manifest.json", "provenance/attestation.intoto.json", "provenance/files.sha256.json",
             "drafter/nvfp4/model.safetensors", "cache/shard-00000.safetensors"} <= set(da)
 
