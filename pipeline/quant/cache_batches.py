@@ -157,11 +157,11 @@ class Prefetched:
         return len(self.batches)
 
     def __deepcopy__(self, memo):
-        # llm-compressor keeps a deep copy of the calibration loader in its session state (never iterated by
-        # the basic pipeline): a copy of the plain batches, as before read-ahead existed; threads do not copy
-        import copy
-
-        return copy.deepcopy(self.batches, memo)
+        # llm-compressor keeps a deep copy of the calibration loader in its session state (the basic pipeline
+        # never iterates it): the plain batches over a reader of their own (threads and open shards do not copy)
+        b = self.batches
+        reader = type(b.reader)(b.reader.dir, dtype=b.reader.dtype)
+        return DrafterBatches(reader, b.indices, b.anchors, b.block_size, b.mask_token_id, b.max_seq_len, b.seed)
 
     @property
     def built(self) -> dict[int, tuple[int, int]]:
