@@ -4,6 +4,16 @@
     python -m bench.quant_bench --out OUT --device cuda                    # DFlash-b16 / Qwen3-8B shapes
     python -m bench.quant_bench --out OUT --target T --drafter D --run-dir R  # given checkpoints + cache
 
+Issue 20 (part 2) headline, on a run directory with an 8B-shape cache (e.g. made by bench.run_8b's
+build,data,cache phases with the same --work and --runs):
+
+    python -m bench.quant_bench --out OUT --work W --run-dir RUNS/bench --device cuda:0 --samples 264 \
+        --heldout 8 --variants drafter-nvfp4-expanded-mse --results bench/results
+
+writes bench/results/<date>-<gpu>-quant.json: `quantize_drafter_nvfp4_<N>_s` (the stage's own wall,
+N = --samples - --heldout calibration samples), its phases, peak GPU and host memory, the goal
+(60 s) and run 4's figures (docs/benchmarks.md) beside it.
+
 Without --target/--drafter it builds random-weight models of the chosen shape (bench.shapes), a
 synthetic blend of --samples x --seq-len tokens and its cache (the real cache stage). Then each
 variant runs as `python -m bench.probe ... quantize-drafter|quantize-target <overrides>` (the real
@@ -50,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra", default="", help="extra Hydra overrides for every stage, space-separated")
+    p.add_argument("--results", help="folder for <date>-<gpu>-quant.json (e.g. bench/results): the NVFP4 drafter's "
+                   "stage wall as quantize_drafter_nvfp4_<N>_s, its phases and peak memory")
     return p.parse_args(argv)
 
 
@@ -108,11 +120,14 @@ class QuantBench:
         rec.update({"rc": rc, "process_wall_s": round(time.perf_counter() - t0, 3)})
         return rec
 
-    def stage_result(self, stage: str, extra: list[str]) -> dict:
+    def stage_record(self, stage: str, extra: list[str]) -> dict:
         name = next(e.split("=", 1)[1] for e in reversed(extra) if e.startswith(("quant.name=", "quant=",
                                                                                    "target_quant=")))
         path = self.run_dir / "stages" / f"{stage}-{name}.json"
-        return json.loads(path.read_text()).get("result", {}) if path.is_file() else {}
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def stage_result(self, stage: str, extra: list[str]) -> dict:
+        return self.stage_record(stage, extra).get("result", {})
 
     def run(self) -> dict:
         self.build()
@@ -121,11 +136,19 @@ class QuantBench:
                 raise SystemExit(f"unknown variant {key!r}; choose from {', '.join(VARIANTS)}")
             stage, extra = VARIANTS[key]
             rec = self.probe(key, stage, extra)
-            result = self.stage_result(stage, extra)
+            record = self.stage_record(stage, extra)
+            result = record.get("result", {})
             rec.update({k: result.get(k) for k in ("timings", "device", "num_calibration_samples",
                                                     "num_calibration_anchors", "num_calibration_tokens",
                                                     "observer", "scheme")})
             rec["check"] = result.get("check")
+            rec["stage_wall_time_s"] = record.get("wall_time_s")
+            rec["command"] = "python -m pipeline " + " ".join([stage, *self.overrides(extra)])
+            rec["versions"], rec["git"] = record.get("versions"), record.get("git")
+            search = result.get("activation_scale_search") or {}
+            rec["activation_scale_search"] = {"samples": search.get("samples"),
+                                              "candidates": 2 + len(search.get("multipliers") or [])} if search else None
+            rec["hashing"] = {k: record.get(k) for k in ("bytes_hashed", "files_hashed", "hash_reused") if k in record}
             self.results["variants"][key] = rec
             self.save()
         return self.results
@@ -134,14 +157,59 @@ class QuantBench:
         (self.out / "quant_bench.json").write_text(json.dumps(self.results, indent=2, sort_keys=True) + "\n")
         (self.out / "quant_bench.md").write_text(markdown(self.results))
 
+    def headline(self, results_dir: Path) -> Path | None:
+        """<results_dir>/<date>-<gpu>-quant.json for the NVFP4 drafter (issue 20, part 2); None if it did not run."""
+        rec = self.results["variants"].get("drafter-nvfp4-expanded-mse")
+        if not rec:
+            return None
+        n = self.args.samples - self.args.heldout
+        timings = dict(rec.get("timings") or {})
+        peak = {k: timings.pop(k) for k in list(timings) if k.startswith("peak_gpu")}
+        doc = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": gpu_name(),
+               f"quantize_drafter_nvfp4_{n}_s": rec.get("stage_wall_time_s"), "goal_s": 60.0, "rc": rec.get("rc"),
+               "phases_s": timings, **peak,
+               "probe": {k: rec.get(k) for k in ("wall_s", "process_wall_s", "gpu_peak_alloc_mib",
+                                                   "gpu_peak_reserved_mib", "host_peak_anon_mib", "host_maxrss_mib")},
+               "calibration": {"samples": rec.get("num_calibration_samples"),
+                               "anchors": rec.get("num_calibration_anchors"),
+                               "tokens": rec.get("num_calibration_tokens"), "seq_len": self.args.seq_len,
+                               "activation_scale_search": rec.get("activation_scale_search")},
+               "hashing": rec.get("hashing"), "command": rec.get("command"), "bench_argv": sys.argv,
+               "versions": rec.get("versions"), "git": rec.get("git"),
+               "baseline_run4": {"date": "2026-11-30", "gpu": "NVIDIA H200", f"quantize_drafter_nvfp4_{n}_s": 123.6,
+                                 "phases_s": {"load_s": 10.8, "oneshot_s": 41.0, "scale_search_s": 34.5,
+                                              "write_s": 3.0, "check_s": 8.5},
+                                 "peak_gpu": "24.1 GiB", "source": "docs/benchmarks.md, run 4"}}
+        results_dir.mkdir(parents=True, exist_ok=True)
+        path = results_dir / f"{time.strftime('%Y-%m-%d', time.gmtime())}-{gpu_slug(doc['gpu'])}-quant.json"
+        path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        return path
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def gpu_slug(name: str) -> str:
+    """"NVIDIA H200" -> "h200" (file names in bench/results/)."""
+    import re
+
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "tesla", "geforce")]
+    return "-".join(words[:2]) or "gpu"
+
 
 def markdown(results: dict) -> str:
-    rows = ["| variant | rc | wall s | load / oneshot / write / check s | calib samples x anchors | "
+    rows = ["| variant | rc | wall s | load / oneshot / scale search / write / check s | calib samples x anchors | "
             "peak GPU alloc MiB | peak host RSS MiB | top-1 vs bf16 (served) |",
             "|---|---|---|---|---|---|---|---|"]
     for key, r in results.get("variants", {}).items():
         t = r.get("timings") or {}
-        phases = " / ".join(str(t.get(k, "-")) for k in ("load_s", "oneshot_s", "write_s", "check_s"))
+        phases = " / ".join(str(t.get(k, "-")) for k in ("load_s", "oneshot_s", "scale_search_s", "write_s", "check_s"))
         served = ((r.get("check") or {}).get("served") or {}).get("top1_agreement")
         rows.append(f"| {key} | {r.get('rc')} | {r.get('wall_s')} | {phases} | "
                     f"{r.get('num_calibration_samples')} x {r.get('num_calibration_anchors')} | "
@@ -157,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     results = bench.run()
     print(markdown(results), flush=True)
+    if args.results:
+        path = bench.headline(Path(args.results))
+        print(f"[quant-bench] {path or 'no headline: the drafter-nvfp4-expanded-mse variant did not run'}", flush=True)
+        if path:
+            print(path.read_text(), flush=True)
     return 0 if all(r.get("rc") == 0 for r in results["variants"].values()) else 1
 
 
