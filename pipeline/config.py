@@ -90,7 +90,9 @@ class CacheConfig:
 
 @dataclass
 class QuantConfig:
-    name: str = MISSING  # output variant directory name, e.g. nvfp4
+    # the output variant directory's name, e.g. nvfp4; `-on-<calibration_target>` is appended when that is
+    # not bf16 (pipeline.config.derive_names)
+    name: str = MISSING
     scheme: str = MISSING  # nvfp4 | nvfp4a16 | w4a16
     observer: str = "minmax"  # llm-compressor weight observer, e.g. minmax | mse | nvfp4_expanded_mse | imatrix_mse
     observer_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments for the observer

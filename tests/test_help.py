@@ -84,3 +84,25 @@ def test_quantize_drafter_help_shows_the_derived_output_folder(capsys, overrides
     assert line == f"output: runs/tiny/{folder} (the folder is quant.name, plus `-on-<quant.calibration_target>` " \
                    "when that is not bf16)", line
     assert re.search(r"^    quant\.name +str = nvfp4$", out, flags=re.M)
+
+
+def _readme_block(command: str) -> list[str]:
+    """The lines the README shows under `$ <command>` in its Help section (up to the closing fence)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    block = text.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
+    return [ln for ln in block.splitlines() if ln.strip() and not ln.strip().startswith("... (")]
+
+
+def test_readme_shows_what_make_help_and_stage_help_print(capsys):
+    """The README's `make help` and `quantize-drafter --help` output is what they print now (an abridged
+    stage help: every line it shows is printed, in the same order)."""
+    from pipeline.__main__ import main
+
+    out = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    assert _readme_block("make help") == [ln for ln in out.splitlines() if ln.strip()]
+    assert main(["quantize-drafter", "--help"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    at = 0
+    for line in _readme_block("python -m pipeline quantize-drafter --help"):
+        assert line in printed[at:], f"README shows a line quantize-drafter --help does not print: {line!r}"
+        at = printed.index(line, at) + 1
