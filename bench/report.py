@@ -141,7 +141,8 @@ def markdown(results: dict) -> str:
         if rec.get("tok_s_end_to_end"):
             notes.append(f"end-to-end {rec['tok_s_end_to_end']} tok/s incl. load")
         if rec.get("tok_s_steady"):
-            notes.append(f"steady {rec['tok_s_steady']} tok/s without the {rec['load_target_s']} s target load")
+            notes.append(f"steady {rec['tok_s_steady']} tok/s without the {rec.get('load_target_s', rec.get('engine_load_s'))} s "
+                         "target load")
         if "content_hash_equal" in rec:
             notes.append(f"hash equal to 1 GPU: {rec['content_hash_equal']}; speedup {rec.get('speedup')} "
                          f"(efficiency {rec.get('scaling_efficiency')})")

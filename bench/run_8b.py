@@ -260,9 +260,10 @@ class Bench:
         shutil.rmtree(self.runs / run / "target", ignore_errors=True)
 
     # ---- the cache stage against its peers (issue 20): one run, one GPU, the same target and samples
-    PEER_CACHE = {"hf1": ["cache.shards_in_flight=1"], "hf4": ["cache.shards_in_flight=4"],
+    PEER_CACHE = {"hf1": ["cache.shards_in_flight=1"], "hf4": ["cache.shards_in_flight=4"], "hf8": ["cache.shards_in_flight=8"],
                   "fp8": ["cache.shards_in_flight=4", "cache.storage_dtype=fp8"],
                   "vllm": ["cache.shards_in_flight=4", "cache.engine=vllm"],
+                  "vllm8": ["cache.shards_in_flight=8", "cache.engine=vllm"],
                   "compile": ["cache.shards_in_flight=4", "cache.compile_layers=true"]}
 
     def peers(self) -> None:
@@ -288,7 +289,7 @@ class Bench:
                     shutil.copytree(src, dst)
                 shutil.rmtree(self.runs / run / "cache", ignore_errors=True)
                 extra = list(self.PEER_CACHE[v])
-                if v == "vllm":
+                if v.startswith("vllm"):
                     extra.append(f"serve.python={self.args.serve_python or 'python3'}")
                 rec = self.stage(f"peer-{v}", "cache", run, extra)
                 rec.update(report.cache_summary(self.runs / run, rec))
@@ -296,6 +297,7 @@ class Bench:
                 if eng.get("load_s") and rec.get("tokens"):
                     secs = ((rec.get("stage_record") or {}).get("result") or {}).get("seconds")
                     rec["tok_s_steady"] = round(rec["tokens"] / (secs - eng["load_s"])) if secs else None
+                    rec["engine_load_s"], rec["engine_extract_s"] = eng["load_s"], eng.get("extract_s")
                 self.record(f"peer[{v}]", rec)
                 shutil.rmtree(self.runs / run / "cache", ignore_errors=True)  # memory for the next one (tmpfs)
             else:

@@ -177,7 +177,7 @@ def cache_shards_vllm(cfg, plans, samples, layout: Layout, out: Path, resume_key
                mininterval=1.0)
     ok = False
     try:
-        with ThreadPoolExecutor(4, thread_name_prefix="cache-vllm-read") as pool:
+        with ThreadPoolExecutor(max(4, lanes), thread_name_prefix="cache-vllm-read") as pool:
             for start in range(0, len(plans), lanes):
                 group = list(enumerate(plans[start:start + lanes], start))
                 todo: list[tuple[int, int, str]] = []  # (lane, global sample, file), interleaved over lanes
@@ -194,7 +194,7 @@ def cache_shards_vllm(cfg, plans, samples, layout: Layout, out: Path, resume_key
                 for lane, g, path in todo:  # a few files read ahead on threads, consumed in order
                     ahead.append((lane, g, pool.submit(read_sample, path, samples[g]["input_ids"], layout,
                                                        f"sample {samples[g]['id']}")))
-                    if len(ahead) >= 6:
+                    if len(ahead) >= 2 * max(4, lanes):
                         _put(writer, bar, samples, *ahead.popleft())
                 while ahead:
                     _put(writer, bar, samples, *ahead.popleft())
