@@ -225,14 +225,11 @@ def run(cfg) -> dict:
     seed = int(cfg.seed)
     calib_idx, held_idx = cache_batches.split_indices(int(index["num_samples"]), int(q.num_samples),
                                                       int(q.heldout_samples), seed, need_data, FIELD)
-    from concurrent.futures import ThreadPoolExecutor
-
     from pipeline.cache import CacheReader
 
     # the inputs' sha256 (the drafter's files, the target's weights) for the record: on a thread from the
     # start, beside the work that needs a GPU (hashlib and file reads release the GIL)
-    hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specquant-inputs")
-    inputs = hashing.submit(input_hashes, cfg)
+    inputs = _Background(input_hashes, cfg)
     reader = CacheReader(cache_dir, dtype=cache_batches.reader_dtype(index))
     # every shard the calibration and the checks read, verified on threads while the drafter loads
     verifier = cache_batches.ShardVerifier(reader, list(calib_idx) + list(held_idx))
@@ -271,7 +268,6 @@ def run(cfg) -> dict:
         if batches is not None:
             batches.close()
         verifier.close()
-        hashing.shutdown(wait=True)
     return {
         "output": str(out), "reference": str(reference), "scheme": q.scheme, "observer": q.observer,
         "observer_kwargs": dict(q.observer_kwargs or {}), "algorithm": q.algorithm,
@@ -306,6 +302,32 @@ def input_hashes(cfg) -> dict:
     """sha256 of the drafter's files and of the target's weights (its embedding and lm_head are used)."""
     return {"drafter": checkpoint_sha256(cfg.drafter.path, cfg.drafter.revision),
             "target_head": checkpoint_sha256(cfg.target.path, cfg.target.revision, weights_only=True)}
+
+
+class _Background:
+    """fn(*args) on a daemon thread (a failed or interrupted stage exits without waiting for it);
+    `result()` waits and re-raises its error."""
+
+    def __init__(self, fn, *args):
+        import threading
+
+        self._out: tuple | None = None
+
+        def work():
+            try:
+                self._out = (fn(*args), None)
+            except BaseException as exc:  # handed to the caller of result()
+                self._out = (None, exc)
+
+        self._thread = threading.Thread(target=work, name="specquant-inputs", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        value, exc = self._out
+        if exc is not None:
+            raise exc
+        return value
 
 
 class _Clock:

@@ -33,8 +33,8 @@ from pipeline.errors import bad_value
 METHODS = ("minmax", "mse")
 CHUNK_ELEMENTS = 1 << 25  # activation values quantized at once (128 MiB in fp32), whatever the width
 # activation values x candidates quantized in one call (a chunk's QDQ for several global scales at once):
-# 1 GiB of fp32 per intermediate on a GPU, 128 MiB on the host (host memory stays bounded)
-CANDIDATE_ELEMENTS = {"cuda": 1 << 28}
+# 512 MiB of fp32 per intermediate on a GPU (~2.5 GiB transient at the widest layer), 128 MiB on the host
+CANDIDATE_ELEMENTS = {"cuda": 1 << 27}
 CANDIDATE_ELEMENTS_DEFAULT = 1 << 25
 
 
@@ -125,6 +125,7 @@ class LayerError:
         self.labels = [label for label, _ in scales]
         self.scales = [value for _, value in scales]
         self._sums: torch.Tensor | None = None  # [energy, error of each candidate]
+        self._gs: torch.Tensor | None = None  # the candidates' global scales, on the activations' device
         self.rows = 0
 
     @torch.no_grad()
@@ -134,7 +135,9 @@ class LayerError:
         if self._sums is None:
             self._sums = torch.zeros(1 + len(self.scales), dtype=torch.float64, device=x.device)
         step = max(1, CHUNK_ELEMENTS // x.shape[-1])
-        gs = torch.tensor(self.scales, dtype=torch.float32, device=x.device)
+        if self._gs is None or self._gs.device != x.device:  # once: a host->device copy syncs
+            self._gs = torch.tensor(self.scales, dtype=torch.float32, device=x.device)
+        gs = self._gs
         budget = CANDIDATE_ELEMENTS.get(x.device.type, CANDIDATE_ELEMENTS_DEFAULT)
         for start in range(0, x.shape[0], step):
             chunk = x[start:start + step]
@@ -180,10 +183,13 @@ def run_hooked(model, modules: dict[str, torch.nn.Module], layers: dict[str, Lay
     from llmcompressor.utils.helpers import DisableQuantization, calibration_forward_context
     from tqdm import tqdm
 
+    from pipeline.quant.calibrate import skip_logits
+
     device = get_execution_device(model)  # where oneshot's basic pipeline sends the batches
     handles = [modules[name].register_forward_pre_hook(layer.hook) for name, layer in layers.items()]
     try:
-        with calibration_forward_context(model), DisableQuantization(model):
+        # only the Linear inputs are read: the output head is skipped
+        with calibration_forward_context(model), DisableQuantization(model), skip_logits(model):
             for batch in tqdm(batches, desc=desc, unit="sample"):
                 model(**{k: v.to(device) for k, v in batch.items()})
     finally:
