@@ -150,3 +150,26 @@ def test_parallel_verification_names_the_corrupt_shard(fixture_world, tmp_path):
     finally:
         ahead.close()
         verifier.close()
+
+
+def test_skipping_the_output_head_leaves_every_linear_input_alone(fixture_world):
+    from pipeline.cache import CacheReader
+    from pipeline.models.formats import load_drafter
+    from pipeline.quant.calibrate import skip_logits
+    from tests._support import DRAFTER, TARGET
+
+    model = load_drafter(DRAFTER, target=TARGET, dtype=torch.float32, device="cpu").eval()
+    batch = cache_batches.drafter_batches(CacheReader(fixture_world / "qw" / "cache"), [0], 8,
+                                          model.config.block_size, int(model.config.mask_token_id), 64, 0)[0]
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(args[0].clone()))
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    with torch.no_grad():
+        full = model(**batch).logits
+        with skip_logits(model):
+            empty = model(**batch).logits
+        again = model(**batch).logits
+    for h in hooks:
+        h.remove()
+    assert empty.shape == (*full.shape[:-1], 0) and torch.equal(again, full)  # the head is back afterwards
+    assert seen and all(len(v) == 3 and torch.equal(v[0], v[1]) for v in seen.values())
