@@ -9,7 +9,7 @@ token ids and shape, converts it to the cache's storage dtype and hands it to th
 and index, so every reader (`CacheReader`, quantize-drafter, manifest) sees no difference. The
 values are vLLM's kernels' (bf16 differences of ~1e-2 relative to the HF forward), so the inputs
 hash records `engine: vllm` and the content hash is vLLM's own. Scratch space is bounded: the
-worker waits while more than `cache.vllm_backlog` shards' files are unread; each file is deleted
+worker waits while more than `cache.vllm_backlog` + `cache.shards_in_flight` shards' files are unread; each file is deleted
 once read, and the folder is removed at the end (also on errors and Ctrl-C).
 """
 
@@ -70,12 +70,12 @@ class _Worker:
 
     module = "pipeline.serving.extract"
 
-    def __init__(self, python: str, job: dict, scratch: Path):
+    def __init__(self, python: str, job: dict, scratch: Path, work: Path):
         from pipeline.serve_check import _repo_root
 
         self.scratch = scratch
-        self.log_path = scratch.parent / f"{scratch.name}.log"
-        job_file = scratch.parent / f"{scratch.name}.job.json"
+        self.log_path = work / f"{scratch.name}.log"  # kept when the extraction fails
+        job_file = work / f"{scratch.name}.job.json"
         atomic_write_json(job_file, job)
         self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([python, "-m", self.module, str(job_file)], stdout=self._log,
@@ -92,6 +92,9 @@ class _Worker:
                     return r.get("error", "no error recorded")
         lines = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
         return f"the worker exited {self.proc.returncode} ({(lines[-1:] or ['no output'])[0][:300]})"
+
+    def chunk_ready(self, k: int) -> bool:
+        return (self.scratch / f"chunk-{k:05d}.json").is_file()
 
     def wait_chunk(self, k: int) -> dict:
         f = self.scratch / f"chunk-{k:05d}.json"
@@ -160,7 +163,8 @@ def cache_shards_vllm(cfg, plans, samples, layout: Layout, out: Path, resume_key
     lanes = max(1, int(c.shards_in_flight))
     longest = max(len(s["input_ids"]) for s in samples)
     work.mkdir(parents=True, exist_ok=True)
-    scratch = work / f"vllm-extract-{os.getpid()}"
+    # vLLM's per-sample files: in the run's .work, or e.g. /dev/shm so that they never touch the run's disk
+    scratch = Path(str(c.vllm_scratch or work)).expanduser() / f"specquant-vllm-extract-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     job = {"target": str(Path(str(tcfg.path)).resolve()) if Path(str(tcfg.path)).is_dir() else str(tcfg.path),
@@ -170,36 +174,15 @@ def cache_shards_vllm(cfg, plans, samples, layout: Layout, out: Path, resume_key
            "max_num_batched_tokens": max(int(c.batch_tokens), longest),
            "gpu_memory_utilization": float(c.vllm_gpu_memory_utilization),
            "tensor_parallel_size": int(c.vllm_tensor_parallel_size), "enforce_eager": bool(c.vllm_enforce_eager),
-           "backlog": max(int(c.vllm_backlog), lanes), "seed": int(cfg.seed)}
-    worker = _Worker(str(cfg.serve.python), job, scratch)
+           "backlog": int(c.vllm_backlog) + lanes, "seed": int(cfg.seed)}
+    worker = _Worker(str(cfg.serve.python), job, scratch, work)
     writer = BackgroundWriter(out, samples, layout, resume_key, torch.device("cpu"), lanes=lanes)
     bar = tqdm(total=sum(p.num_tokens for p in plans), unit="tok", unit_scale=True, desc="cache (vLLM)",
                mininterval=1.0)
     ok = False
     try:
         with ThreadPoolExecutor(max(4, lanes), thread_name_prefix="cache-vllm-read") as pool:
-            for start in range(0, len(plans), lanes):
-                group = list(enumerate(plans[start:start + lanes], start))
-                todo: list[tuple[int, int, str]] = []  # (lane, global sample, file), interleaved over lanes
-                per_lane = []
-                for lane, (k, plan) in enumerate(group):
-                    chunk = worker.wait_chunk(k)
-                    per_lane.append(list(zip(chunk["samples"], chunk["paths"], strict=True)))
-                    writer.open_shard(plan, list(chunk["samples"]), lane % lanes)
-                for step in range(max(len(x) for x in per_lane)):
-                    for lane, items in enumerate(per_lane):
-                        if step < len(items):
-                            todo.append((lane, *items[step]))
-                ahead: collections.deque = collections.deque()
-                for lane, g, path in todo:  # a few files read ahead on threads, consumed in order
-                    ahead.append((lane, g, pool.submit(read_sample, path, samples[g]["input_ids"], layout,
-                                                       f"sample {samples[g]['id']}")))
-                    if len(ahead) >= 2 * max(4, lanes):
-                        _put(writer, bar, samples, *ahead.popleft())
-                while ahead:
-                    _put(writer, bar, samples, *ahead.popleft())
-                for lane in range(len(group)):
-                    writer.close_shard(lane)
+            _stream(worker, writer, pool, plans, samples, layout, lanes, bar)
         writer.finish()
         report = worker.finish()
         ok = True
@@ -212,11 +195,43 @@ def cache_shards_vllm(cfg, plans, samples, layout: Layout, out: Path, resume_key
     return len(plans), sum(p.num_tokens for p in plans), report
 
 
-def _put(writer: BackgroundWriter, bar, samples, lane: int, g: int, fut) -> None:
-    hs, scale = fut.result()
-    n = len(samples[g]["input_ids"])
-    writer.put_batch([g], [n], hs, scale, lane)
-    bar.update(n)
+def _stream(worker: _Worker, writer: BackgroundWriter, pool, plans, samples, layout: Layout, lanes: int, bar) -> None:
+    """Each shard goes to a writer lane as soon as vLLM has finished its chunk (not when a whole group of
+    `lanes` chunks is done); the open shards' samples are read ahead on `pool`, interleaved over the lanes,
+    and handed to the writer in that order. A lane takes its next shard only after its last one was closed."""
+    free, active = list(range(lanes)), {}  # lane -> deque of (sample, file) still to read
+    ahead: collections.deque = collections.deque()  # (lane, sample or None = close, future)
+    depth, k, n = 2 * max(4, lanes), 0, len(plans)
+    while k < n or active or ahead:
+        progressed = False
+        while free and k < n and (worker.chunk_ready(k) or not (active or ahead)):
+            chunk = worker.wait_chunk(k)  # blocks only when there is nothing else to do
+            lane = free.pop(0)
+            writer.open_shard(plans[k], list(chunk["samples"]), lane)
+            active[lane] = collections.deque(zip(chunk["samples"], chunk["paths"], strict=True))
+            k, progressed = k + 1, True
+        if len(ahead) < depth:
+            for lane in list(active):
+                g, path = active[lane].popleft()
+                ahead.append((lane, g, pool.submit(read_sample, path, samples[g]["input_ids"], layout,
+                                                   f"sample {samples[g]['id']}")))
+                if not active[lane]:
+                    del active[lane]
+                    ahead.append((lane, None, None))
+                progressed = True
+        if ahead and (len(ahead) >= depth or not active or not progressed):
+            lane, g, fut = ahead.popleft()
+            if g is None:
+                writer.close_shard(lane)
+                free.append(lane)
+            else:
+                hs, scale = fut.result()
+                t = len(samples[g]["input_ids"])
+                writer.put_batch([g], [t], hs, scale, lane)
+                bar.update(t)
+            progressed = True
+        if not progressed:
+            time.sleep(0.005)
 
 
 __all__ = ["check_vllm_engine", "cache_shards_vllm", "read_sample"]

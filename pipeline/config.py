@@ -75,7 +75,7 @@ class CacheConfig:
     # HF output_hidden_states indices to cache; None = the drafter config's aux layers
     aux_layer_ids: list[int] | None = None
     compile_layers: bool = False  # torch.compile each decoder layer's forward (GPU throughput; compile time)
-    shards_in_flight: int = 1  # shards written at once (one sha256 stream each); a kill redoes up to this many
+    shards_in_flight: int = 4  # shards written at once (one sha256 stream each); a kill redoes up to this many
     # whose hidden states: bf16 (target.path) or a quantized target variant of the run (target/<variant>/,
     # loaded dequantized); each gets its own cache directory (RunDir.cache_for)
     target: str = "bf16"
@@ -86,6 +86,7 @@ class CacheConfig:
     vllm_tensor_parallel_size: int = 1  # cache.engine=vllm: GPUs one target is split over (large targets)
     vllm_enforce_eager: bool = True  # cache.engine=vllm: no CUDA graphs (long prefills gain nothing from them)
     vllm_backlog: int = 2  # cache.engine=vllm: shards vLLM may extract ahead of the writer (scratch space)
+    vllm_scratch: str | None = None  # cache.engine=vllm: folder for vLLM's files (null = runs/<name>/.work), e.g. /dev/shm
 
 
 @dataclass

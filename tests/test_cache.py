@@ -289,14 +289,15 @@ def test_vllm_engine_streams_connector_files_into_the_same_cache(tmp_path, monke
     monkeypatch.setattr(cache_vllm, "check_vllm_engine", lambda *a: {})
     monkeypatch.setattr(cache_vllm._Worker, "module", "tests.extract_producer")
     res = run_cache(tmp_path / "vllm", *one, "cache.engine=vllm", f"serve.python={sys.executable}",
-                    "cache.shards_in_flight=2", "cache.vllm_backlog=1")
+                    "cache.shards_in_flight=2", "cache.vllm_backlog=1", f"cache.vllm_scratch={tmp_path / 'shm'}")
     assert res["content_hash"] == hf["content_hash"] and res["num_shards"] == hf["num_shards"] == 3
     assert res["inputs_hash"] != hf["inputs_hash"]  # other kernels in real use: never reused for each other
     index = json.loads((tmp_path / "vllm" / "cache" / "index.json").read_text())
     assert index["inputs"]["engine"] == "vllm" and index["engine"]["name"] == "vllm"
     for rec in index["shards"]:
         assert sha256_file(tmp_path / "vllm" / "cache" / rec["file"]) == rec["sha256"]
-    assert not list((tmp_path / "vllm").glob(".work/vllm-extract-*"))  # scratch removed
+    assert not list((tmp_path / "shm").iterdir())  # vLLM's files, read and removed
+    assert not list((tmp_path / "vllm" / ".work").glob("*vllm-extract*"))  # job and log removed
     assert "engine" not in json.loads((tmp_path / "hf" / "cache" / "index.json").read_text())["inputs"]
 
 
