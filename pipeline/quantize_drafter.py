@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
+import os
 import tempfile
 from pathlib import Path
 
@@ -161,7 +161,7 @@ def write_reference(rd: RunDir, model) -> Path:
         if export.output_hashes(Path(fresh)) != (export.output_hashes(out) if out.is_dir() else None):
             with export.atomic_dir(out) as tmp:
                 for f in sorted(Path(fresh).iterdir()):
-                    shutil.copyfile(f, tmp / f.name)
+                    os.replace(f, tmp / f.name)  # both inside the run directory: moved, not copied
     return out
 
 

@@ -136,11 +136,14 @@ def layer_output_errors(reference, quantized, batches) -> dict[str, float]:
             den[name] += float(y.pow(2).sum())
         return fn
 
+    from pipeline.quant.calibrate import skip_logits
+
     handles = [ref_mods[n].register_forward_hook(hook(n)) for n in qmods]
     try:
         device = next(reference.parameters()).device
-        for batch in batches:
-            reference(**{k: v.to(device) for k, v in batch.items()})
+        with skip_logits(reference):  # only the quantized layers' inputs and outputs are read
+            for batch in batches:
+                reference(**{k: v.to(device) for k, v in batch.items()})
     finally:
         for h in handles:
             h.remove()
