@@ -248,7 +248,7 @@ def run(cfg) -> dict:
         out = rd.drafter(q.name)
         with tempfile.TemporaryDirectory(prefix=export.PARTIAL_PREFIX + "drafter-", dir=work_root(rd)) as work:
             _write_native_config(model, Path(work))
-            calibrate.run_oneshot(model, q, ignore, batches, seed)
+            calibrate.run_oneshot(model, q, ignore, batches, seed, skip_head=True)
             clock.lap("oneshot_s")
             baseline, search, minmax_scales = calibrate.activation_scales(model, q, batches)
             if search is not None:

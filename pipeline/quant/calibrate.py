@@ -17,11 +17,12 @@ class NullProcessor:
         return None
 
 
-def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: int):
+def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: int, skip_head: bool = False):
     """Apply the recipe to `model` in place; returns the modifier (its yaml goes to recipe.yaml).
 
     batches: calibration batches (dicts of tensors passed as `model(**batch)`), or None for a
-    data-free run (weight-only RTN, or the calibration-free NVFP4 baseline).
+    data-free run (weight-only RTN, or the calibration-free NVFP4 baseline). skip_head: the calibration
+    forward skips the model's output head (`skip_logits`; the drafter, whose head is the target's).
     """
     from llmcompressor import oneshot
     from torch.utils.data import DataLoader
@@ -41,7 +42,8 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
         # "Attempting to calibrate on CPU" notice repeats the device specquant chose (quant.device, recorded)
         if str(q.pipeline) == "basic":
             muted += ["llmcompressor.pipelines.registry", "llmcompressor.pipelines.basic.pipeline"]
-        with quiet.loguru_muted(*muted), _awq_skips(q.algorithm == "awq") as skipped, skip_logits(model):
+        with (quiet.loguru_muted(*muted), _awq_skips(q.algorithm == "awq") as skipped,
+              skip_logits(model) if skip_head else contextlib.nullcontext()):
             oneshot(model=model, dataset=loader, recipe=recipe, processor=NullProcessor(),
                     pipeline=q.pipeline, num_calibration_samples=len(batches))
         if skipped:
