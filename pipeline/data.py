@@ -77,15 +77,30 @@ def _read_local_rows(path: Path, field: str) -> list[tuple[int, Any]]:
 
 
 def _read_hub_rows(src, field: str) -> list[tuple[int, Any]]:
+    """Every row of a Hub dataset, read into memory. `datasets` prepares its Arrow tables (and lock files) in
+    the run's `.work/hf-datasets/<pid>/`, removed after, as for the evaluation prompts
+    (pipeline.evaluation.prompts.scratch_dir), so nothing is left in ~/.cache/huggingface/datasets."""
+    import contextlib
+    import shutil
+
     import datasets
 
+    from pipeline.evaluation.prompts import scratch_dir
+
+    scratch = scratch_dir(src)
     try:
-        ds = datasets.load_dataset(src.hub_id, revision=src.revision, split=src.split)
+        ds = datasets.load_dataset(src.hub_id, revision=src.revision, split=src.split, cache_dir=str(scratch))
+        return [(i + 1, row) for i, row in enumerate(ds)]
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; all mean "cannot load"
         raise bad_value(field, src.hub_id, f"datasets.load_dataset failed ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else ''})",
                         "check the dataset id, revision and split, or pre-download it for offline use") from None
-    return [(i + 1, row) for i, row in enumerate(ds)]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch.parent.name == "hf-datasets":  # the run dir's .work/hf-datasets/ (and .work/), once unused
+            for empty in (scratch.parent, scratch.parent.parent):
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
 
 
 def _decode(raw: Any) -> Any:

@@ -18,6 +18,10 @@ Then, if a reference exists (`manifests/tiny/`, written by `--update-reference`)
 timing) are compared with it. The reference records the machine fingerprint (CPU model, torch and its
 CPU capability): a mismatch on another fingerprint is a warning listing the files, on the same
 fingerprint a failure.
+
+It also fails on any warning a stage prints that the README does not explain, and on any file the runs
+left under $HOME or the temp dir outside the checkout and the runs (named in one sentence), except the
+folders and per-user caches of other programs listed with their reasons in NOT_OURS.
 """
 
 from __future__ import annotations
@@ -170,24 +174,65 @@ def warning_lines(text: str) -> tuple[list[str], dict[str, int]]:
     return unexplained, explained
 
 
-def new_files_outside(since: float, keep: list[Path]) -> list[str]:
-    """Files under $HOME and the temp dir modified after `since`, outside `keep` (the checkout, the runs)."""
-    roots = {Path.home(), Path(tempfile.gettempdir())}
+# Written under $HOME or the temp dir while the check runs, but by programs that are not specquant's stages,
+# or kept by a tool per user and machine by design (reused by every later run, never one run's leftover):
+# {pattern of the path relative to $HOME or the temp dir (fnmatch; a folder covers all below it): why}
+NOT_OURS = {
+    # pytest's base temp folder: only a test run writes there (the stages never run pytest)
+    "pytest-of-*": "pytest's base temp folder (a test run's tmp_path), never written by a stage",
+    # pip's build, unpack and cache folders: only `make setup` (pip install) writes them, and it is done
+    # before the check starts; the stages never install anything
+    "pip-*": "pip's build and unpack folders (`make setup`), never written by a stage",
+    ".cache/pip": "pip's download and wheel cache (`make setup`), kept per user by pip",
+    # matplotlib's font list: built once per user on its first import and reused by every later one
+    # (MPLCONFIGDIR would move it, but then every run would rebuild it: it is matplotlib's cache, not ours)
+    ".cache/matplotlib": "matplotlib's per-user font cache, built once on its first import",
+    ".config/matplotlib": "matplotlib's per-user config folder, created once on its first import",
+}
+
+
+def not_ours(rel: str) -> str | None:
+    """Why `rel` (relative to $HOME or the temp dir) is not a leftover of ours, or None."""
+    import fnmatch
+
+    return next((why for pat, why in NOT_OURS.items() if fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel, pat + "/*")),
+                None)
+
+
+def new_files_outside(since: float, keep: list[Path], roots: list[Path] | None = None) -> list[str]:
+    """Files under $HOME and the temp dir modified after `since`, outside `keep` (the checkout, the runs),
+    except what NOT_OURS names (other programs' folders and per-user caches)."""
+    roots = sorted({r.resolve() for r in (roots or [Path.home(), Path(tempfile.gettempdir())])})
     kept = [k.resolve() for k in keep]
+
+    def skipped(p: Path) -> bool:
+        return any(p == k or k in p.parents for k in kept) or any(
+            (p == r or r in p.parents) and not_ours(p.relative_to(r).as_posix()) for r in roots)
+
     found = []
-    for root in sorted(roots):
+    for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
             here = Path(dirpath).resolve()
-            dirnames[:] = [d for d in dirnames if not any((here / d).resolve() == k or k in (here / d).resolve().parents
-                                                          for k in kept)]
+            dirnames[:] = [d for d in dirnames if not skipped((here / d).resolve())]
             for name in filenames:
                 p = here / name
                 try:
-                    if p.stat().st_mtime > since and not any(k in p.parents for k in kept):
+                    if p.stat().st_mtime > since and not skipped(p):
                         found.append(str(p))
                 except OSError:
                     continue
     return sorted(found)
+
+
+def leftover_sentence(files: list[str]) -> str | None:
+    """The failure in one sentence naming the files, or None when nothing was left."""
+    if not files:
+        return None
+    shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+    return (f"repro-check: FAILED: {len(files)} file(s) were left outside the checkout and the runs ({shown}); "
+            "remove what writes them or point it into the run's .work/, or, for a per-user cache of a tool that "
+            "is not ours, add it with its reason to pipeline.repro.NOT_OURS (a program running beside the check "
+            "can also leave files there: re-run it on a quiet machine)")
 
 
 def run_pipeline(runs_root: Path, overrides: list[str], quants: list[str], stages: list[str],
@@ -302,7 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     outside = new_files_outside(started, [prov.REPO_ROOT, work])
     for f in outside[:20]:
         print(f"[repro] written outside the checkout and the runs: {f}")
-    print(f"[repro] files written outside the checkout and the runs: {len(outside)}")
+    print(f"[repro] files written outside the checkout and the runs: {len(outside)} (not counted: "
+          + "; ".join(f"{pat}: {why}" for pat, why in NOT_OURS.items()) + ")")
+    if (left := leftover_sentence(outside)) is not None:
+        print(f"[repro] {left}")
+        rc = 1
     print(f"[repro] {'FAILED' if diffs else 'OK'}: {len(da) - len(diffs)} of {len(set(da) | set(db))} files identical")
     ref = Path(args.reference)
     view = _reference_view(*runs["a"])

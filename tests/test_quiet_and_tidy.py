@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import DRAFTER, REPO, TARGET, build_world, run_cli
+from tests._support import DRAFTER, REPO, TARGET, copy_world, run_cli
 
 # the lines pipeline.quiet mutes at their source (pipeline/quant/calibrate.py, export.py, stage.py)
 FILTERED = ("No accelerator available!", "Attempted to calibrate a module",
@@ -25,10 +25,10 @@ def _modes(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_quantize_drafter_cli_is_quiet_and_writes_uniform_modes(tmp_path):
+def test_quantize_drafter_cli_is_quiet_and_writes_uniform_modes(fixture_world, tmp_path):
     from pipeline.io import _DIR_MODE, _FILE_MODE
 
-    run_dir = build_world(tmp_path)
+    run_dir = copy_world(fixture_world, tmp_path) / "qw"
     r = run_cli("quantize-drafter", f"runs_root={tmp_path}", "run_name=qw", f"target.path={TARGET}",
                 f"target.tokenizer={TARGET}", f"drafter.path={DRAFTER}", "drafter.format=speculators",
                 "quant=nvfp4-nocalib", "quant.num_samples=4", "quant.heldout_samples=4",
@@ -98,3 +98,54 @@ def test_console_script_runs_from_any_directory(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "runs" / "anywhere" / "data" / "samples.jsonl").is_file()  # runs_root: the working dir
     assert not (REPO / "runs" / "anywhere").exists()
+
+
+def test_repro_check_fails_naming_files_left_outside_and_not_the_caches_it_excuses(tmp_path):
+    """repro-check's leftover rule: a new file under $HOME or the temp dir outside the checkout and the runs is
+    a failure named in one sentence; old files, the kept folders and NOT_OURS' per-user caches are not."""
+    import time
+
+    from pipeline import repro
+
+    home, tmp, runs = tmp_path / "home", tmp_path / "tmp", tmp_path / "tmp" / "specquant-repro-x"
+    for d in (home / ".cache" / "matplotlib", home / ".cache" / "huggingface" / "datasets" / "json",
+              tmp / "pytest-of-me" / "pytest-1", tmp / "torchelastic_abc", runs / "a"):
+        d.mkdir(parents=True)
+    (home / "old.txt").write_text("before")
+    os.utime(home / "old.txt", (time.time() - 3600, time.time() - 3600))
+    since = time.time() - 60
+    for p in (home / ".cache" / "matplotlib" / "fontlist-v390.json", tmp / "pytest-of-me" / "pytest-1" / "t",
+              runs / "a" / "out.json", home / ".cache" / "huggingface" / "datasets" / "json" / "default-1.arrow",
+              tmp / "torchelastic_abc" / "error.json"):
+        p.write_text("x")
+    found = repro.new_files_outside(since, [runs], roots=[home, tmp])
+    assert found == [str((home / ".cache/huggingface/datasets/json/default-1.arrow").resolve()),
+                     str((tmp / "torchelastic_abc/error.json").resolve())]
+    sentence = repro.leftover_sentence(found)
+    assert sentence.startswith("repro-check: FAILED: 2 file(s) were left outside the checkout and the runs (")
+    assert all(f in sentence for f in found) and "\n" not in sentence and sentence.count(". ") == 0
+    assert repro.leftover_sentence([]) is None
+    assert all(why.strip() for why in repro.NOT_OURS.values())  # every exclusion says why
+
+
+def test_data_stage_hub_source_leaves_no_datasets_cache_anywhere(tmp_path):
+    """data's Hub code path (datasets.load_dataset with an id and split): the Arrow tables and lock files go
+    to <run_dir>/.work/hf-datasets/<pid>, gone afterwards; nothing under $HOME, nothing left in .work/."""
+    import shutil
+
+    home, runs, hub_like = tmp_path / "home", tmp_path / "runs", tmp_path / "hub_like"
+    home.mkdir()
+    hub_like.mkdir()
+    shutil.copyfile(REPO / "assets" / "tiny" / "corpus" / "chat.jsonl", hub_like / "train.jsonl")
+    code = ("from pipeline.config import DataSource, compose\n"
+            "from pipeline import data\n"
+            f"cfg = compose(['runs_root={runs}', 'run_name=h', 'data.num_samples=12'])\n"
+            f"cfg.data.sources = [DataSource(name='chat', hub_id='{hub_like}', split='train', format='sharegpt')]\n"
+            "data.run(cfg)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_HOME", "HF_DATASETS_CACHE", "XDG_"))}
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "HOME": str(home)},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (runs / "h" / "data" / "samples.jsonl").is_file()
+    assert not [p for p in home.rglob("*") if "datasets" in p.as_posix()], sorted(home.rglob("*"))
+    assert not (runs / "h" / ".work" / "hf-datasets").exists(), sorted((runs / "h" / ".work").rglob("*"))
