@@ -176,7 +176,7 @@ class QuantBench:
                                "activation_scale_search": rec.get("activation_scale_search")},
                "hashing": rec.get("hashing"), "command": rec.get("command"), "bench_argv": sys.argv,
                "versions": rec.get("versions"), "git": rec.get("git"),
-               "baseline_run4": {"date": "2026-11-30", "gpu": "NVIDIA H200", f"quantize_drafter_nvfp4_{n}_s": 123.6,
+               "baseline_run4": {"date": "2026-11-30", "gpu": "NVIDIA H200", "quantize_drafter_nvfp4_256_s": 123.6,
                                  "phases_s": {"load_s": 10.8, "oneshot_s": 41.0, "scale_search_s": 34.5,
                                               "write_s": 3.0, "check_s": 8.5},
                                  "peak_gpu": "24.1 GiB", "source": "docs/benchmarks.md, run 4"}}
