@@ -196,7 +196,9 @@ def signature_notes(path: str | Path) -> list[str]:
     for pub in pubs:
         note = signing.check(pub, None).note
         if note and (pub / prov.FILE_LIST).is_file():
-            out.append(note if pub == folder else f"publish/{pub.name}/{note}")
+            # `publish/<v>/model.sig: ...`, or `publish/<v>: unsigned: ...` (no file to name)
+            out.append(note if pub == folder else f"publish/{pub.name}/{note}" if note.startswith(signing.SIGNATURE)
+                       else f"publish/{pub.name}: {note}")
     return out
 
 

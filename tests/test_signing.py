@@ -616,3 +616,12 @@ def test_certificate_signature_without_roots_is_reported_not_checked(cert_signed
     rc, lines = verify_cli(capsys, cert_signed)
     assert rc == 0 and lines[-1] == f"verify: {SIG}: certificate signature present but not checked (no root " \
                                     "certificates: pass --root-certs PATH or set publish.root_certs)", lines
+
+
+def test_run_dir_verify_notes_each_unsigned_folder_by_name(run_root, capsys):
+    from pipeline import publish
+
+    publish.run(publish_cfg(run_root))
+    rc, lines = verify_cli(capsys, run_root / "tiny")
+    assert rc == 0 and lines[-1] == f"verify: publish/nvfp4: unsigned: no {SIG} (the hashes show the files agree " \
+                                    "with their records, not who published them)", lines
