@@ -490,3 +490,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def w4a16_group() -> int:
+    """A W4A16 group size that divides every quantized width of the fixture drafter (128 at most)."""
+    import math
+
+    g = geometry()
+    return math.gcd(128, g["hidden"], g["intermediate"], g["heads"] * g["head_dim"])
+
+
+# the variants conftest's `quantized_world` writes once per session (quantize-drafter, real stage)
+SHARED_VARIANTS = {"nvfp4": ("quant=nvfp4",), "nvfp4a16": ("quant=nvfp4a16",),
+                   "w4a16": ("quant=w4a16", f"quant.group_size={w4a16_group()}")}

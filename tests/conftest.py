@@ -35,6 +35,16 @@ def fixture_world(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def quantized_world(fixture_world, tmp_path_factory) -> tuple[Path, dict]:
+    """A copy of `fixture_world` with quantize-drafter's nvfp4, nvfp4a16 and w4a16 variants written once
+    (tests/_support.SHARED_VARIANTS); returns (runs root, {variant: the stage's result})."""
+    from pipeline import quantize_drafter
+
+    root = _support.copy_world(fixture_world, tmp_path_factory.mktemp("quantized_world"))
+    return root, {v: quantize_drafter.run(_support.world_cfg(root, *ov)) for v, ov in _support.SHARED_VARIANTS.items()}
+
+
+@pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> dict:
     """One real run of the fixture world: data -> cache -> quantize-drafter nvfp4 (subprocess) -> manifest."""
     return _support.tiny_run(tmp_path_factory.mktemp("tiny_run"))

@@ -47,17 +47,19 @@ def reference():
 def test_cached_states_equal_output_hidden_states(tmp_path, reference):
     """Every layer index 0..L (+1 convention, embeddings and final norm included), padded batches."""
     samples = write_data(tmp_path)
-    res = run_cache(tmp_path, "cache.storage_dtype=float32", "cache.aux_layer_ids=[0,2,5,6]")
+    n = geometry()["target_layers"]
+    ids = [0, 2, n - 1, n]  # the embeddings, two decoder layers, the output after the final norm
+    res = run_cache(tmp_path, "cache.storage_dtype=float32", f"cache.aux_layer_ids=[{','.join(map(str, ids))}]")
     from pipeline.cache import CacheReader
 
     reader = CacheReader(tmp_path / "cache")
-    assert len(reader) == len(samples) == res["num_samples"] and reader.aux_layer_ids == [0, 2, 5, 6]
+    assert len(reader) == len(samples) == res["num_samples"] and reader.aux_layer_ids == ids
     for s, item in zip(samples, reader, strict=True):
         ref = reference(s["input_ids"])
         assert item["id"] == s["id"]
         assert item["input_ids"].tolist() == s["input_ids"] and item["loss_mask"].tolist() == s["loss_mask"]
         assert item["hidden_states"].dtype == torch.float32
-        for j, m in enumerate([0, 2, 5, 6]):
+        for j, m in enumerate(ids):
             torch.testing.assert_close(item["hidden_states"][:, j], ref[m], atol=2e-5, rtol=1e-5)
 
 
@@ -67,9 +69,10 @@ def test_bf16_default_takes_the_drafters_aux_layers(tmp_path, reference):
     from pipeline.cache import CacheReader
 
     reader = CacheReader(tmp_path / "cache")
-    assert reader.index["storage_dtype"] == "bfloat16" and reader.aux_layer_ids == [2, 4]
+    aux = geometry()["aux_layer_ids"]
+    assert reader.index["storage_dtype"] == "bfloat16" and reader.aux_layer_ids == aux
     for s, item in zip(samples, reader, strict=True):
-        ref = torch.stack([reference(s["input_ids"])[m] for m in (2, 4)], dim=1)
+        ref = torch.stack([reference(s["input_ids"])[m] for m in aux], dim=1)
         err = (item["hidden_states"] - ref).abs()
         assert bool((err <= ref.abs() * 2**-7 + 1e-6).all()), float(err.max())  # bf16 rounding
 
@@ -79,7 +82,7 @@ def test_zlab_drafter_config_maps_to_the_same_layers():
 
     zl = compose([f"drafter.path={ZLAB_DRAFTER}", "drafter.format=zlab"])
     sp = compose([f"drafter.path={SPEC_DRAFTER}", "drafter.format=speculators"])
-    assert resolve_aux_layer_ids(zl) == resolve_aux_layer_ids(sp) == [2, 4]
+    assert resolve_aux_layer_ids(zl) == resolve_aux_layer_ids(sp) == geometry()["aux_layer_ids"]
 
 
 def test_index_hashes_and_layout(tmp_path):

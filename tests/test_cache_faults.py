@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.config import compose
-from tests._support import REPO, TARGET, one_thread, run_cache, stage_overrides, write_data  # noqa: F401
+from tests._support import REPO, TARGET, geometry, one_thread, run_cache, stage_overrides, write_data  # noqa: F401
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -26,14 +26,16 @@ def _shard_state(cache: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.faults("kill")
 def test_sigkill_mid_run_then_resume(tmp_path):
-    """kill -9 while a shard is in flight; the re-run redoes only that shard and gets the same content hash."""
+    """kill -9 while a shard is in flight; the re-run redoes only that shard and gets the same content hash.
+    One shard in flight (cache.shards_in_flight=1), so which shards are done at the pause is known."""
     write_data(tmp_path / "ref", n=10)
     ref = run_cache(tmp_path / "ref")
     run_dir = tmp_path / "killed"
     write_data(run_dir, n=10)
     marker, pause_after = tmp_path / "paused", 5  # shard 0 done, shard 1 (samples 3-5) in flight
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "cache", *stage_overrides(run_dir)], cwd=REPO,
-                            env={**ENV, "SPECQUANT_CACHE_TEST_PAUSE": f"{pause_after}:{marker}"},
+    one_lane = "cache.shards_in_flight=1"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "cache", *stage_overrides(run_dir, one_lane)],
+                            cwd=REPO, env={**ENV, "SPECQUANT_CACHE_TEST_PAUSE": f"{pause_after}:{marker}"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not marker.exists():
@@ -49,7 +51,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     assert finished == ["shard-00000.json"]  # 3 samples per shard; the shard in flight has no sidecar
     before = _shard_state(cache)
 
-    res = run_cache(run_dir)
+    res = run_cache(run_dir, one_lane)
     assert res["shards_written"] == ref["num_shards"] - len(finished)  # only the in-flight one is redone
     assert res["content_hash"] == ref["content_hash"]
     after = _shard_state(cache)
@@ -89,13 +91,16 @@ def test_aux_id_beyond_depth_fails_before_loading_weights(tmp_path):
     shallow = tmp_path / "shallow-target"  # config only: loading weights would fail differently
     shallow.mkdir()
     conf = json.loads((TARGET / "config.json").read_text())
-    (shallow / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": 3, "layer_types": conf["layer_types"][:3]}))
+    deepest = max(geometry()["aux_layer_ids"])  # the drafter reads it; the shallow target stops one short
+    depth = deepest - 1
+    (shallow / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": depth,
+                                                     "layer_types": conf["layer_types"][:depth]}))
     write_data(tmp_path, n=3)
-    cfg = compose(stage_overrides(tmp_path, f"target.path={shallow}"))  # the drafter reads layers [2, 4]
+    cfg = compose(stage_overrides(tmp_path, f"target.path={shallow}"))
     with pytest.raises(SpecquantError) as err:
         cache.run(cfg)
     msg = str(err.value)
-    assert "aux_layer_ids" in msg and "4" in msg and "3 decoder layers" in msg and "\n" not in msg
+    assert "aux_layer_ids" in msg and str(deepest) in msg and f"{depth} decoder layers" in msg and "\n" not in msg
     assert not (tmp_path / "cache").exists()
     with pytest.raises(SpecquantError, match=r"cache.aux_layer_ids"):
         cache.run(compose(stage_overrides(tmp_path, "cache.aux_layer_ids=[2,9]")))

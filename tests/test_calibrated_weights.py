@@ -19,21 +19,19 @@ from pipeline import quantize_drafter
 from pipeline.config import compose
 from pipeline.errors import SpecquantError
 from pipeline.io import hash_tree, read_json
-from tests._support import DRAFTER, TARGET, build_world, world_cfg
+from tests._support import DRAFTER, SHARED_VARIANTS, TARGET, copy_world, w4a16_group, world_cfg
 
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
 _TC = read_json(TARGET / "config.json", "target")
-G = math.gcd(128, int(_TLC["hidden_size"]), int(_TLC["intermediate_size"]),
-             int(_TLC["num_attention_heads"]) * int(_TLC.get("head_dim") or _TLC["hidden_size"] // _TLC["num_attention_heads"]))
+G = w4a16_group()
 GT = math.gcd(128, int(_TC["hidden_size"]), int(_TC["intermediate_size"]))
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(quantized_world, tmp_path_factory):
+    """A private copy of the session's fixture world, its w4a16 drafter included (tests/conftest.py)."""
     torch.set_num_threads(2)
-    root = tmp_path_factory.mktemp("cworld")
-    build_world(root)
-    return root
+    return copy_world(quantized_world[0], tmp_path_factory.mktemp("cworld"))
 
 
 def _run(world, *overrides):
@@ -46,8 +44,9 @@ def gptq(world):
 
 
 @pytest.fixture(scope="module")
-def rtn(world):
-    return _run(world, "quant=w4a16", f"quant.group_size={G}")
+def rtn(quantized_world):
+    assert SHARED_VARIANTS["w4a16"] == ("quant=w4a16", f"quant.group_size={G}")
+    return quantized_world[1]["w4a16"]  # round to nearest, written once per session
 
 
 def _check(world, variant):

@@ -19,12 +19,11 @@ from pipeline import pairing
 from pipeline.config import compose
 from pipeline.errors import SpecquantError
 from pipeline.io import read_json
-from tests._support import DRAFTER, TARGET, build_world, run_cli
+from tests._support import DRAFTER, TARGET, copy_world, run_cli, w4a16_group
 
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
 _TC = read_json(TARGET / "config.json", "target")
-G = math.gcd(128, int(_TLC["hidden_size"]), int(_TLC["intermediate_size"]),
-             int(_TLC["num_attention_heads"]) * int(_TLC.get("head_dim") or _TLC["hidden_size"] // _TLC["num_attention_heads"]))
+G = w4a16_group()
 GT = math.gcd(128, int(_TC["hidden_size"]), int(_TC["intermediate_size"]))
 
 
@@ -42,10 +41,9 @@ def _stage(stage: str, module: str, overrides: list[str]):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(fixture_world, tmp_path_factory):
     torch.set_num_threads(2)
-    root = tmp_path_factory.mktemp("pworld")
-    build_world(root)
+    root = copy_world(fixture_world, tmp_path_factory.mktemp("pworld"))
     base = _base(root)
     _stage("quantize-target", "pipeline.quantize_target", [*base, "target_quant=w4a16"])
     _stage("cache", "pipeline.cache", [*base, "cache.target=w4a16"])

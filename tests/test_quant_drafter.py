@@ -11,20 +11,19 @@ from safetensors import safe_open
 from pipeline import quantize_drafter
 from pipeline.io import hash_tree, read_json
 from pipeline.quant import cache_batches, recipes
-from tests._support import build_world, massive_activation_target, world_cfg
+from tests._support import build_world, copy_world, geometry, massive_activation_target, world_cfg
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(quantized_world, tmp_path_factory):
+    """A private copy of the session's fixture world with its nvfp4 drafter (tests/conftest.py)."""
     torch.set_num_threads(2)
-    root = tmp_path_factory.mktemp("qworld")
-    build_world(root)
-    return root
+    return copy_world(quantized_world[0], tmp_path_factory.mktemp("qworld"))
 
 
 @pytest.fixture(scope="module")
-def nvfp4(world):
-    return quantize_drafter.run(world_cfg(world, "quant=nvfp4"))
+def nvfp4(quantized_world):
+    return quantized_world[1]["nvfp4"]  # quantize-drafter quant=nvfp4's result
 
 
 def _files(run_dir, variant):
@@ -38,7 +37,8 @@ def test_nvfp4_drafter_is_a_speculators_compressed_tensors_checkpoint(world, nvf
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "recipe.yaml"]
     config = read_json(out / "config.json")
     assert config["speculators_model_type"] == "dflash" and config["speculators_config"]["algorithm"] == "dflash"
-    assert config["aux_hidden_state_layer_ids"] == [2, 4] and config["block_size"] == 4
+    g = geometry()
+    assert config["aux_hidden_state_layer_ids"] == g["aux_layer_ids"] and config["block_size"] == g["block_size"]
     qc = config["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "nvfp4-pack-quantized"
     assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] == "local"
@@ -47,14 +47,15 @@ def test_nvfp4_drafter_is_a_speculators_compressed_tensors_checkpoint(world, nvf
         keys = set(f.keys())
         assert f.get_tensor("layers.0.mlp.down_proj.weight_packed").dtype == torch.uint8
         assert f.get_tensor("fc.weight_scale").dtype == torch.float8_e4m3fn
-        assert f.get_tensor("layers.1.self_attn.k_proj.weight").dtype == torch.float32  # q/k/v stay dense
+        last = g["layers"] - 1
+        assert f.get_tensor(f"layers.{last}.self_attn.k_proj.weight").dtype == torch.float32  # q/k/v stay dense
     assert "layers.0.self_attn.o_proj.input_global_scale" in keys
     assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
     # the bf16 reference sits beside it, and the check reloaded and compared the checkpoint
     ref = read_json(world / "qw" / "drafter" / "bf16" / "config.json")
     assert ref["dtype"] == "bfloat16" and "quantization_config" not in ref
     report = read_json(world / "qw" / "checks" / "drafter-nvfp4.json")
-    assert report["reloaded"] and len(report["weight_error"]) == 9  # fc + 2 x (o, gate, up, down)
+    assert report["reloaded"] and len(report["weight_error"]) == 1 + 4 * g["layers"]  # fc + (o, gate, up, down) each
     assert 0.0 < report["weight_error_summary"]["max"] < 0.2
     assert report["served"]["rows"] > 0 and 0.5 < report["served"]["top1_agreement"] <= 1.0
     assert (world / "qw" / "checks" / "drafter-nvfp4-weight-error.png").stat().st_size > 1000

@@ -14,6 +14,7 @@ from tests._support import (
     DRAFTER,
     TARGET,
     build_world,
+    copy_world,
     massive_activation_target,
     nvfp4_qdq_reference,
     world_cfg,
@@ -23,11 +24,10 @@ FIXED = recipes.fixed_input_global_scale(2688.0)  # 1.0, the calibration-free sc
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(fixture_world, tmp_path_factory):
+    """A private copy of the session's fixture world: blend + cache (tests/conftest.py)."""
     torch.set_num_threads(2)
-    root = tmp_path_factory.mktemp("sworld")
-    build_world(root)
-    return root
+    return copy_world(fixture_world, tmp_path_factory.mktemp("sworld"))
 
 
 @pytest.fixture(scope="module")

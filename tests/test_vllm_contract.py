@@ -13,7 +13,6 @@ every size (layers, target layers) is read from the fixture.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -22,34 +21,25 @@ from pipeline import quantize_drafter
 from pipeline.errors import SpecquantError
 from pipeline.io import read_json
 from pipeline.serving import contract
-from tests._support import DRAFTER, REPO, TARGET, build_world, run_cli, world_cfg
+from tests._support import DRAFTER, REPO, TARGET, copy_world, run_cli, w4a16_group, world_cfg
 
 T = int(read_json(TARGET / "config.json", "target")["num_hidden_layers"])
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
 LAYERS = int(_TLC["num_hidden_layers"])
-# a W4A16 group size that divides every quantized width of the fixture drafter (128 at most)
-W4_GROUP = math.gcd(128, int(_TLC["hidden_size"]), int(_TLC["intermediate_size"]),
-                    int(_TLC["num_attention_heads"]) * int(_TLC.get("head_dim") or
-                                                          _TLC["hidden_size"] // _TLC["num_attention_heads"]))
+W4_GROUP = w4a16_group()  # divides every quantized width of the fixture drafter
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(quantized_world, tmp_path_factory):
+    """A private copy of the session's fixture world with every scheme quantize-drafter writes (conftest)."""
     torch.set_num_threads(2)
-    root = tmp_path_factory.mktemp("vworld")
-    build_world(root)
-    return root
+    return copy_world(quantized_world[0], tmp_path_factory.mktemp("vworld"))
 
 
 @pytest.fixture(scope="module")
-def written(world):
-    """Every scheme quantize-drafter writes, plus its stage result."""
-    out = {}
-    for preset in ("nvfp4", "nvfp4a16", "w4a16"):
-        extra = (["quant.activation_scale=minmax"] if preset == "nvfp4" else
-                 [f"quant.group_size={W4_GROUP}"] if preset == "w4a16" else [])
-        out[preset] = quantize_drafter.run(world_cfg(world, f"quant={preset}", *extra))
-    return out
+def written(world, quantized_world):
+    """Every scheme quantize-drafter writes (nvfp4, nvfp4a16, w4a16): its stage result."""
+    return quantized_world[1]
 
 
 def _dir(world, variant):
