@@ -248,7 +248,7 @@ def certificate_from_config(pc, key, key_path: Path) -> Certificate:
                         f"sha256 is {key_fingerprint(_public_pem(cert.public_key()))[:16]}..., the key's "
                         f"{key_fingerprint(_public_pem(key.public_key()))[:16]}...)",
                         "give the certificate issued for that key, or the key it was issued for")
-    now = _dt.datetime.now(_dt.timezone.utc)
+    now = _dt.datetime.now(_dt.UTC)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         when = (f"expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC" if now > cert.not_valid_after_utc else
                 f"is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC")
@@ -269,7 +269,8 @@ def certificate_from_config(pc, key, key_path: Path) -> Certificate:
                         f"needs the certificates that issued {d['subject']} (at least its issuer {d['issuer']})",
                         "list the intermediate and root certificate files (PEM), e.g. "
                         "publish.certificate_chain=[ca.pem]")
-    chain = [c for p in chain_paths for c in load_certificates("publish.certificate_chain", p, "an issuing certificate")]
+    for p in chain_paths:  # each file holds certificates (one sentence if not)
+        load_certificates("publish.certificate_chain", p, "an issuing certificate")
     if pc.get("root_certs"):
         roots = load_roots("publish.root_certs", pc.root_certs)
     else:
@@ -526,7 +527,7 @@ def expiry_note(cert: dict[str, str] | None) -> str | None:
     if not cert:
         return None
     end = _dt.datetime.fromisoformat(cert["not_after"])
-    if end >= _dt.datetime.now(_dt.timezone.utc):
+    if end >= _dt.datetime.now(_dt.UTC):
         return None
     return (f"its certificate {cert['subject']} expired on {end:%Y-%m-%d}; model signing checks the chain at the "
             "certificate's start of validity, as the bundle carries no trusted time")
