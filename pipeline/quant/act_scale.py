@@ -24,6 +24,7 @@ are streamed in row chunks; nothing is kept across batches but one float64 sum p
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -113,6 +114,22 @@ def qdq_many(x: torch.Tensor, args, global_scales: torch.Tensor) -> torch.Tensor
     return fake_quantize(xs, scale, zp, args, global_scale=g.unsqueeze(-1))  # against [C, rows, groups, 1]
 
 
+@contextlib.contextmanager
+def _tf32_products(x: torch.Tensor):
+    """float32 error products on a CUDA GPU run in TF32 (~8x the float32 rate on H100/H200): the search
+    compares sums of millions of squared products, whose relative change (~1e-4) can only flip a
+    near-tie between candidates. On the CPU (the tiny world's reference outputs) nothing changes."""
+    if x.device.type != "cuda" or x.dtype != torch.float32:
+        yield
+        return
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
 class LayerError:
     """Streaming sum over rows of ||(Q_g(x) - x) W^T||^2 for each candidate g of one Linear.
 
@@ -139,6 +156,11 @@ class LayerError:
             self._gs = torch.tensor(self.scales, dtype=torch.float32, device=x.device)
         gs = self._gs
         budget = CANDIDATE_ELEMENTS.get(x.device.type, CANDIDATE_ELEMENTS_DEFAULT)
+        with _tf32_products(x):
+            self._accumulate(x, w, gs, step, budget)
+        self.rows += x.shape[0]
+
+    def _accumulate(self, x, w, gs, step: int, budget: int) -> None:
         for start in range(0, x.shape[0], step):
             chunk = x[start:start + step]
             self._sums[0] += (chunk @ w.T).double().square().sum()
@@ -151,7 +173,6 @@ class LayerError:
                 self._sums[1 + lo:1 + hi] += torch.stack([(diff[i] @ w.T).double().square().sum()
                                                           for i in range(hi - lo)])
                 del diff
-        self.rows += x.shape[0]
 
     def hook(self, module, args) -> None:
         self.add(args[0])  # returns None: the forward is left untouched
