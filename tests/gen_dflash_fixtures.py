@@ -246,6 +246,13 @@ def zlab_part(a, out: Path) -> None:
              "output_equals_target_greedy": output_ids == greedy_extend(target, prompt, prompt_len + new_tokens)}
     (out / "zlab" / "e2e_trace.json").write_text(json.dumps(trace, indent=1))
     (out / "sizes.json").write_text(json.dumps({**n, "block_size": bs}) + "\n")  # for the speculators part
+    (out / "README.md").write_text(
+        f"# DFlash golden fixtures, generated\n\nWritten by `tests/gen_dflash_fixtures.py {' '.join(sys.argv[1:])}` "
+        "following tests/fixtures/dflash/README.md (same layout, seeds and semantics) with the reference "
+        f"implementations: z-lab/dflash 44947fb under transformers 4.57.1, speculators 0.9.0 under 5.17.0.\n\n"
+        f"Target {a.target_layers} layers, drafter {a.drafter_layers} layers, hidden {a.hidden}, heads {a.heads}/"
+        f"{a.kv_heads}, head_dim {a.head_dim}, intermediate {a.intermediate}, vocab {vocab} (mask {mask_id}), "
+        f"block size {bs}, z-lab target_layer_ids {layer_ids}; prompt {prompt_len} tokens, sequence {seq_len}.\n")
     print(f"wrote {out} (fixture A): target {a.target_layers} layers, drafter {a.drafter_layers} layers, block {bs}, "
           f"vocab {vocab}, hidden {a.hidden}, z-lab layer ids {layer_ids}")
 

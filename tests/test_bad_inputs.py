@@ -23,8 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import DRAFTER, REPO, TARGET, build_chat_tokenizer, run_cli
+from tests._support import DRAFTER, REPO, TARGET, build_chat_tokenizer, geometry, run_cli, w4a16_group
 
+G = geometry()  # the fixture pair's sizes: every number a case names comes from it
+H, V, T, AUX = G["hidden"], G["vocab"], G["target_layers"], G["aux_layer_ids"]
+# a W4A16 group size that leaves some layer of the fixture drafter untiled
+WIDTHS = (H, G["intermediate"], G["heads"] * G["head_dim"], len(AUX) * H)
+BAD_GROUP = next(n for n in (48, 40, 24, 80, 96) if any(w % n for w in WIDTHS))
 TINY_TARGET = REPO / "assets" / "tiny" / "target"  # vocab 2048, tokenizer with <|MASK|> = 3
 TOKEN = "hf_BadInputsPlantedToken0123456789"
 FAST_S = 10.0  # in-process: configs are checked before any weight or model is loaded
@@ -269,13 +274,13 @@ CASES = [
          _with(_rows([CHAT_ROW]), lambda c, w: [*_data(SHAREGPT)(c, w), "target.tokenizer=/nonexistent/tok"]),
          ("target.tokenizer", "/nonexistent/tok")),
     # ---- cache: the drafter against the target, from configs alone
-    cache_case("drafter_fc_width_mismatch", _edit(target_hidden_size=32),
-               needles=("drafter.target_hidden_size", "32", "64")),
-    cache_case("aux_layer_ids_beyond_target_depth", _edit(aux_hidden_state_layer_ids=[2, 9]),
-               needles=("aux_layer_ids", "9", "6 decoder layers")),
+    cache_case("drafter_fc_width_mismatch", _edit(target_hidden_size=H // 2),
+               needles=("drafter.target_hidden_size", str(H // 2), str(H))),
+    cache_case("aux_layer_ids_beyond_target_depth", _edit(aux_hidden_state_layer_ids=[AUX[0], T + 3]),
+               needles=("aux_layer_ids", str(T + 3), f"{T} decoder layers")),
     cache_case("drafter_without_mask_token", _edit(mask_token_id=None), needles=("drafter.mask_token_id", "None")),
-    cache_case("mismatched_vocabularies", _edit(draft_vocab_size=256, tlc_vocab_size=256),
-               needles=("drafter.vocab_size", "256", "128")),
+    cache_case("mismatched_vocabularies", _edit(draft_vocab_size=2 * V, tlc_vocab_size=2 * V),
+               needles=("drafter.vocab_size", str(2 * V), str(V))),
     cache_case("block_size_below_2", _edit(block_size=1), needles=("block_size", "1", ">= 2")),
     cache_case("drafter_format_mismatch", extra=("drafter.format=zlab",), needles=("drafter.format", "zlab")),
     Case("cache_before_data", "cache", lambda c, w: [f"run_dir={c / 'run'}", f"target.path={TARGET}",
@@ -292,10 +297,10 @@ CASES = [
     # ---- quantize-drafter: settings checked on a weightless drafter
     quant_case("unknown_scheme", "quant.scheme=int3", needles=("quant.scheme", "int3", "nvfp4"), cli=True),
     quant_case("unknown_observer", "quant.observer=minmaxx", needles=("quant.observer", "minmaxx")),
-    quant_case("group_size_not_dividing_a_layer", "quant=w4a16", "quant.group_size=48",
-               needles=("quant.group_size", "48", "64")),
+    quant_case("group_size_not_dividing_a_layer", "quant=w4a16", f"quant.group_size={BAD_GROUP}",
+               needles=("quant.group_size", str(BAD_GROUP), "does not divide the in-features")),
     quant_case("nvfp4_group_size_not_16", "quant.group_size=32", needles=("quant.group_size", "32", "16")),
-    quant_case("gptq_without_calibration", "quant=w4a16", "quant.group_size=64", "quant.algorithm=gptq",
+    quant_case("gptq_without_calibration", "quant=w4a16", f"quant.group_size={w4a16_group()}", "quant.algorithm=gptq",
                needles=("quant.algorithm", "gptq")),
     quant_case("quantize_drafter_before_cache", needles=("cache/index.json", "does not exist"), cli=True),
     quant_case("truncated_drafter_checkpoint", cached=True, drafter=lambda c: _truncated(DRAFTER, c / "drafter"),
@@ -334,10 +339,10 @@ WHAT = {
     "data_source_path_missing": "data: a source path that does not exist.",
     "tokenizer_without_chat_template": "data: a tokenizer without a chat template.",
     "tokenizer_path_missing": "data: a tokenizer path that does not exist.",
-    "drafter_fc_width_mismatch": "cache: a drafter whose fc expects another target hidden size (32 vs 64).",
-    "aux_layer_ids_beyond_target_depth": "cache: drafter aux layer ids beyond the target's 6 layers.",
+    "drafter_fc_width_mismatch": f"cache: a drafter whose fc expects another target hidden size ({H // 2} vs {H}).",
+    "aux_layer_ids_beyond_target_depth": f"cache: drafter aux layer ids beyond the target's {T} layers.",
     "drafter_without_mask_token": "cache: a drafter config without mask_token_id.",
-    "mismatched_vocabularies": "cache: a drafter vocabulary (256) unlike the target's (128).",
+    "mismatched_vocabularies": f"cache: a drafter vocabulary ({2 * V}) unlike the target's ({V}).",
     "block_size_below_2": "cache: a drafter with block_size 1.",
     "drafter_format_mismatch": "cache: drafter.format=zlab on a speculators checkpoint.",
     "cache_before_data": "cache: run before the data stage has written data/.",
@@ -347,7 +352,7 @@ WHAT = {
     "pickle_target_weights": "cache: a target with only pytorch_model.bin (a pickle): refused, never unpickled.",
     "unknown_scheme": "quantize-drafter: an unknown scheme (via the CLI).",
     "unknown_observer": "quantize-drafter: an observer llm-compressor does not register.",
-    "group_size_not_dividing_a_layer": "quantize-drafter: a W4A16 group size (48) that divides no layer width.",
+    "group_size_not_dividing_a_layer": f"quantize-drafter: a W4A16 group size ({BAD_GROUP}) that divides no layer width.",
     "nvfp4_group_size_not_16": "quantize-drafter: NVFP4 with group size 32.",
     "gptq_without_calibration": "quantize-drafter: GPTQ with calibration=none.",
     "quantize_drafter_before_cache": "quantize-drafter: run before the cache stage (via the CLI).",

@@ -11,7 +11,7 @@ import torch
 from pipeline import quantize_drafter, quantize_target
 from pipeline.errors import SpecquantError
 from pipeline.quant import recipes
-from tests._support import DRAFTER, world_cfg
+from tests._support import DRAFTER, geometry, w4a16_group, world_cfg
 
 
 @pytest.fixture()
@@ -55,18 +55,25 @@ def test_bad_settings_fail_before_loading_weights(tmp_path, broken_drafter, over
 
 @pytest.mark.faults("bad_input")
 def test_group_size_that_does_not_divide_a_layer_fails_before_loading(tmp_path, broken_drafter):
-    # the fixture drafter's o_proj reads 4 heads x 16 = 64 features; int4 groups of 128 cannot tile it
+    # int4 groups of 128 cannot tile a layer of the fixture drafter that reads fewer or other features
+    # (o_proj reads heads x head_dim, fc n_aux x hidden): the sentence names the first such layer
+    g = geometry()
+    widths = {g["hidden"], g["intermediate"], g["heads"] * g["head_dim"], len(g["aux_layer_ids"]) * g["hidden"]}
+    assert any(w % 128 for w in widths), "this fixture's widths are all multiples of 128"
     cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", "quant=w4a16", "quant.group_size=128")
     msg = _fails(cfg)
-    assert msg.startswith("`quant.group_size` = 128: it does not divide the in-features 64 of layers.0.self_attn.o_proj")
-    assert "e.g. 64" in msg
+    m = re.match(r"`quant.group_size` = 128: it does not divide the in-features (\d+) of (\S+)", msg)
+    assert m and int(m[1]) in widths and int(m[1]) % 128, msg
+    assert f"e.g. {w4a16_group()}" in msg
 
 
 @pytest.mark.faults("bad_input")
 def test_target_group_size_is_checked_from_config_alone(tmp_path):
-    cfg = world_cfg(tmp_path / "runs", "target_quant=w4a16", "target_quant.group_size=48")
+    hidden = geometry()["hidden"]
+    group = next(n for n in (48, 40, 24, 80) if hidden % n)  # not a divisor of the target's hidden size
+    cfg = world_cfg(tmp_path / "runs", "target_quant=w4a16", f"target_quant.group_size={group}")
     msg = _fails(cfg, quantize_target)
-    assert msg.startswith("`target_quant.group_size` = 48: it does not divide the in-features 64")
+    assert msg.startswith(f"`target_quant.group_size` = {group}: it does not divide the in-features {hidden}")
 
 
 @pytest.mark.faults("bad_input")

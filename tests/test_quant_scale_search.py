@@ -218,16 +218,18 @@ def test_rounding_band_is_reported_reproducible_and_leaves_the_scales_alone(worl
     from pipeline.cache import CacheReader
 
     reader = CacheReader(rd.cache)
+    reference_cfg = read_json(DRAFTER / "config.json", "drafter")  # block size and mask id of the fixture drafter
     ids = report["heldout_sample_ids"]
     by_id = {s["id"]: i for i, s in enumerate(reader.index["samples"])}
-    held = cache_batches.drafter_batches(reader, [by_id[i] for i in ids], int(cfg.quant.anchors_per_sequence), 4,
-                                         127, int(cfg.quant.max_seq_len),
+    bs, mask = int(reference_cfg["block_size"]), int(reference_cfg["mask_token_id"])
+    held = cache_batches.drafter_batches(reader, [by_id[i] for i in ids], int(cfg.quant.anchors_per_sequence), bs,
+                                         mask, int(cfg.quant.max_seq_len),
                                          int(cfg.seed) + cache_batches.HELDOUT_SEED_OFFSET)
     reference = load_drafter(rd.drafter("bf16"), target=TARGET, dtype=torch.float32)
     quantized = checks.load_dequantized(load_drafter(rd.drafter("bf16"), target=TARGET, dtype=torch.float32),
                                         rd.drafter("nvfp4"))
     before = {n: m.input_global_scale.clone() for n, m in act_scale.activation_quantized(quantized).items()}
-    again = drafter_checks.rounding_band(reference, quantized, held, 4, [1.0, 1.26])
+    again = drafter_checks.rounding_band(reference, quantized, held, bs, [1.0, 1.26])
     assert again["top1_agreement"] == [report["served"]["top1_agreement"], band["top1_agreement"][3]]
     assert len(set(band["top1_agreement"])) > 1  # the draws do differ: the lottery is real
     assert all(torch.equal(m.input_global_scale, before[n])
