@@ -1,4 +1,7 @@
-"""`python -m pipeline verify`: a fresh run passes; one flipped byte, an extra or a missing file fails naming it."""
+"""`python -m pipeline verify`: a fresh run passes; one flipped byte, an extra or a missing file fails naming it.
+
+The run is real: the session's data -> cache -> quantize-drafter nvfp4 -> manifest on the fixture world
+(tests/conftest.py `tiny_run`), copied per test."""
 
 from __future__ import annotations
 
@@ -12,20 +15,12 @@ import pytest
 
 from pipeline import provenance, verify
 from pipeline.io import TMP_PREFIX, atomic_write_json
-from tests._support import build_run, run_manifest
-
-REPO = Path(__file__).resolve().parent.parent
+from tests._support import REPO
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        rd, ov = build_run(tmp_path_factory.mktemp("verify"), mp)
-        run_manifest(rd, ov, mp)
-    finally:
-        mp.undo()
-    return rd
+def pristine(tiny_run):
+    return tiny_run["reference"]  # written by the real stages and the manifest stage; never changed here
 
 
 @pytest.fixture
@@ -47,11 +42,12 @@ def test_fresh_run_verifies(run):
     assert out.returncode == 0 and "verify: OK" in out.stdout
 
 
-FLIPS = ["cache/shard-00000.safetensors", "cache/index.json", "data/samples.jsonl", "data/counts.json",
-         "drafter/nvfp4/model.safetensors", "drafter/nvfp4/config.json", "drafter/nvfp4/recipe.yaml",
-         "drafter/bf16/model.safetensors", "checks/drafter-nvfp4.json", "stages/quantize-drafter-nvfp4.json",
-         "eval/vllm_commands.sh", "calibration_manifest.json", "quant_run_manifest.json",
-         "provenance/commands.sh", "provenance/commands.json", "provenance/resolved_config/data.yaml",
+FLIPS = ["cache/shard-00000.safetensors", "cache/shard-00000.json", "cache/index.json", "data/samples.jsonl",
+         "data/meta.json", "drafter/nvfp4/model.safetensors", "drafter/nvfp4/config.json", "drafter/nvfp4/recipe.yaml",
+         "drafter/bf16/model.safetensors", "checks/drafter-nvfp4.json", "checks/drafter-nvfp4-weight-error.png",
+         "stages/quantize-drafter-nvfp4.json", "stages/cache.json", "calibration_manifest.json",
+         "quant_run_manifest.json", "provenance/commands.sh", "provenance/commands.json",
+         "provenance/resolved_config/cache.yaml",
          "provenance/source/pipeline/stage.py", "provenance/source/SOURCE.json", "provenance/vllm_serve.sh",
          "provenance/eval_commands.sh", "provenance/attestation.intoto.json", "provenance/files.sha256.json"]
 
