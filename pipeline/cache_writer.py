@@ -55,10 +55,10 @@ class _AsyncFile:
         self._pending.append(self._pool.submit(self._fh.write, data))
         return len(data)
 
-    def drain(self) -> None:
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+    def drain(self, keep: int = 0) -> None:
+        """Wait for all queued writes but the last `keep`."""
+        while len(self._pending) > keep:
+            self._pending.pop(0).result()
 
 
 class ShardWriter:
@@ -124,12 +124,13 @@ class ShardWriter:
         fut = self.pool.submit(_sample_digest, sid, self.layout, self.ids[g], self.masks[g], hs, scale)
         self._futures.append((g, fut))
 
-    def drain(self) -> None:
-        """Wait until every queued buffer is written and hashed (then the caller may reuse them)."""
-        self._file.drain()
-        for g, fut in self._futures:
+    def drain(self, keep: int = 0) -> None:
+        """Wait until every queued buffer but the last `keep` samples' is written and hashed (then the
+        caller may reuse them). keep > 0 lets the next sample's stream hash overlap this one's digest."""
+        while len(self._futures) > keep:
+            g, fut = self._futures.pop(0)
             self.digests[g] = fut.result()
-        self._futures = []
+        self._file.drain(keep * (2 if self.layout.fp8 else 1))  # one or two writes (scales, states) per sample
 
     def close(self) -> dict[str, Any]:
         if self._next != len(self.order):
@@ -206,9 +207,11 @@ class _Lane:
             if pause:
                 self.shard.drain()
                 o.pause_forever()
-        self.shard.drain()  # the io and digest threads read the buffer too
         if done is not None:
+            self.shard.drain()  # the io and digest threads read the pinned buffer too: drained before reuse
             o.free.put(slot)
+        else:  # tensors of their own (CPU, cache.engine=vllm): one sample stays in flight, memory stays bounded
+            self.shard.drain(keep=1)
 
 
 class BackgroundWriter:
