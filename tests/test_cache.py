@@ -107,11 +107,11 @@ def test_content_hash_independent_of_sharding(tmp_path):
     write_data(tmp_path / "a", n=7)
     write_data(tmp_path / "b", n=7)
     # one sample per forward so the numbers cannot depend on which samples share a batch
-    a = run_cache(tmp_path / "a", "cache.batch_tokens=1", "cache.samples_per_shard=2")
-    b = run_cache(tmp_path / "b", "cache.batch_tokens=1", "cache.samples_per_shard=5")
+    a = run_cache(tmp_path / "a", "cache.batch_tokens=1", "cache.samples_per_shard=2", "cache.shards_in_flight=1")
+    b = run_cache(tmp_path / "b", "cache.batch_tokens=1", "cache.samples_per_shard=5", "cache.shards_in_flight=1")
     assert (a["num_shards"], b["num_shards"]) == (4, 2)
     assert a["content_hash"] == b["content_hash"]
-    # three shards written at once by three writer threads: the same bytes, the same index
+    # three shards written at once by three writer threads (the default is 4): the same bytes, the same index
     write_data(tmp_path / "c", n=7)
     c = run_cache(tmp_path / "c", "cache.batch_tokens=1", "cache.samples_per_shard=2", "cache.shards_in_flight=3")
     assert c["shards_written"] == 4
