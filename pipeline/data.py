@@ -80,12 +80,10 @@ def _read_hub_rows(src, field: str) -> list[tuple[int, Any]]:
     """Every row of a Hub dataset, read into memory. `datasets` prepares its Arrow tables (and lock files) in
     the run's `.work/hf-datasets/<pid>/`, removed after, as for the evaluation prompts
     (pipeline.evaluation.prompts.scratch_dir), so nothing is left in ~/.cache/huggingface/datasets."""
-    import contextlib
-    import shutil
 
     import datasets
 
-    from pipeline.evaluation.prompts import scratch_dir
+    from pipeline.evaluation.prompts import remove_scratch, scratch_dir
 
     scratch = scratch_dir(src)
     try:
@@ -96,11 +94,7 @@ def _read_hub_rows(src, field: str) -> list[tuple[int, Any]]:
                         f"{str(exc).splitlines()[0] if str(exc) else ''})",
                         "check the dataset id, revision and split, or pre-download it for offline use") from None
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if scratch.parent.name == "hf-datasets":  # the run dir's .work/hf-datasets/ (and .work/), once unused
-            for empty in (scratch.parent, scratch.parent.parent):
-                with contextlib.suppress(OSError):
-                    empty.rmdir()
+        remove_scratch(scratch)
 
 
 def _decode(raw: Any) -> Any:

@@ -110,11 +110,16 @@ def load_prompt_sets(eval_cfg, tokenizer, cache_dir: str | os.PathLike | None = 
     try:
         return _load_prompt_sets(eval_cfg, tokenizer, str(scratch))
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if scratch.parent.name == "hf-datasets":  # the run dir's .work/hf-datasets/ (and .work/), once unused
-            for empty in (scratch.parent, scratch.parent.parent):
-                with contextlib.suppress(OSError):
-                    empty.rmdir()
+        remove_scratch(scratch)
+
+
+def remove_scratch(scratch: Path) -> None:
+    """Remove a `scratch_dir`, and the run dir's .work/hf-datasets/ (and .work/) once they are empty."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    if scratch.parent.name == "hf-datasets":
+        for empty in (scratch.parent, scratch.parent.parent):
+            with contextlib.suppress(OSError):
+                empty.rmdir()
 
 
 def _load_prompt_sets(eval_cfg, tokenizer, cache_dir: str) -> list[PromptSubset]:
