@@ -151,13 +151,18 @@ def write_reference(rd: RunDir, model) -> Path:
     Rebuilt every run and swapped in only when its bytes differ, so a reference left by another
     drafter is never reused and an up-to-date one is not touched.
     """
-    from pipeline.models.formats import save_speculators
+    from pipeline.models.formats import TARGET_KEYS, speculators_config_dict
 
     out = rd.drafter(REFERENCE)
-    ref = copy.deepcopy(model).to("cpu", torch.bfloat16)  # the loaded weights, before any quantization
-    ref.config.dtype = torch.bfloat16
+    # the loaded weights, before any quantization, as `save_speculators` writes a bf16 copy of the model
+    # (its own tensors only): each cast on the model's device and streamed to the file a slice at a time,
+    # so neither the copy nor the borrowed embed_tokens/lm_head pass through host memory
+    state = {k: v for k, v in model.state_dict().items() if k not in TARGET_KEYS and k != "inv_freq"}
+    config = copy.deepcopy(model.config)
+    config.dtype = torch.bfloat16
     with tempfile.TemporaryDirectory(prefix=export.PARTIAL_PREFIX + "bf16-", dir=work_root(rd)) as fresh:
-        save_speculators(ref, fresh)
+        export.save_safetensors(state, Path(fresh) / "model.safetensors", {"format": "pt"}, dtype=torch.bfloat16)
+        atomic_write_json(Path(fresh) / "config.json", speculators_config_dict(config))
         if export.output_hashes(Path(fresh)) != (export.output_hashes(out) if out.is_dir() else None):
             with export.atomic_dir(out) as tmp:
                 for f in sorted(Path(fresh).iterdir()):
@@ -183,23 +188,24 @@ def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str],
     q/k/v fused): the list is rewritten as patterns vLLM and HF both match, and the folder is checked
     against vLLM's reading before it is swapped in.
     """
-    from safetensors.torch import load_file
-    from safetensors.torch import save as st_save
+    from safetensors import safe_open
 
     from pipeline.models.formats import TARGET_KEYS, speculators_config_dict
     from pipeline.serving import contract
 
     with export.atomic_dir(out) as tmp:
         written = export.save_compressed(model, tmp)
-        tensors = load_file(str(tmp / "model.safetensors"))
-        kept = {k: v for k, v in tensors.items() if not k.endswith(TARGET_KEYS) and k != "inv_freq"}
-        (tmp / "model.safetensors").write_bytes(st_save(kept, metadata={"format": "pt"}))
+        with safe_open(str(tmp / "model.safetensors"), framework="pt") as fh:  # the body only, never a target key
+            kept = {k: fh.get_tensor(k) for k in fh.keys() if not k.endswith(TARGET_KEYS) and k != "inv_freq"}
+        export.save_safetensors(kept, tmp / "model.safetensors", {"format": "pt"})  # streamed, no whole-file bytes
+        kept_keys = list(kept)
+        del kept
         qc = dict(written["quantization_config"])
         native = list(qc.get("ignore") or [])  # compressed-tensors' own list (HF names), kept for the record
         qc["ignore"] = contract.serving_ignore(ignore, user_ignore, n_target)
         config = speculators_config_dict(model.config, qc)
         export.rewrite_config(tmp, config)
-        problems = contract.checkpoint_problems(config, kept.keys(), n_target, allow_quantized_qkv=quantize_qkv)
+        problems = contract.checkpoint_problems(config, kept_keys, n_target, allow_quantized_qkv=quantize_qkv)
         if quantize_qkv:  # asked for: written, but said plainly
             import sys
 
@@ -343,10 +349,16 @@ class _Clock:
         self.laps: dict[str, float] = {}
         self.peak_gpu: dict | None = None  # on CUDA: peak_gpu_alloc_bytes, _reserved_bytes, _alloc_bytes_after
 
+        self.host = _HostAnonPeak()
+        self.peak_host: dict[str, int] = {}
+
     def lap(self, name: str) -> None:
         t = self._now()
         self.laps[name] = round(t - self._t, 3)
         self._t = t
+        peak = self.host.take()
+        if peak is not None:
+            self.peak_host[name] = peak
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             devices = range(torch.cuda.device_count())
             peak = int(max(torch.cuda.max_memory_allocated(d) for d in devices))
@@ -358,4 +370,53 @@ class _Clock:
     def finish(self) -> dict:
         """The laps, `total_s`, and on CUDA the peak GPU memory (overall and as it stood after each phase);
         under `timings`, which the manifests treat as measurements (pipeline.manifest TIMING_KEYS)."""
-        return {**self.laps, "total_s": round(self._now() - self._start, 3), **(self.peak_gpu or {})}
+        self.host.close()
+        host = {"peak_host_anon_bytes": self.peak_host} if self.peak_host else {}
+        return {**self.laps, "total_s": round(self._now() - self._start, 3), **(self.peak_gpu or {}), **host}
+
+
+class _HostAnonPeak:
+    """The process's peak anonymous RSS (`RssAnon` of /proc/self/status, what a memory limit counts) per
+    phase, sampled every few milliseconds on a daemon thread (the kernel keeps no peak of it); `take()`
+    returns the peak since the last call. Without /proc (not Linux), nothing is measured."""
+
+    PERIOD_S = 0.01
+
+    def __init__(self):
+        import threading
+
+        self._peak = self._read()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        if self._peak is not None:
+            self._thread = threading.Thread(target=self._run, name="specquant-host-anon", daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _read() -> int | None:
+        try:
+            with open("/proc/self/status", "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"RssAnon:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            now = self._read()
+            if now is not None:
+                with self._lock:
+                    self._peak = max(self._peak or 0, now)
+
+    def take(self) -> int | None:
+        if self._peak is None:
+            return None
+        now = self._read() or 0
+        with self._lock:
+            peak, self._peak = max(self._peak, now), now
+        return int(peak)
+
+    def close(self) -> None:
+        self._stop.set()

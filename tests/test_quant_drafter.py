@@ -162,3 +162,51 @@ def test_weight_only_drafters_are_produced_and_reload(world, nvfp4, overrides, f
     assert result["input_global_scales"] == {} and result["num_calibration_samples"] == 0
     report = read_json(world / "qw" / "checks" / f"drafter-{name}.json")
     assert report["served"] == report["weights_only"] and report["served"]["top1_agreement"] > 0.5
+
+
+@pytest.mark.parametrize("cast", [None, torch.bfloat16])
+def test_streamed_safetensors_writer_matches_safetensors_save(tmp_path, monkeypatch, cast):
+    """export.save_safetensors (one slice at a time, for the host-memory bound) writes exactly the bytes of
+    safetensors.torch.save: dtype-then-name data order, header padding, scalars, empty tensors, metadata."""
+    from safetensors.torch import save as st_save
+
+    from pipeline.quant import export
+
+    monkeypatch.setattr(export, "STREAM_CHUNK_BYTES", 100)  # many slices per tensor
+    g = torch.Generator().manual_seed(0)
+    tensors = {"layers.0.mlp.down_proj.weight_packed": torch.randint(0, 255, (33, 7), dtype=torch.uint8, generator=g),
+               "layers.0.mlp.down_proj.weight_scale": torch.randn(33, 2, generator=g).to(torch.float8_e4m3fn),
+               "layers.0.mlp.down_proj.weight_global_scale": torch.randn(1, generator=g),
+               "fc.weight": torch.randn(17, 9, generator=g), "norm.weight": torch.randn(9, generator=g).to(torch.bfloat16),
+               "a.scalar": torch.tensor(3.5), "b.empty": torch.zeros(0, 4), "c.half": torch.randn(5, 3).half(),
+               "d.ids": torch.arange(7), "e.mask": torch.tensor([True, False, True])}
+    for metadata in (None, {"format": "pt"}):
+        export.save_safetensors(tensors, tmp_path / "m.safetensors", metadata, dtype=cast)
+        want = {k: v.to(cast) if cast is not None and v.is_floating_point() else v for k, v in tensors.items()}
+        assert (tmp_path / "m.safetensors").read_bytes() == st_save(want, metadata=metadata)
+
+
+def test_sliced_read_gives_the_stored_tensor(tmp_path, monkeypatch):
+    """formats.read_sliced (how load_drafter reads to an accelerator, a few rows at a time) returns the file's tensor."""
+    from safetensors.torch import save_file
+
+    from pipeline.models import formats
+
+    monkeypatch.setattr(formats, "READ_SLICE_BYTES", 1000)
+    g = torch.Generator().manual_seed(1)
+    t = {"embed": torch.randn(37, 11, generator=g).to(torch.bfloat16), "vec": torch.randn(5, generator=g),
+         "scalar": torch.tensor(2.0), "packed": torch.randint(0, 255, (300, 7), dtype=torch.uint8, generator=g),
+         "row": torch.randn(1, 4000, generator=g), "empty": torch.zeros(0, 3)}
+    save_file(t, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as fh:
+        for k, want in t.items():
+            got = formats.read_sliced(fh, k, "cpu")
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), k
+
+
+def test_stage_times_its_peak_host_anonymous_memory(world, nvfp4):
+    timings = nvfp4["result"]["timings"] if "result" in nvfp4 else nvfp4["timings"]
+    peaks = timings.get("peak_host_anon_bytes")
+    if peaks is None:
+        pytest.skip("no /proc/self/status here")
+    assert {"load_s", "write_s", "check_s"} <= set(peaks) and all(v > 0 for v in peaks.values())

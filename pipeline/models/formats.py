@@ -126,22 +126,57 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_tensors(path: Path, keys: set[str] | None = None, field: str = "drafter.path") -> dict[str, torch.Tensor]:
+def read_tensors(path: Path, keys: set[str] | None = None, field: str = "drafter.path", *,
+                 skip: tuple[str, ...] = (), device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of every *.safetensors file in `path` (only `keys` if given, never a key ending in `skip`).
+
+    With `device` (not CPU) each tensor goes straight to that device, a bounded slice at a time, so the
+    host never holds more than one slice (an 8B target's embedding is 1.2 GB); with `dtype`, floating
+    tensors are cast there, one tensor at a time (what `Module.to(dtype=...)` does to the whole model)."""
     out: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(path):
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
-                    if keys is None or k in keys:
-                        out[k] = fh.get_tensor(k)
+                    if (keys is None or k in keys) and not (skip and k.endswith(skip)):
+                        t = _read_one(fh, k, device)
+                        out[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types on truncated files
             raise bad_value(field, str(f), f"the safetensors file is unreadable ({str(exc).splitlines()[0]})",
                             "re-download or re-save the checkpoint") from None
     return out
 
 
-def target_head_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embed_tokens, lm_head) weights from a loaded HF causal LM or a local checkpoint directory."""
+READ_SLICE_BYTES = 64 << 20  # host bytes in flight per tensor when reading to an accelerator
+
+
+def _read_one(fh, key: str, device: str | torch.device | None) -> torch.Tensor:
+    if device is None or torch.device(device).type == "cpu":
+        return fh.get_tensor(key)  # mapped from the file, not copied
+    return read_sliced(fh, key, device)
+
+
+def read_sliced(fh, key: str, device: str | torch.device) -> torch.Tensor:
+    """Tensor `key` of an open safetensors file on `device`, copied over READ_SLICE_BYTES of rows at a time."""
+    sl = fh.get_slice(key)
+    shape = list(sl.get_shape())
+    first = sl[0:1] if shape and shape[0] > 1 else None
+    if first is None or first.numel() == 0:
+        return fh.get_tensor(key).to(device)
+    rows = max(1, READ_SLICE_BYTES // (first.numel() * first.element_size()))
+    if rows >= shape[0]:
+        return fh.get_tensor(key).to(device)
+    out = torch.empty(shape, dtype=first.dtype, device=device)
+    for i in range(0, shape[0], rows):
+        out[i:i + rows].copy_(sl[i:i + rows])  # the same bytes, one slice of rows at a time
+    return out
+
+
+def target_head_weights(target: Any, device: str | torch.device | None = None,
+                        dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens, lm_head) weights from a loaded HF causal LM or a local checkpoint directory
+    (read from a directory straight to `device` and cast there to `dtype`, see `read_tensors`)."""
     if isinstance(target, torch.nn.Module):
         return target.get_input_embeddings().weight, target.get_output_embeddings().weight
     p = Path(target)
@@ -153,7 +188,7 @@ def target_head_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
     from pipeline.loading import check_shard_index
 
     check_shard_index(p, "target.path")  # a missing shard is named, not mistaken for a missing tensor
-    t = read_tensors(p, names, field="target.path")
+    t = read_tensors(p, names, field="target.path", device=device)
     if "model.embed_tokens.weight" not in t:
         raise bad_value("target.path", str(target), "its weights have no `model.embed_tokens.weight`",
                         "point it at a Qwen3-style causal LM checkpoint")
@@ -164,6 +199,8 @@ def target_head_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
             raise bad_value("target.path", str(target), "its weights have no `lm_head.weight`",
                             "point it at a complete causal LM checkpoint")
         head = embed
+    if dtype is not None:  # each cast on its own, as Module.to casts each parameter (a tied pair stays
+        embed, head = embed.to(dtype), head.to(dtype)  # one tensor where the cast is a no-op)
     return embed, head
 
 
@@ -210,12 +247,17 @@ def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
         from pipeline.loading import check_shard_index
 
         check_shard_index(Path(target), "target.path")  # before any weight is read
-    state = read_tensors(Path(path))
+    dtype = dtype or (cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.float32)
+    # every tensor read straight to `device` and cast there, one at a time: the host never holds the
+    # drafter or the target's embedding/head whole (nor a float32 copy of them); a bf16 -> fp32 cast
+    # is exact, and `model.to` below finds everything in place (the same values as casting the model)
+    state = read_tensors(Path(path), skip=TARGET_KEYS, device=device, dtype=dtype)
     state = {k: v for k, v in state.items() if k not in TARGET_KEYS}
     check_tensors(cfg, state, str(path))
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
-    embed, head = target_head_weights(target)
+    embed, head = target_head_weights(target, device=device, dtype=dtype) if not isinstance(target, torch.nn.Module) \
+        else target_head_weights(target)
     want = (cfg.vocab_size, cfg.hidden_size)
     if tuple(embed.shape) != want or tuple(head.shape) != want:
         raise bad_value("target", str(getattr(target, "name_or_path", target)), f"its embed_tokens/lm_head are "
@@ -226,7 +268,6 @@ def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
     model.inv_freq = rope_inv_freq(cfg)[0]  # the meta-device buffer, recomputed for real
     for p in (model.embed_tokens.weight, model.lm_head.weight):
         p.requires_grad_(False)
-    dtype = dtype or (cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.float32)
     model = model.to(device=device, dtype=dtype)
     model.inv_freq = model.inv_freq.float()
     return model.eval()

@@ -31,7 +31,9 @@ def load_dequantized(model: torch.nn.Module, ckpt_dir: str | Path) -> torch.nn.M
     apply_quantization_config(model, qconfig, show_progress=False)
     compressor = ModelCompressor(quantization_config=qconfig)
     compressor.compress_model(model)
-    state = load_file(str(ckpt_dir / "model.safetensors"))
+    # straight to the model's device (the same bytes; the host holds no copy of the checkpoint)
+    device = next(model.parameters()).device
+    state = load_file(str(ckpt_dir / "model.safetensors"), device=str(device))
     result = model.load_state_dict(state, strict=False)
     stray = [k for k in result.unexpected_keys]
     missing = [k for k in result.missing_keys if not k.endswith(("embed_tokens.weight", "lm_head.weight"))]

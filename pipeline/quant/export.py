@@ -105,3 +105,55 @@ def rewrite_config(out_dir: Path, config: dict) -> None:
 
 def output_hashes(out_dir: Path) -> dict[str, str]:
     return {k: v["sha256"] for k, v in hash_tree(out_dir).items()}
+
+
+STREAM_CHUNK_BYTES = 64 << 20  # host bytes in flight while a tensor is written
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None,
+                     dtype=None) -> None:
+    """Atomically write `tensors` as the bytes `safetensors.torch.save(tensors, metadata)` returns, one
+    tensor (and, from an accelerator, one slice of it) at a time: the host never holds the whole file,
+    nor the tensors whole. With `dtype`, floating tensors are cast first (on their own device).
+
+    The layout is safetensors': the header JSON (`__metadata__`, then the tensors in data order), padded
+    with spaces to 8 bytes, then the data back to back; the data order (dtype, then name) is read from
+    safetensors itself, on one-value stand-ins (tests/test_quant_drafter.py compares both writers)."""
+    import struct
+
+    import torch
+    from safetensors.torch import save as st_save
+
+    from pipeline.io import HashingWriter, atomic_open
+
+    def cast(t):
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    specs = {k: (dtype if dtype is not None and v.is_floating_point() else v.dtype, tuple(v.shape), v.numel())
+             for k, v in tensors.items()}
+    probe = st_save({k: torch.zeros(1, dtype=d) for k, (d, _, _) in specs.items()})
+    n = struct.unpack("<Q", probe[:8])[0]
+    probed = json.loads(probe[8:8 + n])
+    order = [k for k in probed if k != "__metadata__"]  # json keeps the header's order
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for k in order:
+        d, shape, numel = specs[k]
+        size = numel * torch.empty((), dtype=d).element_size()
+        header[k] = {"dtype": probed[k]["dtype"], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    head += b" " * ((8 - len(head) % 8) % 8)
+    with atomic_open(path, "wb") as fh:
+        out = HashingWriter(fh)
+        out.write(struct.pack("<Q", len(head)))
+        out.write(head)
+        for k in order:
+            flat = tensors[k].detach().reshape(-1)
+            step = max(1, STREAM_CHUNK_BYTES // max(1, flat.element_size()))
+            for i in range(0, flat.numel(), step):
+                part = cast(flat[i:i + step]).contiguous().cpu()
+                out.write(memoryview(part.view(torch.uint8).numpy()))
+
