@@ -164,7 +164,7 @@ class QuantBench:
             return None
         n = self.args.samples - self.args.heldout
         timings = dict(rec.get("timings") or {})
-        peak = {k: timings.pop(k) for k in list(timings) if k.startswith("peak_gpu")}
+        peak = {k: timings.pop(k) for k in list(timings) if k.startswith(("peak_gpu", "peak_host"))}
         doc = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": gpu_name(),
                f"quantize_drafter_nvfp4_{n}_s": rec.get("stage_wall_time_s"), "goal_s": 60.0, "rc": rec.get("rc"),
                "phases_s": timings, **peak,
