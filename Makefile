@@ -19,7 +19,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup all test lint clean assets data cache quantize-drafter quantize-target manifest evaluate publish \
+.PHONY: setup all all-data all-cache all-quantize-target all-quantize-drafter all-evaluate all-serve-check all-manifest all-publish test lint clean assets data cache quantize-drafter quantize-target manifest evaluate publish \
 	verify repro-check reliability serve-check
 
 setup: $(STAMP)
@@ -64,34 +64,41 @@ evaluate: setup
 publish: setup
 	$(PYTHON) -m pipeline publish $(ARGS)
 
-# run the tiny pipeline twice from scratch and compare every output's sha256 (pipeline/repro.py)
+# run the tiny pipeline twice from scratch and compare every output's sha256 (tests/repro.py)
 repro-check: setup
-	$(PYTHON) -m pipeline.repro --quants "$(DRAFTER_QUANTS)" --pair-target "$(PAIR_TARGET)" --pair-quants "$(PAIR_QUANTS)" $(ARGS)
+	$(PYTHON) -m tests.repro --quants "$(DRAFTER_QUANTS)" --pair-target "$(PAIR_TARGET)" --pair-quants "$(PAIR_QUANTS)" $(ARGS)
 
 verify: setup
 	$(PYTHON) -m pipeline verify $(if $(RUN),$(RUN),$$($(PYTHON) -m pipeline run-dir $(ARGS)))
 
+# every stage in the order of the one stage list (pipeline/stages/__init__.py, `python -m pipeline stages`);
+# all-<stage> is how `make all` runs that stage on this run (variants, the paired cache, skips)
 all: setup
-	$(MAKE) data ARGS="$(ARGS)"
-	$(MAKE) cache ARGS="$(ARGS)"
+	@for s in $$($(PYTHON) -m pipeline stages); do $(MAKE) --no-print-directory all-$$s ARGS="$(ARGS)" || exit 1; done
+	@run_dir=$$($(PYTHON) -m pipeline run-dir $(ARGS)) && $(PYTHON) -m pipeline verify $$run_dir && \
+	echo "specquant: all stages done; outputs are in $$run_dir (eval/report.md, drafter/, target/, provenance/)"
+
+all-data all-cache all-evaluate all-manifest all-publish: all-%:
+	$(MAKE) $* ARGS="$(ARGS)"
+
+all-quantize-target:
 	$(MAKE) quantize-target ARGS="$(ARGS)"
 ifneq ($(PAIR_TARGET),)
 	$(MAKE) cache ARGS="cache.target=$(PAIR_TARGET) $(ARGS)"
 endif
+
+all-quantize-drafter:
 	@for q in $(DRAFTER_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q $(ARGS)" || exit 1; done
 ifneq ($(PAIR_TARGET),)
 	@for q in $(PAIR_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q quant.calibration_target=$(PAIR_TARGET) $(ARGS)" || exit 1; done
 endif
-	$(MAKE) evaluate ARGS="$(ARGS)"
+
+all-serve-check:
 ifneq ($(SERVE_PYTHON),)
 	$(MAKE) serve-check ARGS="$(ARGS)" SERVE_PYTHON="$(SERVE_PYTHON)"
 else
 	@echo "specquant: serve-check skipped (needs a CUDA GPU and vLLM: make serve-check SERVE_PYTHON=<python with vLLM>); cards will say 'not checked in vLLM'"
 endif
-	$(MAKE) manifest ARGS="$(ARGS)"
-	$(MAKE) publish ARGS="$(ARGS)"
-	@run_dir=$$($(PYTHON) -m pipeline run-dir $(ARGS)) && $(PYTHON) -m pipeline verify $$run_dir && \
-	echo "specquant: all stages done; outputs are in $$run_dir (eval/report.md, drafter/, target/, provenance/)"
 
 test: setup
 	$(PYTHON) -m pytest -q -x --durations=15 $(PYTEST_ARGS)
@@ -108,7 +115,7 @@ clean:
 
 # the fault-injection suite, rendered as docs/reliability.md
 reliability: setup
-	$(PYTHON) -m pipeline.reliability
+	$(PYTHON) -m tests.reliability
 
 # `make help`: one line per target (keep this table in step with the targets above;
 # tests/test_help.py fails when a target is missing from it). `make` alone still runs `setup`.

@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.cache import LayerCapture, cache_shards  # noqa: E402
-from pipeline.cache_store import Layout, plan_shards  # noqa: E402
+from pipeline.artifacts.cache import Layout, plan_shards  # noqa: E402
+from pipeline.stages.cache import LayerCapture, cache_shards  # noqa: E402
 
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
@@ -103,7 +103,7 @@ def run_stock(model, batches: list[torch.Tensor], aux: list[int], device, warmup
 
 def run_stage(model, batches, aux, device, warmup: int, storage: str, out_dir: Path | None,
               samples_per_shard: int, shards_in_flight: int = 1) -> dict:
-    """The cache stage's own loop (pipeline.cache.cache_shards) over the same batches."""
+    """The cache stage's own loop (pipeline.stages.cache.cache_shards) over the same batches."""
     h = model.config.hidden_size
     layout = Layout(tuple(aux), h, storage)
     samples = [{"id": f"bench/{i}", "input_ids": row.tolist(), "loss_mask": [1] * row.numel()}

@@ -71,8 +71,8 @@ def writer_rate(folder: str, lanes: int, samples: int = 64, tokens: int = 2048, 
 
     import torch
 
-    from pipeline.cache_store import Layout, plan_shards
-    from pipeline.cache_writer import BackgroundWriter
+    from pipeline.artifacts.cache import Layout, plan_shards
+    from pipeline.artifacts.cache_writer import BackgroundWriter
 
     layout = Layout(tuple(range(1, n_aux + 1)), hidden, "bfloat16")
     data = [{"id": f"s{i}", "input_ids": [1] * tokens, "loss_mask": [1] * tokens} for i in range(samples)]

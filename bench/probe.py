@@ -68,7 +68,7 @@ def instrument(stage: str, notes: dict) -> None:
     import torch
 
     if stage == "cache":
-        import pipeline.cache as mod
+        import pipeline.stages.cache as mod
 
         orig_load = mod.load_target
 
@@ -80,7 +80,7 @@ def instrument(stage: str, notes: dict) -> None:
 
         mod.load_target = timed_load
     if stage == "quantize-drafter" and os.environ.get("BENCH_GPU_SHIM") == "1":
-        import pipeline.quantize_drafter as mod
+        import pipeline.stages.quantize_drafter as mod
 
         orig_drafter = mod.load_working_drafter
 

@@ -318,7 +318,7 @@ class Bench:
         job_file.parent.mkdir(parents=True, exist_ok=True)
         job_file.write_text(json.dumps(job))
         cmd = [self.args.serve_python or "python3", "-m", "pipeline.serving.extract", str(job_file)]
-        from pipeline.cache_vllm import _worker_env
+        from pipeline.serving.extract_stream import _worker_env
 
         env = {**_worker_env(), "PYTHONUNBUFFERED": "1"}  # vLLM's interpreter, as the stage starts it
         print(f"[bench] $ {' '.join(cmd)}", flush=True)

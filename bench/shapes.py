@@ -166,7 +166,7 @@ def write_blend(s: Shapes, data_dir: Path, tokenizer_dir: Path, num_samples: int
     """
     import numpy as np
 
-    from pipeline.io import atomic_open, atomic_write_json
+    from pipeline.core.io import atomic_open, atomic_write_json
 
     rng = np.random.default_rng(seed)
     sources = ("chat", "math", "code")
@@ -188,7 +188,7 @@ def write_blend(s: Shapes, data_dir: Path, tokenizer_dir: Path, num_samples: int
             n_loss += seq_len - prompt
     from transformers import AutoTokenizer
 
-    from pipeline.data import tokenizer_sha256
+    from pipeline.stages.data import tokenizer_sha256
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     meta = {"format_version": 1, "seed": seed, "max_seq_len": seq_len, "num_samples": num_samples,

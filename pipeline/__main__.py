@@ -9,28 +9,22 @@ from __future__ import annotations
 import importlib
 import sys
 
-# stage name -> module exposing `run(cfg) -> dict`
-STAGES = {
-    "data": "pipeline.data",
-    "cache": "pipeline.cache",
-    "quantize-drafter": "pipeline.quantize_drafter",
-    "quantize-target": "pipeline.quantize_target",
-    "manifest": "pipeline.manifest",
-    "evaluate": "pipeline.evaluate",
-    "serve-check": "pipeline.serve_check",
-    "publish": "pipeline.publish",
-}
+from pipeline.stages import (
+    MODULES as STAGES,  # stage name -> module exposing `run(cfg) -> dict`, in run order
+)
+
 # commands that take their own argv instead of Hydra overrides
 COMMANDS = {
-    "verify": "pipeline.verify",
+    "verify": "pipeline.stages.verify",
     "convert": "pipeline.models.convert",
+    "cache-import": "pipeline.artifacts.cache_import",
 }
 
 USAGE = (
     "usage: python -m pipeline <stage> [key=value ...]\n"
     f"  stages:   {', '.join(STAGES)}\n"
     f"  commands: {', '.join(COMMANDS)} (see `python -m pipeline <command> --help`), "
-    "run-dir [key=value ...] (print where outputs land)"
+    "run-dir [key=value ...] (print where outputs land), stages (print the stages in run order)"
 )
 
 
@@ -58,7 +52,7 @@ def _compose_or_exit(overrides: list[str]):
     from hydra.errors import HydraException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.config import bad_names, compose, unknown_keys
+    from pipeline.core.config import bad_names, compose, unknown_keys
 
     try:
         cfg = compose(overrides)
@@ -72,7 +66,7 @@ def _compose_or_exit(overrides: list[str]):
         extra = unknown_keys(cfg)
         if extra:
             print(f"error: invalid configuration: unknown key `{extra[0]}`; remove it or fix its spelling "
-                  "(see conf/ and pipeline/config.py for the valid keys).", file=sys.stderr)
+                  "(see conf/ and pipeline/core/config.py for the valid keys).", file=sys.stderr)
             raise SystemExit(2)
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         return cfg
@@ -107,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
 
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
 
     if name in COMMANDS:
         try:
@@ -119,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: `{name}` could not use {exc.filename or 'a file'}: {exc.strerror or exc}; fix the file "
                   "system problem (permissions, free space, the path) and run it again.", file=sys.stderr)
             return 2
+    if name == "stages":  # the one list, in run order (read by `make all` and the repro check)
+        print("\n".join(STAGES))
+        return 0
     if name == "run-dir":  # where a configuration's outputs land (used by `make all`)
         print(_compose_or_exit(rest).run_dir)
         return 0
@@ -127,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     cfg = _compose_or_exit(rest)
-    from pipeline.secrets import scrub
-    from pipeline.stage import run_stage
+    from pipeline.core.secrets import scrub
+    from pipeline.stages.runner import run_stage
 
     try:
         _check_devices(name, cfg)
@@ -164,7 +161,7 @@ def _check_devices(stage: str, cfg) -> None:
     """A CUDA device configured on a machine without one: one sentence, before anything loads."""
     from omegaconf import OmegaConf
 
-    from pipeline.errors import bad_value
+    from pipeline.core.errors import bad_value
 
     wanted = [(f, str(OmegaConf.select(cfg, f))) for f in _DEVICE_FIELDS.get(stage, ())]
     cuda = [(f, v) for f, v in wanted if v.startswith("cuda")]

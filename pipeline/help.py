@@ -2,7 +2,7 @@
 
 Nothing heavy is imported: the purpose is the first paragraph of the stage module's docstring (read
 with `ast`, the module is not imported), the keys and types come from the dataclass schemas in
-`pipeline/config.py`, each key's one-line description from the comment beside (or the comment
+`pipeline/core/config.py`, each key's one-line description from the comment beside (or the comment
 block just above) its field there, and the values from composing `conf/` with the overrides given
 before `--help`, so `quant=w4a16 --help` shows what that command would run with.
 """
@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pipeline import config as schema
+from pipeline.core import config as schema
 
 # the conf groups each stage reads (besides the top-level keys, which every stage reads)
 STAGE_GROUPS: dict[str, tuple[str, ...]] = {
@@ -163,7 +163,7 @@ def _example_preset(choices: dict[str, str], groups: tuple[str, ...]) -> str:
 
 def output_line(stage: str, cfg) -> str | None:
     """Where the stage writes its named folder and how that name is derived, on one line (the name may
-    differ from the key's value: pipeline.config.derive_names appends `-on-<target>`)."""
+    differ from the key's value: pipeline.core.config.derive_names appends `-on-<target>`)."""
     from omegaconf import OmegaConf
 
     def value(key: str, default: str) -> str:
@@ -200,7 +200,7 @@ def render(stage: str, module: str, overrides: list[str]) -> str:
         out.append("conf groups: none of its own (it reads what the earlier stages wrote)")
     if (line := output_line(stage, cfg)) is not None:
         out.append(line)
-    out += ["", "keys (type, value as composed now, description; from pipeline/config.py):"]
+    out += ["", "keys (type, value as composed now, description; from pipeline/core/config.py):"]
     sections = [("top level:", [r for r in keys(schema.SpecquantConfig, cfg, "") if r[0] in _TOP_LEVEL])]
     sections += [(f"{g}:", keys(hints[g], cfg[g], f"{g}.")) for g in groups]
     for title, rows in sections:

@@ -23,8 +23,8 @@ import pytest
 import torch
 import yaml
 
-from pipeline.config import compose
-from pipeline.io import atomic_write_json, atomic_write_text, sha256_file
+from pipeline.core.config import compose
+from pipeline.core.io import atomic_write_json, atomic_write_text, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -92,7 +92,7 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: floa
 # ---------------------------------------------------------------- the fixture world: target, drafter, blend, cache
 def write_blend(data_dir: Path, num_samples: int = 30, seq_len: int = 40, seed: int = 0) -> Path:
     """samples.jsonl + meta.json in the data stage's contract: random ids below the mask id, loss mask 1
-    after a short prompt. By hand on purpose: the data stage's writer is inline in `pipeline.data.run`,
+    after a short prompt. By hand on purpose: the data stage's writer is inline in `pipeline.stages.data.run`,
     which tokenizes text, and the fixture target has no tokenizer."""
     g = torch.Generator().manual_seed(seed)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ def world_cfg(runs_root: Path, *overrides: str, target: Path = TARGET):
 
 def build_world(runs_root: Path, blend_seed: int = 0, num_samples: int = 30, target: Path = TARGET) -> Path:
     """Blend + cache (the real cache stage) under runs_root/qw; returns the run directory."""
-    from pipeline import cache
+    from pipeline.stages import cache
 
     cfg = world_cfg(runs_root, target=target)
     run_dir = Path(cfg.run_dir)
@@ -172,7 +172,7 @@ def stage_overrides(run_dir: Path, *extra: str) -> list[str]:
 
 
 def run_cache(run_dir: Path, *extra: str) -> dict:
-    from pipeline import cache
+    from pipeline.stages import cache
     return cache.run(compose(stage_overrides(run_dir, *extra)))
 
 
@@ -242,14 +242,14 @@ def quantize_cli(runs_root: Path, tmpdir: Path, killpoint: str | None = None) ->
 
 def outputs(run: Path) -> dict[str, str]:
     """sha256 of everything quantize-drafter writes (its stage record aside: it holds wall times)."""
-    from pipeline.io import hash_tree
+    from pipeline.core.io import hash_tree
 
     return {f"{d}/{k}": v["sha256"] for d in ("drafter", "checks") if (run / d).is_dir()
             for k, v in hash_tree(run / d).items()}
 
 
 def leftovers(root: Path) -> list[str]:
-    from pipeline.io import TMP_PREFIX
+    from pipeline.core.io import TMP_PREFIX
 
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
                   if p.name.startswith((TMP_PREFIX, PARTIAL)))
@@ -259,14 +259,14 @@ def tiny_run(root: Path) -> dict:
     """The real stages under root: `template` (data + cache), `reference` (+ quantize-drafter nvfp4 as a
     subprocess, + manifest) and `outputs` (the reference's quantize-drafter file hashes). Built once per
     session by conftest's `tiny_run` fixture."""
-    from pipeline import manifest
-    from pipeline.stage import run_stage
+    from pipeline.stages import manifest
+    from pipeline.stages.runner import run_stage
 
     torch.set_num_threads(1)
     template = root / "template"
     write_blend(template / "qw" / "data", num_samples=16)
     ov = overrides(template, "cache.samples_per_shard=4")
-    run_stage("cache", "pipeline.cache", compose(ov), ov)
+    run_stage("cache", "pipeline.stages.cache", compose(ov), ov)
     reference = root / "reference"
     shutil.copytree(template, reference)
     proc = quantize_cli(reference, root / "tmp")
@@ -278,7 +278,7 @@ def tiny_run(root: Path) -> dict:
 
 
 # ---------------------------------------------------------------- a small run for the manifest and verify tests
-# The stage bodies run through the real pipeline.stage (genuine records); their outputs are written here by
+# The stage bodies run through the real pipeline.stages.runner (genuine records); their outputs are written here by
 # hand and tests/test_manifest.py pins these values.
 
 # not shaped like an HF token (those are scrubbed by pattern wherever they appear): this one must be
@@ -300,8 +300,8 @@ def manifest_overrides(runs_root: Path) -> list[str]:
 
 
 def fake_stage(monkeypatch, stage: str, overrides: list[str], body) -> None:
-    """Run `body(cfg)` as stage `stage` through the real pipeline.stage so its record is genuine."""
-    from pipeline.stage import run_stage
+    """Run `body(cfg)` as stage `stage` through the real pipeline.stages.runner so its record is genuine."""
+    from pipeline.stages.runner import run_stage
 
     mod = types.ModuleType(f"_fake_{stage.replace('-', '_')}")
     mod.run = body
@@ -368,7 +368,7 @@ def build_run(tmp_path: Path, monkeypatch, stages=("data", "cache", "quantize-dr
 
 
 def run_manifest(run: Path, ov: list[str], monkeypatch) -> dict:
-    from pipeline import manifest
+    from pipeline.stages import manifest
     monkeypatch.setenv("HF_TOKEN", MANIFEST_TOKEN)
     return manifest.run(compose(ov))
 
@@ -432,7 +432,7 @@ def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
 
 
 def remanifest(runs_root: Path, name: str = "tiny") -> None:
-    from pipeline import manifest
+    from pipeline.stages import manifest
 
     manifest.run(compose([f"runs_root={runs_root}", f"run_name={name}"]))
 
@@ -458,7 +458,7 @@ def sha256(p: Path) -> str:
 def download(url: str, repo_id: str, revision: str, cache: Path) -> Path:
     from huggingface_hub import snapshot_download
 
-    from pipeline.publish import hub_online
+    from pipeline.stages.publish import hub_online
 
     with hub_online():
         snap = Path(snapshot_download(repo_id, revision=revision, endpoint=url, token=PUBLISH_TOKEN, cache_dir=cache))

@@ -38,7 +38,7 @@ def fixture_world(tmp_path_factory) -> Path:
 def quantized_world(fixture_world, tmp_path_factory) -> tuple[Path, dict]:
     """A copy of `fixture_world` with quantize-drafter's nvfp4, nvfp4a16 and w4a16 variants written once
     (tests/_support.SHARED_VARIANTS); returns (runs root, {variant: the stage's result})."""
-    from pipeline import quantize_drafter
+    from pipeline.stages import quantize_drafter
 
     root = _support.copy_world(fixture_world, tmp_path_factory.mktemp("quantized_world"))
     return root, {v: quantize_drafter.run(_support.world_cfg(root, *ov)) for v, ov in _support.SHARED_VARIANTS.items()}
@@ -71,7 +71,7 @@ def run_root(pristine_runs, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- reliability report
 # Tests marked `@pytest.mark.faults("<kind>")` are the fault-injection suite. With
-# SPECQUANT_RELIABILITY_OUT set (by `python -m pipeline.reliability`), each one's outcome is
+# SPECQUANT_RELIABILITY_OUT set (by `python -m tests.reliability`), each one's outcome is
 # appended to that JSONL file and rendered into docs/reliability.md.
 
 

@@ -4,7 +4,7 @@ Speaks the protocol of `pipeline.serving.extract` (the job file; `chunk-<k>.json
 `result.json` at the end; waits while more than `backlog` chunks are unread) and writes each sample
 the way vLLM 0.26's ExampleHiddenStatesConnector does (`_write_tensors`: safetensors with
 `hidden_states` [T, n_aux, H] and `token_ids` [T], written while an exclusive flock is held on
-`<file>.lock`). The states are the HF engine's own (`pipeline.cache.LayerCapture`, one sample per
+`<file>.lock`). The states are the HF engine's own (`pipeline.stages.cache.LayerCapture`, one sample per
 forward), so a cache streamed from these files must equal the HF engine's cache byte for byte.
 """
 
@@ -23,8 +23,8 @@ def main(job_file: str) -> int:
     from safetensors.torch import save_file
     from transformers import AutoModel
 
-    from pipeline.cache import LayerCapture
     from pipeline.serving.extract import _pending, _read_samples, _write
+    from pipeline.stages.cache import LayerCapture
 
     job = json.loads(Path(job_file).read_text(encoding="utf-8"))
     out = Path(job["out_dir"])

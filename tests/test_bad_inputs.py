@@ -51,7 +51,7 @@ class World:
 def world(tmp_path_factory) -> World:
     import torch
 
-    from pipeline import cache
+    from pipeline.stages import cache
     from tests._support import world_cfg, write_blend
 
     torch.set_num_threads(1)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import compose
-from pipeline.io import sha256_file
+from pipeline.core.config import compose
+from pipeline.core.io import sha256_file
 from tests._support import (  # noqa: F401  (one_thread: autouse, one thread for every test here)
     DFLASH,
     DRAFTER,
@@ -50,7 +50,7 @@ def test_cached_states_equal_output_hidden_states(tmp_path, reference):
     n = geometry()["target_layers"]
     ids = [0, 2, n - 1, n]  # the embeddings, two decoder layers, the output after the final norm
     res = run_cache(tmp_path, "cache.storage_dtype=float32", f"cache.aux_layer_ids=[{','.join(map(str, ids))}]")
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     reader = CacheReader(tmp_path / "cache")
     assert len(reader) == len(samples) == res["num_samples"] and reader.aux_layer_ids == ids
@@ -66,7 +66,7 @@ def test_cached_states_equal_output_hidden_states(tmp_path, reference):
 def test_bf16_default_takes_the_drafters_aux_layers(tmp_path, reference):
     samples = write_data(tmp_path, n=6)
     run_cache(tmp_path)
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     reader = CacheReader(tmp_path / "cache")
     aux = geometry()["aux_layer_ids"]
@@ -78,7 +78,7 @@ def test_bf16_default_takes_the_drafters_aux_layers(tmp_path, reference):
 
 
 def test_zlab_drafter_config_maps_to_the_same_layers():
-    from pipeline.cache import resolve_aux_layer_ids
+    from pipeline.stages.cache import resolve_aux_layer_ids
 
     zl = compose([f"drafter.path={ZLAB_DRAFTER}", "drafter.format=zlab"])
     sp = compose([f"drafter.path={SPEC_DRAFTER}", "drafter.format=speculators"])
@@ -128,13 +128,13 @@ def test_rerun_reuses_and_changed_inputs_recompute(tmp_path):
     names = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert names == ["index.json", "shard-00000.json", "shard-00000.safetensors", "shard-00001.json",
                      "shard-00001.safetensors"]  # the third shard of the stale cache is gone
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     assert CacheReader(tmp_path / "cache")[0]["hidden_states"].shape[1] == 3
 
 
 def test_fp8_roundtrip_error_is_bounded():
-    from pipeline.cache_store import Layout, decode_hidden, encode_hidden
+    from pipeline.artifacts.cache import Layout, decode_hidden, encode_hidden
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 3, 50)[:, None, None]  # wide range per token
@@ -153,7 +153,7 @@ def test_fp8_stage_halves_the_size(tmp_path):
     write_data(tmp_path / "f8", n=6)
     bf = run_cache(tmp_path / "bf", "cache.storage_dtype=float32")
     f8 = run_cache(tmp_path / "f8", "cache.storage_dtype=fp8")
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     r_bf, r_f8 = CacheReader(tmp_path / "bf" / "cache"), CacheReader(tmp_path / "f8" / "cache")
     assert r_f8.index["storage_dtype"] == "fp8" and "hidden_states_scale" in r_f8.index["storage"]
@@ -177,9 +177,9 @@ def _write_speculators_files(src: Path, samples: list[dict], reference, layers: 
 def test_import_speculators_roundtrip(tmp_path, reference):
     from datasets import Dataset
 
-    from pipeline.cache import CacheReader
-    from pipeline.cache_import import import_speculators
-    from pipeline.errors import SpecquantError
+    from pipeline.artifacts.cache_import import import_speculators
+    from pipeline.core.errors import SpecquantError
+    from pipeline.stages.cache import CacheReader
 
     samples = write_data(tmp_path, n=5)
     _write_speculators_files(tmp_path / "hs", samples, reference, layers=[2, 3, 4, 6])
@@ -202,7 +202,7 @@ def test_import_speculators_roundtrip(tmp_path, reference):
 
 
 def test_import_cli_help():
-    out = subprocess.run([sys.executable, "-m", "pipeline.cache_import", "--help"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "pipeline.artifacts.cache_import", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--file-layer-ids" in out.stdout and "hs_{i}.safetensors" in out.stdout
 
@@ -228,14 +228,14 @@ def test_bench_smoke_on_cpu(tmp_path):
 def test_hub_download_metadata_does_not_change_the_cache_inputs(tmp_path):
     """A target dir with and without `.cache/huggingface/*.metadata` (written by `hf download --local-dir`,
     rewritten on every re-download) has the same cache input hash, so the finished cache is reused."""
-    from pipeline.cache import target_files_sha256
+    from pipeline.stages.cache import target_files_sha256
 
     target = tmp_path / "target"
     shutil.copytree(TARGET, target)
     write_data(tmp_path / "run", n=4)
     ov = [f"run_dir={tmp_path / 'run'}", f"target.path={target}", f"drafter.path={SPEC_DRAFTER}",
           "drafter.format=speculators", "cache.batch_tokens=64"]
-    from pipeline import cache
+    from pipeline.stages import cache
 
     first = cache.run(compose(ov))
     before = target_files_sha256(compose(ov))
@@ -257,9 +257,9 @@ def test_checkpoint_hashes_local_and_hub_snapshot(tmp_path, monkeypatch):
     (repo id + revision, offline); a Hub-configured target gets the same cache input hash as its copy."""
     from huggingface_hub import constants
 
-    from pipeline.cache import target_files_sha256
-    from pipeline.errors import SpecquantError
-    from pipeline.loading import checkpoint_hashes
+    from pipeline.core.errors import SpecquantError
+    from pipeline.core.loading import checkpoint_hashes
+    from pipeline.stages.cache import target_files_sha256
 
     local = checkpoint_hashes(TARGET)
     assert set(local) == {"config.json", "model.safetensors"}  # not the tokenizer, not generation_config
@@ -283,7 +283,7 @@ def test_vllm_engine_streams_connector_files_into_the_same_cache(tmp_path, monke
     """cache.engine=vllm reads files in vLLM's connector format as they appear and writes the cache's own
     shards; given the HF engine's states (tests/extract_producer.py stands in for vLLM, which needs a GPU:
     the real engine is measured in docs/benchmarks.md), the content hash equals the HF engine's."""
-    from pipeline import cache_vllm
+    from pipeline.serving import extract_stream as cache_vllm
 
     write_data(tmp_path / "hf", n=8)
     write_data(tmp_path / "vllm", n=8)

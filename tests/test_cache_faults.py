@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import compose
+from pipeline.core.config import compose
 from tests._support import REPO, TARGET, geometry, one_thread, run_cache, stage_overrides, write_data  # noqa: F401
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -63,8 +63,8 @@ def test_sigkill_mid_run_then_resume(tmp_path):
 @pytest.mark.faults("tamper")
 def test_flipped_byte_names_the_shard(tmp_path):
     """A flipped byte in one cache shard is reported as that shard's hash mismatch; other shards stay readable."""
-    from pipeline.cache import CacheReader
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
+    from pipeline.stages.cache import CacheReader
 
     write_data(tmp_path, n=8)
     run_cache(tmp_path)
@@ -85,8 +85,8 @@ def test_flipped_byte_names_the_shard(tmp_path):
 @pytest.mark.faults("bad_input")
 def test_aux_id_beyond_depth_fails_before_loading_weights(tmp_path):
     """An aux layer id beyond the target's depth fails in one sentence before any weight is loaded."""
-    from pipeline import cache
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
+    from pipeline.stages import cache
 
     shallow = tmp_path / "shallow-target"  # config only: loading weights would fail differently
     shallow.mkdir()

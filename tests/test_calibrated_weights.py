@@ -15,10 +15,10 @@ import pytest
 import torch
 import yaml
 
-from pipeline import quantize_drafter
-from pipeline.config import compose
-from pipeline.errors import SpecquantError
-from pipeline.io import hash_tree, read_json
+from pipeline.core.config import compose
+from pipeline.core.errors import SpecquantError
+from pipeline.core.io import hash_tree, read_json
+from pipeline.stages import quantize_drafter
 from tests._support import DRAFTER, SHARED_VARIANTS, TARGET, copy_world, w4a16_group, world_cfg
 
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
@@ -85,12 +85,12 @@ def test_same_seed_gives_byte_identical_gptq_checkpoints(world, gptq, tmp_path):
 
 
 def test_another_group_size_never_overwrites_silently(world, gptq):
-    from pipeline.stage import run_stage
+    from pipeline.stages.runner import run_stage
 
     ov = [f"runs_root={world}", "run_name=qw", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
           f"drafter.path={DRAFTER}", "drafter.format=speculators", "quant.num_samples=12", "quant.heldout_samples=12",
           "quant.anchors_per_sequence=8", "quant.max_seq_len=64", "quant=w4a16", f"quant.group_size={G}"]
-    run_stage("quantize-drafter", "pipeline.quantize_drafter", compose(ov), ov)  # the record the refusal reads
+    run_stage("quantize-drafter", "pipeline.stages.quantize_drafter", compose(ov), ov)  # the record the refusal reads
     before = {k: v["sha256"] for k, v in hash_tree(world / "qw" / "drafter" / "w4a16").items()}
     smaller = G // 2
     with pytest.raises(SpecquantError) as exc:
@@ -102,23 +102,23 @@ def test_another_group_size_never_overwrites_silently(world, gptq):
     # the override it names writes a second variant beside the first
     quantize_drafter.run(compose([*ov, f"quant.group_size={smaller}", f"quant.name=w4a16-groupsize{smaller}"]))
     assert (world / "qw" / "drafter" / f"w4a16-groupsize{smaller}" / "config.json").is_file()
-    run_stage("quantize-drafter", "pipeline.quantize_drafter", compose(ov), ov)  # the same settings: a re-run
+    run_stage("quantize-drafter", "pipeline.stages.quantize_drafter", compose(ov), ov)  # the same settings: a re-run
 
 
 def test_gptq_drafter_and_gptq_target_go_through_manifest_verify_and_publish(world, gptq):
-    from pipeline import manifest, publish
-    from pipeline.stage import run_stage
-    from pipeline.verify import verify_dir
+    from pipeline.stages import manifest, publish
+    from pipeline.stages.runner import run_stage
+    from pipeline.stages.verify import verify_dir
 
     base = [f"runs_root={world}", "run_name=qw", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
             f"drafter.path={DRAFTER}", "drafter.format=speculators", "quant.num_samples=12",
             "quant.heldout_samples=12", "quant.anchors_per_sequence=8", "quant.max_seq_len=64",
             "target_quant.num_samples=4", "target_quant.max_seq_len=64"]
     d = [*base, "quant=w4a16-gptq", f"quant.group_size={G}"]
-    run_stage("quantize-drafter", "pipeline.quantize_drafter", compose(d), d)
+    run_stage("quantize-drafter", "pipeline.stages.quantize_drafter", compose(d), d)
     t = [*base, "target_quant=w4a16", "target_quant.algorithm=gptq", "target_quant.calibration=cache",
          f"target_quant.group_size={GT}", "target_quant.name=w4a16-gptq"]
-    run_stage("quantize-target", "pipeline.quantize_target", compose(t), t)
+    run_stage("quantize-target", "pipeline.stages.quantize_target", compose(t), t)
     assert "!!python" not in (world / "qw" / "target" / "w4a16-gptq" / "recipe.yaml").read_text()
     manifest.run(compose(base))
     qrm = json.loads((world / "qw" / "quant_run_manifest.json").read_text())

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import DataSource, compose
-from pipeline.errors import SpecquantError
+from pipeline.core.config import DataSource, compose
+from pipeline.core.errors import SpecquantError
 from tests._support import REPO, build_chat_tokenizer, run_cli
 
 CHAT = [{"conversations": [{"from": "human", "value": f"What is {i} + {i}?"},
@@ -43,7 +43,7 @@ def sources(tmp_path):
 
 
 def test_blend_counts_mask_and_determinism(tmp_path, chat_tokenizer, sources):
-    from pipeline import data
+    from pipeline.stages import data
 
     cfg = make_cfg(tmp_path, chat_tokenizer, sources)
     data.run(cfg)
@@ -71,7 +71,7 @@ def test_blend_counts_mask_and_determinism(tmp_path, chat_tokenizer, sources):
 
 
 def test_truncation_keeps_lengths_aligned(tmp_path, chat_tokenizer, sources):
-    from pipeline import data
+    from pipeline.stages import data
 
     cfg = make_cfg(tmp_path, chat_tokenizer, sources, max_seq_len=48)
     data.run(cfg)
@@ -94,7 +94,7 @@ def test_malformed_rows_are_counted_with_file_and_line(tmp_path, chat_tokenizer)
     path = write_jsonl(tmp_path / "mixed.jsonl", CHAT[:5], bad)
     cfg = make_cfg(tmp_path, chat_tokenizer, [{"name": "mixed", "path": str(path)}], num_samples=50)
     cfg.data.max_turn_chars = 1000
-    from pipeline import data
+    from pipeline.stages import data
 
     data.run(cfg)
     counts = json.loads((Path(cfg.run_dir) / "data" / "counts.json").read_text())["mixed"]
@@ -123,7 +123,7 @@ def test_cli_rejects_unusable_source_in_one_line(tmp_path, chat_tokenizer):
 def test_tokenizer_without_chat_template_is_refused_before_work(tmp_path, sources):
     """A tokenizer without a chat template is refused before any row is read."""
     tok = build_chat_tokenizer(tmp_path / "plain", chat_template=None)
-    from pipeline import data
+    from pipeline.stages import data
 
     with pytest.raises(SpecquantError, match=r"`target.tokenizer`.*no chat template"):
         data.run(make_cfg(tmp_path, tok, sources))
@@ -137,7 +137,7 @@ def test_hub_dataset_path_through_load_dataset(tmp_path, chat_tokenizer):
     write_jsonl(ds_dir / "train.jsonl", CHAT)
     cfg = make_cfg(tmp_path, chat_tokenizer, [{"name": "pb", "hub_id": str(ds_dir), "revision": None,
                                                "split": "train", "format": "sharegpt"}], num_samples=12)
-    from pipeline import data
+    from pipeline.stages import data
 
     data.run(cfg)
     meta = json.loads((Path(cfg.run_dir) / "data" / "meta.json").read_text())
@@ -147,7 +147,7 @@ def test_hub_dataset_path_through_load_dataset(tmp_path, chat_tokenizer):
 @pytest.mark.faults("tamper")
 def test_tampered_samples_are_refused(tmp_path, chat_tokenizer, sources):
     """A flipped byte in data/samples.jsonl is refused by the reader (hash vs meta.json)."""
-    from pipeline import data
+    from pipeline.stages import data
 
     cfg = make_cfg(tmp_path, chat_tokenizer, sources)
     data.run(cfg)
@@ -193,9 +193,9 @@ def test_tokenizer_hash_is_over_its_original_files(tmp_path, chat_tokenizer, sou
 
     from huggingface_hub import constants
 
-    from pipeline import data
-    from pipeline.io import dumps_json, sha256_bytes, sha256_file
+    from pipeline.core.io import dumps_json, sha256_bytes, sha256_file
     from pipeline.quant.export import TOKENIZER_FILES
+    from pipeline.stages import data
     from tests._support import hub_cache
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-tmpdir"))  # any temp file would fail

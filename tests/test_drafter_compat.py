@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pipeline.errors import SpecquantError
+from pipeline.core.errors import SpecquantError
 from pipeline.models.compat import check_compatible
 from pipeline.models.dflash import DFlashConfig
 from pipeline.models.formats import load_drafter_config, zlab_config_dict

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.__main__ import main as pipeline_main
-from pipeline.errors import SpecquantError
+from pipeline.core.errors import SpecquantError
 from pipeline.models import formats
 from pipeline.models.convert import convert
 from tests._support import DRAFTER as SPEC

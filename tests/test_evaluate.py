@@ -182,7 +182,7 @@ def world(tmp_path_factory):
 
 
 def compose_for(world: dict, *extra: str):
-    from pipeline.config import compose
+    from pipeline.core.config import compose
 
     sets = ",".join(f"{{name:{n},path:'{p}',field:prompt}}" for n, p in world["prompts"].items())
     return compose([f"runs_root={world['root'] / 'runs'}", "run_name=tiny-eval",
@@ -269,8 +269,8 @@ def test_quantized_drafter_keeps_spec_decode_lossless(world):
 
 
 def test_evaluate_stage_writes_results_report_plots_and_commands(world):
-    from pipeline import evaluate
     from pipeline.models.spec_decode import measure_tau
+    from pipeline.stages import evaluate
 
     cfg = compose_for(world, "eval.limit=1")
     out = evaluate.run(cfg)
@@ -299,7 +299,7 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     for s in ("chat", "math", "code"):
         assert res["variants"]["bf16"]["subsets"][s]["tau"] == pytest.approx(ref["sets"][s]["mean_tau"], abs=1e-4)
         assert res["variants"]["bf16"]["subsets"][s]["steps"] == ref["sets"][s]["steps"]
-    from pipeline.modelcard import acceptance_table
+    from pipeline.provenance.modelcard import acceptance_table
 
     table = acceptance_table(res, "nvfp4")  # the model card reads the flat rows of results.json
     assert table and "| chat |" in table and f"{res['variants']['nvfp4']['subsets']['chat']['tau']:.3f}" in table
@@ -323,8 +323,8 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
 
 @pytest.mark.faults("bad_input")
 def test_evaluate_refuses_unknown_variant_before_work(world, tmp_path):
-    from pipeline import evaluate
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
+    from pipeline.stages import evaluate
 
     cfg = compose_for(world, "eval.variants=[bf16,fp8]", f"runs_root={tmp_path}")
     with pytest.raises(SpecquantError, match="eval.variants"):
@@ -345,8 +345,8 @@ def test_cli_unknown_variant_is_one_line_exit_2(world, tmp_path):
 
 
 def test_quantized_target_is_dequantized_and_still_lossless(world):
-    from pipeline import evaluate
     from pipeline.evaluation.fakequant import load_target
+    from pipeline.stages import evaluate
 
     qt = load_target(str(world["run"] / "target" / "w4a16"), torch.float32, "cpu")
     dense, quant = world["target"].model.layers[0].mlp.down_proj, qt.model.layers[0].mlp.down_proj

@@ -66,7 +66,7 @@ def test_same_prompt_ids_as_the_drafter_loop(tmp_path, tok):
 ])
 @pytest.mark.faults("bad_input")
 def test_bad_prompt_sets_name_the_field(tmp_path, tok, entry, field):
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
     from pipeline.evaluation.prompts import load_prompt_sets
 
     jsonl = tmp_path / "p.jsonl"

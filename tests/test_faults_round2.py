@@ -84,7 +84,7 @@ def cached(tmp_path_factory) -> Path:
     """A run dir with data/ and a two-shard cache/ of the fixture world, built by the real cache stage."""
     import torch
 
-    from pipeline import cache
+    from pipeline.stages import cache
     from tests._support import world_cfg, write_blend
 
     torch.set_num_threads(1)
@@ -180,9 +180,9 @@ def test_deleted_cache_shard_is_named_before_the_drafter_loads(cached, tmp_path,
 
 def test_cache_reader_checks_the_index_and_the_cache_stage_repairs_it(cached, tmp_path):
     """Every reader of the cache gets the check; the fix the sentence names (re-run the cache stage) works."""
-    from pipeline import cache
-    from pipeline.cache import CacheReader
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
+    from pipeline.stages import cache
+    from pipeline.stages.cache import CacheReader
     from tests._support import world_cfg
 
     run = tmp_path / "runs" / "qw"
@@ -247,7 +247,7 @@ def test_sharded_target_with_a_missing_shard_in_the_drafter_and_eval_loaders(tmp
     """quantize-drafter (the target's embed/lm_head) and evaluate (the whole target) name the missing shard too."""
     import torch
 
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
     from pipeline.evaluation.fakequant import load_target
     from pipeline.models.formats import load_drafter
     from tests._support import DRAFTER
@@ -380,7 +380,7 @@ def test_prompt_file_holding_only_a_bom_is_empty(tmp_path, capsys):
 def test_prompt_file_with_a_bom_keeps_its_first_prompt(tmp_path):
     from transformers import AutoTokenizer
 
-    from pipeline.config import compose
+    from pipeline.core.config import compose
     from pipeline.evaluation.prompts import load_prompt_sets
     from tests._support import REPO
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.io import read_json
+from pipeline.core.io import read_json
 from tests._support import ENV, REPO, leftovers, outputs, overrides, quantize_cli
 
 
@@ -35,7 +35,7 @@ def run(tiny_run) -> dict:
 # ---------------------------------------------------------------- SIGKILL of quantize-drafter
 KILLPOINTS = {
     # the bf16 reference checkpoint is complete in drafter/.partial-bf16-<pid>/, not yet renamed
-    "saving_bf16_reference": "pipeline.io:_fsync_tree|1",
+    "saving_bf16_reference": "pipeline.core.io:_fsync_tree|1",
     # oneshot is calibrating: the third calibration forward of the drafter
     "during_oneshot": "pipeline.models.dflash:DFlashDrafter.forward|3",
     # the compressed checkpoint is written in drafter/.partial-nvfp4-<pid>/, its config not yet rewritten

@@ -1,4 +1,4 @@
-"""Hash once (pipeline/hashes.py): a digest is reused while the file is unchanged, never after a change;
+"""Hash once (pipeline/core/hashes.py): a digest is reused while the file is unchanged, never after a change;
 `verify` reads every byte regardless. Real stage runs (data, manifest) on the embedded tiny world."""
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import hashes, provenance, repro, verify
-from pipeline.io import atomic_write_bytes, sha256_bytes, sha256_file
+from pipeline.core import hashes
+from pipeline.core.io import atomic_write_bytes, sha256_bytes, sha256_file
+from pipeline.provenance import record as provenance
+from pipeline.stages import verify
+from tests import repro
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1",
@@ -128,7 +131,7 @@ def test_a_written_file_is_never_read_back_and_a_rewrite_is(tmp_path):
 _WORKER = """
 import sys
 from pathlib import Path
-from pipeline import hashes
+from pipeline.core import hashes
 run, tag, n = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 hashes.use_run(run)
 for i in range(n):

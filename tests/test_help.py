@@ -27,7 +27,7 @@ def test_make_help_lists_every_target_and_make_alone_is_still_setup():
 
 
 def test_every_config_key_has_a_description():
-    from pipeline import config
+    from pipeline.core import config
     from pipeline.help import field_comments
 
     classes = [c for c in vars(config).values() if dataclasses.is_dataclass(c) and c.__module__ == config.__name__]
@@ -35,12 +35,12 @@ def test_every_config_key_has_a_description():
                if not field_comments(c).get(f.name) and not dataclasses.is_dataclass(f.type)
                and f.name not in {"target", "drafter", "data", "cache", "quant", "target_quant", "eval",
                                   "publish", "serve"}]
-    assert not missing, f"add a trailing comment in pipeline/config.py for {missing}"
+    assert not missing, f"add a trailing comment in pipeline/core/config.py for {missing}"
 
 
 def test_stage_help_prints_purpose_keys_types_values_and_presets(capsys):
     from pipeline.__main__ import main
-    from pipeline.config import QuantConfig
+    from pipeline.core.config import QuantConfig
 
     assert main(["quantize-drafter", "--help"]) == 0
     out = capsys.readouterr().out

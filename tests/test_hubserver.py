@@ -1,4 +1,4 @@
-"""pipeline.hubserver speaks enough of the Hub API for huggingface_hub's real client (LFS, no Xet)."""
+"""tests.hubserver speaks enough of the Hub API for huggingface_hub's real client (LFS, no Xet)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.hubserver import HubServer
-from pipeline.publish import hub_online
+from pipeline.stages.publish import hub_online
+from tests.hubserver import HubServer
 
 TOKEN = "hf_servertest_token_0123456789"
 
@@ -126,7 +126,7 @@ def test_subprocess_server_survives_sigkill_with_consistent_storage(tmp_path):
     store, trace = tmp_path / "store", tmp_path / "trace.txt"
 
     def start(port: int, *extra: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.hubserver", "--root", str(store), "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "tests.hubserver", "--root", str(store), "--port",
                                  str(port), "--trace", str(trace), *extra], stdout=subprocess.PIPE, text=True)
         line = proc.stdout.readline()
         assert "listening on" in line, line

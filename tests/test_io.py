@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from pipeline.errors import SpecquantError
-from pipeline.io import (
+from pipeline.core.errors import SpecquantError
+from pipeline.core.io import (
     PARTIAL_PREFIX,
     TMP_PREFIX,
     HashingWriter,
@@ -69,7 +69,7 @@ def test_stale_temps_are_removed(tmp_path):
 
 def test_hash_tree_follows_the_file_list_rule(tmp_path):
     """hash_tree = hash_files(list_files(...)): regular files only, no temp files, no symlinks; `exclude` skips."""
-    from pipeline import provenance
+    from pipeline.provenance import record as provenance
 
     (tmp_path / "d").mkdir()
     (tmp_path / "a").write_bytes(b"a")
@@ -108,4 +108,4 @@ def test_atomic_dir_swaps_whole_directories(tmp_path):
     with atomic_dir(final) as d:
         (d / "c").write_bytes(b"3")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"] and [p.name for p in final.iterdir()] == ["c"]
-    assert export.atomic_dir is atomic_dir and export.remove_partials.__module__ == "pipeline.io"
+    assert export.atomic_dir is atomic_dir and export.remove_partials.__module__ == "pipeline.core.io"

@@ -1,4 +1,4 @@
-"""Manifest stage on a small hand-built run directory (records written by the real pipeline.stage)."""
+"""Manifest stage on a small hand-built run directory (records written by the real pipeline.stages.runner)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import sys
 import pytest
 import yaml
 
-from pipeline import manifest, provenance
-from pipeline.config import compose
-from pipeline.errors import SpecquantError
-from pipeline.io import sha256_file
+from pipeline.core.config import compose
+from pipeline.core.errors import SpecquantError
+from pipeline.core.io import sha256_file
+from pipeline.provenance import record as provenance
+from pipeline.stages import manifest
 from tests._support import DFLASH as FIX
 from tests._support import MANIFEST_RECIPE as RECIPE
 from tests._support import MANIFEST_TOKEN as TOKEN
@@ -111,7 +112,7 @@ def test_provenance_folder(run):
     cfg = yaml.safe_load((p / "resolved_config" / "quantize-drafter-nvfp4.yaml").read_text())
     assert cfg["quant"]["scheme"] == "nvfp4" and cfg["run_dir"] == str(run)
     src = json.loads((p / "source" / "SOURCE.json").read_text())
-    assert src["files"]["pipeline/manifest.py"]["sha256"] == sha256_file(REPO / "pipeline" / "manifest.py")
+    assert src["files"]["pipeline/stages/manifest.py"]["sha256"] == sha256_file(REPO / "pipeline" / "manifest.py")
     assert (p / "source" / "pipeline" / "stage.py").read_bytes() == (REPO / "pipeline" / "stage.py").read_bytes()
     assert (p / "source" / "git.diff").exists() == bool(src["git"]["dirty"] and src["git"]["diff"])
     att = json.loads((p / "attestation.intoto.json").read_text())
@@ -225,7 +226,7 @@ def test_missing_run_dir_is_one_sentence(tmp_path):
 def test_committed_tiny_manifests_validate(name):
     path = REPO / "manifests" / "tiny" / f"{name}.json"
     if not path.is_file():
-        pytest.skip("manifests/tiny/ is written by `python -m pipeline.repro --update-reference`")
+        pytest.skip("manifests/tiny/ is written by `python -m tests.repro --update-reference`")
     doc = json.loads(path.read_text())
     _validate(doc, name)
     # the reference is made on a CPU machine: serve-check (GPU + vLLM) is the one stage it says it did not run
@@ -234,7 +235,7 @@ def test_committed_tiny_manifests_validate(name):
 
 def test_tokenizer_section_agrees_with_the_data_stage(chat_tokenizer):
     """The manifest reports the data stage's tokenizer hashes, and hashes a bare path the same way."""
-    from pipeline import data
+    from pipeline.stages import data
 
     hashes = data.tokenizer_hashes(chat_tokenizer)
     recorded = manifest._tokenizer({"tokenizer": {"name_or_path": str(chat_tokenizer), "revision": None, **hashes}}, {})

@@ -15,10 +15,10 @@ import shutil
 import pytest
 import torch
 
-from pipeline import pairing
-from pipeline.config import compose
-from pipeline.errors import SpecquantError
-from pipeline.io import read_json
+from pipeline.core.config import compose
+from pipeline.core.errors import SpecquantError
+from pipeline.core.io import read_json
+from pipeline.quant import pairing
 from tests._support import DRAFTER, TARGET, copy_world, run_cli, w4a16_group
 
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
@@ -35,7 +35,7 @@ def _base(root) -> list[str]:
 
 
 def _stage(stage: str, module: str, overrides: list[str]):
-    from pipeline.stage import run_stage
+    from pipeline.stages.runner import run_stage
 
     return run_stage(stage, module, compose(overrides), overrides)
 
@@ -45,16 +45,16 @@ def world(fixture_world, tmp_path_factory):
     torch.set_num_threads(2)
     root = copy_world(fixture_world, tmp_path_factory.mktemp("pworld"))
     base = _base(root)
-    _stage("quantize-target", "pipeline.quantize_target", [*base, "target_quant=w4a16"])
-    _stage("cache", "pipeline.cache", [*base, "cache.target=w4a16"])
+    _stage("quantize-target", "pipeline.stages.quantize_target", [*base, "target_quant=w4a16"])
+    _stage("cache", "pipeline.stages.cache", [*base, "cache.target=w4a16"])
     drafter = [*base, "quant=w4a16-imatrix", f"quant.group_size={G}"]
-    _stage("quantize-drafter", "pipeline.quantize_drafter", drafter)
-    _stage("quantize-drafter", "pipeline.quantize_drafter", [*drafter, "quant.calibration_target=w4a16"])
+    _stage("quantize-drafter", "pipeline.stages.quantize_drafter", drafter)
+    _stage("quantize-drafter", "pipeline.stages.quantize_drafter", [*drafter, "quant.calibration_target=w4a16"])
     return root
 
 
 def test_the_cache_of_the_quantized_target_is_its_own_and_names_that_checkpoint(world):
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     run = world / "qw"
     bf16, w4 = read_json(run / "cache" / "index.json", "i"), read_json(run / "cache-w4a16" / "index.json", "i")
@@ -73,8 +73,8 @@ def test_the_cache_of_the_quantized_target_is_its_own_and_names_that_checkpoint(
 
 
 def test_a_drafter_calibrated_on_the_quantized_target_is_its_own_variant_and_records_that_target(world):
-    from pipeline import manifest
-    from pipeline.io import hash_tree
+    from pipeline.core.io import hash_tree
+    from pipeline.stages import manifest
 
     run = world / "qw"
     on_bf16, on_w4 = run / "drafter" / "w4a16-imatrix", run / "drafter" / "w4a16-imatrix-on-w4a16"
@@ -96,7 +96,7 @@ def test_a_drafter_calibrated_on_the_quantized_target_is_its_own_variant_and_rec
 
 
 def run_dir(world):
-    from pipeline.rundir import RunDir
+    from pipeline.artifacts.rundir import RunDir
 
     return RunDir(world / "qw")
 
@@ -167,7 +167,7 @@ def test_pairing_with_a_target_of_another_shape_is_refused_before_anything_loads
 
 
 def test_calibrating_on_a_target_without_its_cache_or_a_data_free_recipe_is_refused(world, tmp_path):
-    from pipeline import quantize_drafter
+    from pipeline.stages import quantize_drafter
 
     shutil.copytree(world / "qw", tmp_path / "qw", ignore=shutil.ignore_patterns("cache-w4a16"))
     base = _base(tmp_path)
@@ -183,7 +183,7 @@ def test_calibrating_on_a_target_without_its_cache_or_a_data_free_recipe_is_refu
         quantize_drafter.validate(compose([*base, "quant=w4a16", f"quant.group_size={G}",
                                            "quant.calibration_target=w4a16"]))
     with pytest.raises(SpecquantError, match=r"^`cache.target` = 'nvfp4': no quantized target"):
-        from pipeline import cache
+        from pipeline.stages import cache
 
         cache.run(compose([*base, "cache.target=nvfp4"]))
 
@@ -191,14 +191,14 @@ def test_calibrating_on_a_target_without_its_cache_or_a_data_free_recipe_is_refu
 def test_a_pair_cache_of_other_target_files_or_a_misspelt_target_is_refused(world, tmp_path):
     """The cache of the quantized target must hold the states of that target as it is now: a target
     re-quantized with other settings after its cache was made is named, and a typo gets the near name."""
-    from pipeline import cache, quantize_drafter
+    from pipeline.stages import cache, quantize_drafter
 
     shutil.copytree(world / "qw", tmp_path / "qw")
     base = _base(tmp_path)
     cfg = compose([*base, "quant=w4a16-imatrix", "quant.calibration_target=w4a16"])
     assert quantize_drafter.calibration_cache(cfg, run_dir(tmp_path)) == tmp_path / "qw" / "cache-w4a16"
     shutil.rmtree(tmp_path / "qw" / "target" / "w4a16")
-    _stage("quantize-target", "pipeline.quantize_target", [*base, "target_quant=w4a16", "target_quant.observer=minmax"])
+    _stage("quantize-target", "pipeline.stages.quantize_target", [*base, "target_quant=w4a16", "target_quant.observer=minmax"])
     with pytest.raises(SpecquantError, match=r"^`quant.calibration_target` = 'w4a16': .*cache-w4a16 holds the hidden "
                                              r"states of other target files \(\w{12}\) than .*target/w4a16 now has "
                                              r"\(\w{12}\); re-run `make cache ARGS=\"cache.target=w4a16 run_name=qw\"`"):

@@ -1,8 +1,8 @@
-"""Every PNG of the pipeline goes through pipeline.plotting.save_png: same figure -> same bytes."""
+"""Every PNG of the pipeline goes through pipeline.core.plotting.save_png: same figure -> same bytes."""
 
 from __future__ import annotations
 
-from pipeline.plotting import pyplot, save_png
+from pipeline.core.plotting import pyplot, save_png
 
 
 def _figure():

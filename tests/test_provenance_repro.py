@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from pipeline import repro
+from tests import repro
 from tests._support import build_run, run_manifest
 
 
@@ -50,7 +50,7 @@ def test_same_inputs_compare_equal(two_runs):
     da, skipped = repro.digests(a, ra)
     db, _ = repro.digests(b, rb)
     assert repro.compare(da, db) == []
-    assert sorted(skipped) == [".work/hashes.json", ".work/hashes.lock",  # the hash memo (pipeline/hashes.py)
+    assert sorted(skipped) == [".work/hashes.json", ".work/hashes.lock",  # the hash memo (pipeline/core/hashes.py)
                                "stages/cache.json", "stages/data.json", "stages/quantize-drafter-nvfp4.json"]
     assert {"quant_run_manifest.json", "provenance/attestation.intoto.json", "provenance/files.sha256.json",
             "drafter/nvfp4/model.safetensors", "cache/shard-00000.safetensors"} <= set(da)
@@ -121,7 +121,8 @@ def test_one_git_state_rule_for_stage_records_and_source_snapshot(tmp_path, monk
     pyproject.toml count; working-tree changes vs HEAD and untracked, non-ignored files make it dirty."""
     import subprocess
 
-    from pipeline import provenance, stage
+    from pipeline.provenance import record as provenance
+    from pipeline.stages import runner as stage
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=tmp_path,
@@ -165,7 +166,7 @@ def test_one_git_state_rule_for_stage_records_and_source_snapshot(tmp_path, monk
 
 def test_the_warning_check_knows_the_pairing_sentence_and_nothing_else(capsys):
     """repro-check fails on any warning a stage prints that the README does not explain."""
-    from pipeline import pairing
+    from pipeline.quant import pairing
 
     served = {"variant": "w4a16", "path": "target/w4a16", "files_sha256": "b" * 64, "shape": {}}
     record = {"variant": "bf16", "used": True, "files_sha256": "a" * 64, "shape": {}}

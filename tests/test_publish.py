@@ -1,4 +1,4 @@
-"""The publish stage against the project's Hub server on 127.0.0.1 (pipeline.hubserver).
+"""The publish stage against the project's Hub server on 127.0.0.1 (tests.hubserver).
 
 The run folder (tests/_support.make_run; conftest's `pristine_runs`, `run_root`) is small but real: a safetensors drafter checkpoint (the golden speculators
 fixture for bf16, a re-saved tiny one for nvfp4), a captured stage record, eval results, and
@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import compose
-from pipeline.errors import SpecquantError
-from pipeline.hubserver import HubServer
+from pipeline.core.config import compose
+from pipeline.core.errors import SpecquantError
 from tests._support import (
     DRAFTER,
     download,
@@ -29,6 +28,7 @@ from tests._support import (
 from tests._support import HUB_BASE as BASE
 from tests._support import HUB_TARGET as TARGET
 from tests._support import PUBLISH_TOKEN as TOKEN
+from tests.hubserver import HubServer
 
 CKPT = DRAFTER
 
@@ -52,8 +52,8 @@ def hub(tmp_path):
 
 # ---------------------------------------------------------------- dry run and the card
 def test_dry_run_assembles_verified_folder_with_card(run_root, tmp_path, capsys):
-    from pipeline import publish
-    from pipeline.verify import verify_dir
+    from pipeline.stages import publish
+    from pipeline.stages.verify import verify_dir
 
     out = publish.run(publish_cfg(run_root))
     folder = run_root / "tiny" / "publish" / "nvfp4"
@@ -98,8 +98,8 @@ def test_dry_run_assembles_verified_folder_with_card(run_root, tmp_path, capsys)
 def test_push_download_verify_then_no_second_commit(run_root, hub, tmp_path):
     from huggingface_hub import HfApi
 
-    from pipeline import publish
-    from pipeline.publish import hub_online
+    from pipeline.stages import publish
+    from pipeline.stages.publish import hub_online
 
     out = publish.run(push_cfg(run_root, hub.url))["variants"]["nvfp4"]
     assert out["status"] == "pushed" and len(out["commit"]) == 40
@@ -146,7 +146,7 @@ def test_push_download_verify_then_no_second_commit(run_root, hub, tmp_path):
 @pytest.mark.faults("tamper")
 def test_tampered_checkpoint_refused_naming_the_file(run_root, hub, tmp_path):
     """A byte flipped in the run's drafter weights after the manifest: publish refuses, names the file."""
-    from pipeline import publish
+    from pipeline.stages import publish
 
     w = run_root / "tiny" / "drafter" / "nvfp4" / "model.safetensors"
     data = bytearray(w.read_bytes())
@@ -171,7 +171,7 @@ def _one_sentence(msg: str, *needles: str) -> None:
 @pytest.mark.faults("bad_input")
 def test_bad_publish_inputs_one_sentence_nothing_pushed(case, run_root, hub, tmp_path, monkeypatch):
     """Bad publish settings: one sentence naming the field, before anything is written or pushed."""
-    from pipeline import publish
+    from pipeline.stages import publish
 
     cfgs = {
         "missing token": (push_cfg(run_root, hub.url), "publish.token_env"),
@@ -201,17 +201,17 @@ def test_bad_publish_inputs_one_sentence_nothing_pushed(case, run_root, hub, tmp
 @pytest.mark.faults("secret")
 def test_planted_token_never_written_or_printed(run_root, hub, tmp_path, capfd, caplog, monkeypatch):
     """A planted HF token is used for the push, yet appears in no file, record, log or output."""
-    from pipeline.stage import run_stage
+    from pipeline.stages.runner import run_stage
 
     caplog.set_level("DEBUG")
     monkeypatch.setenv("HF_HUB_VERBOSITY", "debug")
     overrides = [f"runs_root={run_root}", "run_name=tiny", "publish.dry_run=false", f"publish.endpoint={hub.url}",
                  "publish.namespace=specquant-test"]
-    run_stage("publish", "pipeline.publish", compose(overrides), overrides)
-    run_stage("publish", "pipeline.publish", compose([*overrides, f"publish.token={TOKEN}x"]),
+    run_stage("publish", "pipeline.stages.publish", compose(overrides), overrides)
+    run_stage("publish", "pipeline.stages.publish", compose([*overrides, f"publish.token={TOKEN}x"]),
               [*overrides, f"publish.token={TOKEN}x"])  # a token given in config is scrubbed too
     with pytest.raises(SpecquantError) as err:
-        run_stage("publish", "pipeline.publish", compose([*overrides, "publish.repo_id=me/x--y"]), overrides)
+        run_stage("publish", "pipeline.stages.publish", compose([*overrides, "publish.repo_id=me/x--y"]), overrides)
     download(hub.url, "specquant-test/tiny-dflash-b8-nvfp4", "main", tmp_path / "cache")
     captured = capfd.readouterr()
     texts = [captured.out, captured.err, caplog.text, str(err.value)]
@@ -224,7 +224,7 @@ def test_planted_token_never_written_or_printed(run_root, hub, tmp_path, capfd, 
 @pytest.mark.faults("secret")
 def test_tokens_in_env_are_forwarded_only_to_the_endpoint(run_root, hub, tmp_path, monkeypatch):
     """The server sees the token (401 otherwise): a wrong one is refused with one sentence."""
-    from pipeline import publish
+    from pipeline.stages import publish
 
     with HubServer(tmp_path / "hub2", token="the-right-token") as strict:
         with pytest.raises(SpecquantError) as err:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import SpecquantError
+from pipeline.core.errors import SpecquantError
 from tests._support import PUBLISH_TOKEN as TOKEN
 from tests._support import REPO, download, publish_cfg, push_cfg
 
@@ -27,7 +27,7 @@ REPO_ID = "specquant-test/tiny-dflash-b8-nvfp4"
 
 class Server:
     def __init__(self, store: Path, port: int = 0, *extra: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.hubserver", "--root", str(store),
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.hubserver", "--root", str(store),
                                       "--port", str(port), *extra], stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         assert "listening on" in line, line
@@ -45,7 +45,7 @@ def _commits(store: Path) -> dict:
 
 
 def _check_complete(run_root: Path, store: Path, url: str, revision: str, cache: Path) -> None:
-    from pipeline.verify import verify_dir
+    from pipeline.stages.verify import verify_dir
 
     rec = json.loads((run_root / "tiny" / "publish" / "nvfp4.json").read_text())
     got = download(url, REPO_ID, revision, cache)
@@ -61,7 +61,7 @@ def _check_complete(run_root: Path, store: Path, url: str, revision: str, cache:
 @pytest.mark.parametrize("point", ["before the commit", "before the tag"])
 def test_server_killed_at_a_request_then_rerun_completes(point, run_root, tmp_path):
     """SIGKILL of the Hub server at a precise request; restart on the same storage; re-run publish."""
-    from pipeline import publish
+    from pipeline.stages import publish
 
     store = tmp_path / "hub"
     die_on = {"before the commit": f"POST /api/models/{REPO_ID}/commit/",
@@ -93,7 +93,7 @@ def test_server_killed_at_a_request_then_rerun_completes(point, run_root, tmp_pa
 @pytest.mark.faults("kill")
 def test_server_killed_mid_lfs_upload_then_rerun_completes(run_root, tmp_path):
     """SIGKILL while the weights stream in: no partial object or commit is visible; the re-run completes."""
-    from pipeline import publish
+    from pipeline.stages import publish
 
     store = tmp_path / "hub"
     srv = Server(store, 0, "--slow-put", "0.4")
@@ -132,8 +132,8 @@ def test_publish_process_killed_mid_upload_then_rerun_completes(run_root, pristi
     """SIGKILL of `python -m pipeline publish` itself while the weights upload; the re-run completes."""
     import os
 
-    from pipeline import publish
-    from pipeline.hubserver import HubServer
+    from pipeline.stages import publish
+    from tests.hubserver import HubServer
 
     store = tmp_path / "hub"
     with HubServer(store, slow_put=0.3) as srv:

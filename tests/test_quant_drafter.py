@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline import quantize_drafter
-from pipeline.io import hash_tree, read_json
+from pipeline.core.io import hash_tree, read_json
 from pipeline.quant import cache_batches, recipes
+from pipeline.stages import quantize_drafter
 from tests._support import build_world, copy_world, geometry, massive_activation_target, world_cfg
 
 
@@ -102,7 +102,7 @@ def test_another_cache_changes_the_activation_scales(tmp_path, nvfp4):
 
 
 def _fc_scale(root) -> float:
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     reader = CacheReader(root / "qw" / "cache")
     calib, _ = cache_batches.split_indices(len(reader), 12, 12, 0, True)
@@ -127,8 +127,8 @@ def test_calibration_pays_where_activations_leave_the_fixed_range(tmp_path):
     # the calibration-free scale (1.0 = absmax 2688) clips hidden states of ~3e4; calibrated scales do not
     target = massive_activation_target(tmp_path / "target")
     build_world(tmp_path, target=target)
-    from pipeline.evaluate import rounding_noise, verdict
     from pipeline.quant import paired
+    from pipeline.stages.evaluate import rounding_noise, verdict
 
     reports, served = {}, {}
     for q in ("nvfp4", "nvfp4-nocalib"):

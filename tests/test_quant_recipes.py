@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from pipeline import quantize_drafter, quantize_target
-from pipeline.errors import SpecquantError
+from pipeline.core.errors import SpecquantError
 from pipeline.quant import recipes
+from pipeline.stages import quantize_drafter, quantize_target
 from tests._support import DRAFTER, geometry, w4a16_group, world_cfg
 
 

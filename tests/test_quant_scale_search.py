@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline import quantize_drafter
-from pipeline.io import read_json
+from pipeline.core.io import read_json
 from pipeline.quant import act_scale, cache_batches, recipes
+from pipeline.stages import quantize_drafter
 from tests._support import (
     DRAFTER,
     TARGET,
@@ -69,8 +69,8 @@ def test_chosen_scales_are_never_worse_than_fixed_or_minmax_on_calibration_data(
 def test_fc_error_matches_an_independent_computation(world, searched):
     # fc reads the cached hidden states themselves: recompute its error over the calibration samples
     # with an independent NVFP4 QDQ (vLLM semantics) and the drafter's own fc weight
-    from pipeline.cache import CacheReader
     from pipeline.models.formats import load_drafter
+    from pipeline.stages.cache import CacheReader
 
     fc = searched["activation_scale_search"]["layers"]["fc"]
     w = load_drafter(DRAFTER, target=TARGET, dtype=torch.float32).fc.weight.detach()
@@ -111,9 +111,9 @@ def test_minmax_mode_keeps_static_minmax_scales(world, searched):
 
 
 def test_hooks_leave_the_forward_alone_and_qdq_is_the_served_one(world, searched):
-    from pipeline.cache import CacheReader
     from pipeline.models.formats import load_drafter
     from pipeline.quant import checks
+    from pipeline.stages.cache import CacheReader
 
     model = checks.load_dequantized(load_drafter(world / "qw" / "drafter" / "bf16", target=TARGET,
                                                  dtype=torch.float32), world / "qw" / "drafter" / "nvfp4")
@@ -202,9 +202,9 @@ def test_paired_statistics():
 
 
 def test_rounding_band_is_reported_reproducible_and_leaves_the_scales_alone(world, searched):
+    from pipeline.artifacts.rundir import RunDir
     from pipeline.models.formats import load_drafter
     from pipeline.quant import checks, drafter_checks
-    from pipeline.rundir import RunDir
 
     report = read_json(world / "qw" / "checks" / "drafter-nvfp4.json")
     band = report["served_rounding_band"]
@@ -215,7 +215,7 @@ def test_rounding_band_is_reported_reproducible_and_leaves_the_scales_alone(worl
     # last draw, and the scales are left as found
     cfg = world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true")
     rd = RunDir.from_cfg(cfg)
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     reader = CacheReader(rd.cache)
     reference_cfg = read_json(DRAFTER / "config.json", "drafter")  # block size and mask id of the fixture drafter
@@ -237,7 +237,7 @@ def test_rounding_band_is_reported_reproducible_and_leaves_the_scales_alone(worl
 
 
 def test_verdict_needs_significance_and_a_result_outside_the_rounding_band():
-    from pipeline.evaluate import verdict
+    from pipeline.stages.evaluate import verdict
 
     band = {"min": 0.90, "max": 0.92}
     assert verdict({"mcnemar_p": 0.01, "top1_a": 0.95}, band) == "better"

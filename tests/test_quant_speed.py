@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from pipeline import quantize_drafter
 from pipeline.quant import act_scale, cache_batches
+from pipeline.stages import quantize_drafter
 from tests._support import copy_world, world_cfg
 
 
@@ -103,7 +103,7 @@ def test_stage_record_times_every_phase(batched_and_sequential):
 
 
 def test_read_ahead_batches_are_the_plain_batches(fixture_world):
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     cache = fixture_world / "qw" / "cache"
     plain = cache_batches.drafter_batches(CacheReader(cache), list(range(7)), 8, 4, 5, 64, 3)
@@ -130,8 +130,8 @@ def test_calibration_reader_keeps_the_storage_dtype_except_fp8():
 
 
 def test_parallel_verification_names_the_corrupt_shard(fixture_world, tmp_path):
-    from pipeline.cache import CacheReader
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
+    from pipeline.stages.cache import CacheReader
 
     world = copy_world(fixture_world, tmp_path)
     cache = world / "qw" / "cache"
@@ -153,9 +153,9 @@ def test_parallel_verification_names_the_corrupt_shard(fixture_world, tmp_path):
 
 
 def test_skipping_the_output_head_leaves_every_linear_input_alone(fixture_world):
-    from pipeline.cache import CacheReader
     from pipeline.models.formats import load_drafter
     from pipeline.quant.calibrate import skip_logits
+    from pipeline.stages.cache import CacheReader
     from tests._support import DRAFTER, TARGET
 
     model = load_drafter(DRAFTER, target=TARGET, dtype=torch.float32, device="cpu").eval()

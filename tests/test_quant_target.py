@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline import quantize_target
-from pipeline.io import hash_tree, read_json
+from pipeline.core.io import hash_tree, read_json
+from pipeline.stages import quantize_target
 from tests._support import TARGET, world_cfg, write_blend
 
 
@@ -66,7 +66,7 @@ def test_torchrun_two_ranks_gptq_target_equals_one_process(tmp_path):
     import sys
     from pathlib import Path
 
-    from pipeline.config import compose
+    from pipeline.core.config import compose
 
     one, two = tmp_path / "one", tmp_path / "two"
     for root in (one, two):
@@ -92,7 +92,7 @@ def test_torchrun_two_ranks_gptq_target_equals_one_process(tmp_path):
 
 
 def test_data_free_recipe_under_torchrun_is_refused_before_loading(runs, monkeypatch):
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # no process group exists: reaching it would fail differently
     with pytest.raises(SpecquantError, match=r"target_quant\.algorithm.*rtn.*data-free.*without torchrun"):
@@ -102,7 +102,7 @@ def test_data_free_recipe_under_torchrun_is_refused_before_loading(runs, monkeyp
 
 
 def test_more_processes_than_calibration_samples_is_refused_before_loading(runs, monkeypatch):
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
 
     monkeypatch.setenv("WORLD_SIZE", "8")  # no process group exists: reaching it would fail differently
     with pytest.raises(SpecquantError, match=r"^`target_quant\.num_samples` = 4.*8 processes.*at least 8"):

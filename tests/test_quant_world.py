@@ -7,7 +7,7 @@ from tests._support import build_world, geometry
 
 
 def test_world_builds_a_cache_the_drafter_can_read(tmp_path):
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     run_dir = build_world(tmp_path)
     reader = CacheReader(run_dir / "cache")

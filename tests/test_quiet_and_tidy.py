@@ -14,7 +14,7 @@ import pytest
 
 from tests._support import DRAFTER, REPO, TARGET, copy_world, run_cli
 
-# the lines pipeline.quiet mutes at their source (pipeline/quant/calibrate.py, export.py, stage.py)
+# the lines pipeline.core.quiet mutes at their source (pipeline/quant/calibrate.py, export.py, stage.py)
 FILTERED = ("No accelerator available!", "Attempted to calibrate a module",
             "Attempting to save a model with offloaded modules", "but it is recommended to use")
 
@@ -26,7 +26,7 @@ def _modes(root: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_quantize_drafter_cli_is_quiet_and_writes_uniform_modes(fixture_world, tmp_path):
-    from pipeline.io import _DIR_MODE, _FILE_MODE
+    from pipeline.core.io import _DIR_MODE, _FILE_MODE
 
     run_dir = copy_world(fixture_world, tmp_path) / "qw"
     r = run_cli("quantize-drafter", f"runs_root={tmp_path}", "run_name=qw", f"target.path={TARGET}",
@@ -53,7 +53,7 @@ def test_atomic_dir_gives_every_file_and_folder_the_plain_mode(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.io import _DIR_MODE, _FILE_MODE, atomic_dir
+    from pipeline.core.io import _DIR_MODE, _FILE_MODE, atomic_dir
 
     final = tmp_path / "ckpt"
     with atomic_dir(final) as tmp:
@@ -74,7 +74,7 @@ def test_prompt_sets_leave_no_datasets_cache_anywhere(tmp_path):
     home, runs = tmp_path / "home", tmp_path / "runs"
     home.mkdir()
     code = ("from transformers import AutoTokenizer\n"
-            "from pipeline.config import compose\n"
+            "from pipeline.core.config import compose\n"
             "from pipeline.evaluation.prompts import load_prompt_sets\n"
             f"cfg = compose(['runs_root={runs}', 'run_name=p', 'eval.limit=2'])\n"
             "subsets = load_prompt_sets(cfg.eval, AutoTokenizer.from_pretrained(cfg.target.tokenizer))\n"
@@ -105,7 +105,7 @@ def test_repro_check_fails_naming_files_left_outside_and_not_the_caches_it_excus
     a failure named in one sentence; old files, the kept folders and NOT_OURS' per-user caches are not."""
     import time
 
-    from pipeline import repro
+    from tests import repro
 
     home, tmp, runs = tmp_path / "home", tmp_path / "tmp", tmp_path / "tmp" / "specquant-repro-x"
     for d in (home / ".cache" / "matplotlib", home / ".cache" / "huggingface" / "datasets" / "json",
@@ -137,8 +137,8 @@ def test_data_stage_hub_source_leaves_no_datasets_cache_anywhere(tmp_path):
     home.mkdir()
     hub_like.mkdir()
     shutil.copyfile(REPO / "assets" / "tiny" / "corpus" / "chat.jsonl", hub_like / "train.jsonl")
-    code = ("from pipeline.config import DataSource, compose\n"
-            "from pipeline import data\n"
+    code = ("from pipeline.core.config import DataSource, compose\n"
+            "from pipeline.stages import data\n"
             f"cfg = compose(['runs_root={runs}', 'run_name=h', 'data.num_samples=12'])\n"
             f"cfg.data.sources = [DataSource(name='chat', hub_id='{hub_like}', split='train', format='sharegpt')]\n"
             "data.run(cfg)\n")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import CONF_DIR, compose
-from pipeline.hubserver import HubServer
+from pipeline.core.config import CONF_DIR, compose
 from tests._support import ENV, REPO, overrides
+from tests.hubserver import HubServer
 
 TOKEN = "hf_PLANTEDsecret123456SpecquantXyZ"  # from the environment
 ARG_TOKEN = "hf_PLANTEDonTheCommandLine987654"  # given as publish.token=... instead
@@ -127,7 +127,7 @@ def test_security_defaults_no_unpickling_no_remote_code():
 def test_a_token_written_into_a_config_file_never_reaches_the_source_snapshot(tmp_path):
     """`publish.token: hf_...` in conf/publish/default.yaml (the documented field) and in the diff: the real
     source_info of this checkout, with that edit, through the real snapshot writer."""
-    from pipeline import provenance as prov
+    from pipeline.provenance import record as prov
 
     info = prov.source_info()
     rel = "conf/publish/default.yaml"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import SpecquantError
+from pipeline.core.errors import SpecquantError
 from pipeline.serving import verdict
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm" / "tiny-h200-worker-results.tar.xz"
@@ -84,10 +84,10 @@ def test_report_section_and_card_sentence(results):
 
 
 def test_publish_refuses_a_variant_whose_serve_check_failed(results, tmp_path):
-    from pipeline import publish
-    from pipeline.config import compose
-    from pipeline.io import atomic_write_json
-    from pipeline.rundir import RunDir
+    from pipeline.artifacts.rundir import RunDir
+    from pipeline.core.config import compose
+    from pipeline.core.io import atomic_write_json
+    from pipeline.stages import publish
 
     cfg = compose([f"runs_root={tmp_path}", "run_name=r"])
     rd = RunDir.from_cfg(cfg)

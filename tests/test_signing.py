@@ -14,13 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline import provenance as prov
-from pipeline import signing
-from pipeline.hubserver import HubServer
-from pipeline.io import sha256_file
+from pipeline.core.io import sha256_file
+from pipeline.provenance import record as prov
+from pipeline.provenance import signing
 from tests._support import HUB_BASE as BASE
 from tests._support import HUB_TARGET as TARGET
 from tests._support import download, front_matter, publish_cfg, push_cfg
+from tests.hubserver import HubServer
 
 # `pristine_runs` (the session's small real run, built once) and `run_root` (a fresh copy of it per test)
 # are tests/conftest.py's fixtures, shared with test_publish
@@ -60,7 +60,7 @@ def keys(tmp_path) -> dict[str, Path]:
 
 @pytest.fixture
 def signed(run_root, keys) -> Path:
-    from pipeline import publish
+    from pipeline.stages import publish
 
     publish.run(publish_cfg(run_root, f"publish.signing_key={keys['priv']}", f"publish.public_key={keys['pub']}"))
     return run_root / "tiny" / "publish" / "nvfp4"
@@ -82,7 +82,7 @@ def _key_body(pem: Path) -> list[str]:
 
 # ---------------------------------------------------------------- a good folder
 def test_signed_folder_verifies_and_names_its_key(signed, keys, run_root, capsys):
-    from pipeline import publish
+    from pipeline.stages import publish
 
     assert (signed / SIG).is_file()
     rc, lines = verify_cli(capsys, signed, "--public-key", keys["pub"])
@@ -122,8 +122,8 @@ def test_signed_folder_verifies_and_names_its_key(signed, keys, run_root, capsys
 
 def test_signed_push_downloads_and_verifies(run_root, keys, tmp_path):
     """The signature goes to the Hub with the folder; what is downloaded verifies against it."""
-    from pipeline import publish
-    from pipeline.verify import verify_dir
+    from pipeline.stages import publish
+    from pipeline.stages.verify import verify_dir
 
     with HubServer(tmp_path / "hub") as hub:
         out = publish.run(push_cfg(run_root, hub.url, f"publish.signing_key={keys['priv']}"))["variants"]["nvfp4"]
@@ -136,7 +136,7 @@ def test_signed_push_downloads_and_verifies(run_root, keys, tmp_path):
 
 
 def test_unsigned_folder_says_so(run_root, keys, capsys):
-    from pipeline import publish
+    from pipeline.stages import publish
 
     publish.run(publish_cfg(run_root))
     folder = run_root / "tiny" / "publish" / "nvfp4"
@@ -247,7 +247,7 @@ def test_tampered_signed_folder_is_refused_in_one_sentence(case, signed, keys, c
 @pytest.mark.faults("tamper")
 def test_run_dir_verify_checks_each_published_signature(signed, keys, run_root):
     """A run dir verified with a public key checks each published folder's signature: a missing one is named."""
-    from pipeline.verify import verify_dir
+    from pipeline.stages.verify import verify_dir
 
     assert verify_dir(run_root / "tiny", public_key=keys["pub"]) == []
     (signed / SIG).unlink()
@@ -286,9 +286,9 @@ BAD = {
 @pytest.mark.parametrize("case", [Case(c, WHAT[c]) for c in BAD])
 def test_bad_signing_settings_fail_in_one_sentence_before_writing(case, run_root, keys, tmp_path, monkeypatch):
     """publish with a bad signing key setting: one sentence naming the field, nothing assembled, key never echoed."""
-    from pipeline import publish
-    from pipeline.errors import SpecquantError
-    from pipeline.secrets import scrub
+    from pipeline.core.errors import SpecquantError
+    from pipeline.core.secrets import scrub
+    from pipeline.stages import publish
 
     monkeypatch.delenv("SPECQUANT_TEST_UNSET_KEY", raising=False)
     monkeypatch.setenv("SPECQUANT_TEST_KEY_PEM", keys["priv"].read_text())
@@ -304,7 +304,7 @@ def test_bad_signing_settings_fail_in_one_sentence_before_writing(case, run_root
 @pytest.mark.faults("secret")
 def test_a_pem_private_key_block_is_scrubbed(keys):
     """A PEM private key block (whole, cut short, SEC1 "EC") is masked by scrub and scrub_config_text."""
-    from pipeline.secrets import scrub, scrub_config_text
+    from pipeline.core.secrets import scrub, scrub_config_text
 
     pem = keys["priv"].read_text()
     for text in (f"key: |\n{pem}\nnext: 1", f"error {pem[:120]}"):  # a whole block, and one cut short
@@ -317,7 +317,8 @@ def test_a_pem_private_key_block_is_scrubbed(keys):
 
 # ---------------------------------------------------------------- Hub conventions in the card
 def test_published_card_passes_hub_validate_yaml(run_root, tmp_path):
-    from pipeline import modelcard, publish
+    from pipeline.provenance import modelcard
+    from pipeline.stages import publish
 
     publish.run(publish_cfg(run_root))
     readme = (run_root / "tiny" / "publish" / "nvfp4" / "README.md").read_text()
@@ -412,7 +413,7 @@ def cert_overrides(keys, pki, leaf: str = "leaf", chain: tuple[str, ...] = ("mid
 
 @pytest.fixture
 def cert_signed(run_root, keys, pki) -> Path:
-    from pipeline import publish
+    from pipeline.stages import publish
 
     publish.run(publish_cfg(run_root, *cert_overrides(keys, pki)))
     return run_root / "tiny" / "publish" / "nvfp4"
@@ -428,7 +429,7 @@ def test_certificate_signed_folder_verifies_and_names_its_certificate(cert_signe
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
 
-    from pipeline import publish
+    from pipeline.stages import publish
 
     fp = x509.load_pem_x509_certificate(pki["leaf"].read_bytes()).fingerprint(hashes.SHA256()).hex()
     rc, lines = verify_cli(capsys, cert_signed, "--root-certs", pki["root"])
@@ -586,8 +587,8 @@ CERT_BAD = {
 @pytest.mark.parametrize("case", [Case(c, WHAT[c]) for c in CERT_BAD])
 def test_bad_certificate_settings_fail_in_one_sentence_before_writing(case, run_root, keys, pki):
     """publish with a bad certificate setting: one sentence naming the field, nothing assembled."""
-    from pipeline import publish
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
+    from pipeline.stages import publish
 
     overrides, start, contains = CERT_BAD[case]
     with pytest.raises(SpecquantError) as err:
@@ -619,7 +620,7 @@ def test_certificate_signature_without_roots_is_reported_not_checked(cert_signed
 
 
 def test_run_dir_verify_notes_each_unsigned_folder_by_name(run_root, capsys):
-    from pipeline import publish
+    from pipeline.stages import publish
 
     publish.run(publish_cfg(run_root))
     rc, lines = verify_cli(capsys, run_root / "tiny")

@@ -94,7 +94,7 @@ def test_random_drafter_is_lossless_and_stops(target, drafter):
 
 @pytest.mark.faults("bad_input")
 def test_block_size_override_checked(target, drafter):
-    from pipeline.errors import SpecquantError
+    from pipeline.core.errors import SpecquantError
 
     with pytest.raises(SpecquantError, match="block_size"):
         spec_generate(target, drafter, [1, 2, 3], 4, block_size=BS + 1)  # more than the drafter was trained for

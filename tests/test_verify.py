@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import provenance, verify
-from pipeline.io import TMP_PREFIX, atomic_write_json
+from pipeline.core.io import TMP_PREFIX, atomic_write_json
+from pipeline.provenance import record as provenance
+from pipeline.stages import verify
 from tests._support import REPO
 
 

@@ -17,10 +17,10 @@ import json
 import pytest
 import torch
 
-from pipeline import quantize_drafter
-from pipeline.errors import SpecquantError
-from pipeline.io import read_json
+from pipeline.core.errors import SpecquantError
+from pipeline.core.io import read_json
 from pipeline.serving import contract
+from pipeline.stages import quantize_drafter
 from tests._support import DRAFTER, REPO, TARGET, copy_world, run_cli, w4a16_group, world_cfg
 
 T = int(read_json(TARGET / "config.json", "target")["num_hidden_layers"])
@@ -146,7 +146,8 @@ def test_a_drafter_with_sliding_window_layers_is_refused():
 
 
 def test_generated_serving_commands_say_dflash_block_and_backend(world, written):
-    from pipeline import modelcard, provenance
+    from pipeline.provenance import modelcard
+    from pipeline.provenance import record as provenance
 
     k = int(read_json(DRAFTER / "config.json", "d")["block_size"]) - 1
     sh = provenance.vllm_serve_sh({"path": str(TARGET)}, {"nvfp4": k + 1})

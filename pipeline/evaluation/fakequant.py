@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from pipeline import quiet
-from pipeline.errors import bad_value
+from pipeline.core import quiet
+from pipeline.core.errors import bad_value
 
 # submodules a drafter takes from its target; never in a drafter checkpoint, never quantized
 BORROWED = ("embed_tokens", "lm_head")
@@ -185,7 +185,7 @@ def load_target(path: str, dtype: torch.dtype, device: str, revision: str | None
     kwargs = {"dtype": dtype, "revision": revision, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    from pipeline.loading import check_safetensors_dir
+    from pipeline.core.loading import check_safetensors_dir
 
     quantized = Path(path).is_dir() and read_quantization_config(path) is not None
     # pickles, truncated files, missing shards: one sentence first (a quantized one is the run's target/<variant>)

@@ -1,6 +1,6 @@
 """PNG plots for the evaluation report (and later the model card).
 
-Saved with `pipeline.plotting.save_png` (Agg backend, no version or timestamp metadata), so the
+Saved with `pipeline.core.plotting.save_png` (Agg backend, no version or timestamp metadata), so the
 same results give the same bytes.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.plotting import pyplot, save_png
+from pipeline.core.plotting import pyplot, save_png
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 _DASHES = ("-", "--", "-.", ":")

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark (Windows editors write one): no content
 # subset names become file names and shell function names (vllm_commands.sh)

@@ -1,6 +1,6 @@
 """Anchored-block batches for the drafter's calibration/training forward, and their losses.
 
-A batch packs cached samples (from `pipeline.cache.CacheReader`) into one sequence with
+A batch packs cached samples (from `pipeline.stages.cache.CacheReader`) into one sequence with
 per-document positions, and draws anchors with a seeded `torch.Generator` where the loss mask
 is 1 and a whole block fits in the document. Each anchor j becomes a block
 `[input_ids[a_j], <mask> x (block_size-1)]` that sees the base rows of its own document before
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 BATCH_KEYS = ("input_ids", "hidden_states", "position_ids", "document_ids", "loss_mask",
               "anchor_positions", "anchor_valid")

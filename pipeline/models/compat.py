@@ -113,7 +113,7 @@ def _check_mask(d, tokenizer, mask_token, err) -> None:
 
 def check_compatible(drafter_config, target_config, tokenizer=None, mask_token: str | None = None) -> None:
     """Raise `SpecquantError` (one sentence) if the drafter cannot run on this target/tokenizer."""
-    from pipeline.errors import bad_value
+    from pipeline.core.errors import bad_value
 
     _check_shapes(drafter_config, bad_value)
     _check_hidden(drafter_config, target_config, bad_value)
@@ -125,8 +125,8 @@ def check_compatible(drafter_config, target_config, tokenizer=None, mask_token: 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from pipeline.errors import SpecquantError
-    from pipeline.io import read_json
+    from pipeline.core.errors import SpecquantError
+    from pipeline.core.io import read_json
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.models.compat")
     ap.add_argument("drafter")

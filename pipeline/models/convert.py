@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 
 def check_empty_target(dst: Path) -> None:
@@ -28,7 +28,7 @@ def check_empty_target(dst: Path) -> None:
 
 def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = None,
             verifier_architectures: list[str] | None = None) -> Path:
-    from pipeline.io import read_json
+    from pipeline.core.io import read_json
     from pipeline.models.formats import (
         FORMATS,
         check_tensors,

@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from pipeline.errors import bad_value
-from pipeline.io import atomic_write_bytes, atomic_write_json, read_json
+from pipeline.core.errors import bad_value
+from pipeline.core.io import atomic_write_bytes, atomic_write_json, read_json
 from pipeline.models import layout
 from pipeline.models.dflash import DFlashConfig, DFlashDrafter, rope_inv_freq
 
@@ -185,7 +185,7 @@ def target_head_weights(target: Any, device: str | torch.device | None = None,
     if not p.is_dir():
         raise bad_value("target.path", str(target), "it is not a local directory",
                         "download the target first or pass a loaded model")
-    from pipeline.loading import check_shard_index
+    from pipeline.core.loading import check_shard_index
 
     check_shard_index(p, "target.path")  # a missing shard is named, not mistaken for a missing tensor
     t = read_tensors(p, names, field="target.path", device=device)
@@ -244,7 +244,7 @@ def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
             raise bad_value("target", None, f"the drafter at {path} needs its target's embed_tokens and lm_head "
                             "and no verifier directory could be found", "pass target=<target dir or model>")
     if not isinstance(target, torch.nn.Module) and Path(target).is_dir():
-        from pipeline.loading import check_shard_index
+        from pipeline.core.loading import check_shard_index
 
         check_shard_index(Path(target), "target.path")  # before any weight is read
     dtype = dtype or (cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.float32)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from pipeline.errors import bad_value
-from pipeline.io import read_json
+from pipeline.core.errors import bad_value
+from pipeline.core.io import read_json
 
 MODEL_TYPE = "specquant_dflash"
 FORMATS = ("zlab", "speculators", "native")

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 
 @dataclass

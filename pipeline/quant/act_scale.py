@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 METHODS = ("minmax", "mse")
 CHUNK_ELEMENTS = 1 << 25  # activation values quantized at once (128 MiB in fp32), whatever the width
@@ -351,7 +351,7 @@ def plot(search_record: dict | None, heldout: dict | None, title: str, path) -> 
     """Per layer, activation-QDQ error relative to the calibration-free fixed scale (0 = as good as it,
     negative = better): calibration data (minmax, chosen) and held-apart data (calibrated). PNG with
     fixed metadata."""
-    from pipeline.plotting import pyplot, save_png
+    from pipeline.core.plotting import pyplot, save_png
 
     plt = pyplot()
     panels = [(t, rec, keys) for t, rec, keys in

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 HELDOUT_SEED_OFFSET = 1_000_003  # held-apart anchors come from their own stream
 SAMPLE_SEED_STRIDE = 1_000_003  # anchor generator of cache sample i: seed * stride + i
@@ -92,7 +92,7 @@ def reader_dtype(index: dict) -> torch.dtype:
     """The dtype a calibration reader hands out hidden states in: the cache's own storage dtype (bf16 stays
     bf16 on the host and in the host->device copy; the drafter casts it to its weights' dtype on the
     device, which is exact), float32 for fp8 (its decode multiplies by a float32 scale)."""
-    from pipeline.cache_store import STORAGE_DTYPES
+    from pipeline.artifacts.cache import STORAGE_DTYPES
 
     dtype = str(index.get("storage_dtype", "float32"))
     return torch.float32 if dtype == "fp8" or dtype not in STORAGE_DTYPES else STORAGE_DTYPES[dtype]

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from pipeline import quiet
+from pipeline.core import quiet
 from pipeline.quant.recipes import SCHEMES, build_modifier, fixed_input_global_scale
 
 
@@ -47,7 +47,7 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
             oneshot(model=model, dataset=loader, recipe=recipe, processor=NullProcessor(),
                     pipeline=q.pipeline, num_calibration_samples=len(batches))
         if skipped:
-            from pipeline.errors import bad_value
+            from pipeline.core.errors import bad_value
 
             # measured on an H200 (docs/benchmarks.md): on the DFlash drafter every mapping is skipped,
             # and what would be written is byte-identical to the round-to-nearest w4a16 variant

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.io import atomic_write_json
+from pipeline.core.io import atomic_write_json
 
 
 def load_dequantized(model: torch.nn.Module, ckpt_dir: str | Path) -> torch.nn.Module:
@@ -63,7 +63,7 @@ def weight_errors(model: torch.nn.Module, reference: torch.nn.Module) -> dict[st
 
 def plot_errors(errors: dict[str, float], title: str, path: Path) -> None:
     """Horizontal bar plot of per-layer relative weight error (PNG, deterministic metadata)."""
-    from pipeline.plotting import pyplot, save_png
+    from pipeline.core.plotting import pyplot, save_png
 
     plt = pyplot()
     names = list(errors)

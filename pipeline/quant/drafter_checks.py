@@ -67,7 +67,7 @@ def compare(reference, quantized, batches, block_size: int, band_factors=()) -> 
     Within the range the data occupies, multiplying a global scale by a non-power-of-two factor
     changes nothing but how the FP8 block scales round, so the band's spread is the rounding lottery
     any choice of scales draws from: the yardstick for calling two calibrations different (see
-    pipeline/evaluate.py calibration_comparison). Where the data exceeds a scale's range (massive
+    pipeline/stages/evaluate.py calibration_comparison). Where the data exceeds a scale's range (massive
     activations under the fixed scale) the factors also move the clip point, so the band is then
     wider than rounding alone: a conservative yardstick. The bf16 logits of each batch serve every pass.
     """

@@ -11,10 +11,10 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline import quiet
+from pipeline.core import quiet
 
-# the directory swap lives in pipeline.io (publish uses it too); re-exported for existing imports
-from pipeline.io import (  # noqa: F401
+# the directory swap lives in pipeline.core.io (publish uses it too); re-exported for existing imports
+from pipeline.core.io import (  # noqa: F401
     PARTIAL_PREFIX,
     _fsync_tree,
     atomic_dir,
@@ -124,7 +124,7 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None 
     import torch
     from safetensors.torch import save as st_save
 
-    from pipeline.io import HashingWriter, atomic_open
+    from pipeline.core.io import HashingWriter, atomic_open
 
     def cast(t):
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 FP4_MAX = 6.0  # largest E2M1 magnitude
 FP8_E4M3_MAX = 448.0  # largest FP8 block-scale magnitude

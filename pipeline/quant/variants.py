@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 # settings that only steer checks or where the work runs: they do not change the checkpoint's bytes
 NOT_IN_BYTES = ("name", "device", "heldout_samples", "rounding_band_factors")

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 # q/k/v under HF names (what llm-compressor sees) and vLLM's fused name
 QKV_DENSE = r"re:.*self_attn\.(q|k|v|qkv)_proj$"

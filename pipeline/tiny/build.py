@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import atomic_write_bytes, atomic_write_text, read_json, remove_stale_temps
+from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.io import atomic_write_bytes, atomic_write_text, read_json, remove_stale_temps
 from pipeline.tiny import corpus, tokenizer
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "assets" / "tiny"

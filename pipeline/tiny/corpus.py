@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.io import atomic_write_text
+from pipeline.core.io import atomic_write_text
 
 SUBSETS = ("chat", "math", "code")
 # how a subset is stored: chat and math in ShareGPT form, code in OpenAI messages form

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pipeline.io import atomic_write_json, atomic_write_text
+from pipeline.core.io import atomic_write_json, atomic_write_text
 
 ARCH = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64}
@@ -232,8 +232,8 @@ def train(root: str | Path, seed: int = 0, steps: int | None = None, max_prompts
     """Generate data, train, save, measure. `max_prompts` / `eval_limit` shrink it for smoke tests."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipeline.core.seeding import seed_everything
     from pipeline.models.formats import save_speculators
-    from pipeline.seeding import seed_everything
     from pipeline.tiny.tokenizer import MASK_TOKEN
 
     root = Path(root)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pipeline.io import atomic_write_bytes, atomic_write_json
+from pipeline.core.io import atomic_write_bytes, atomic_write_json
 from pipeline.tiny.corpus import SUBSETS, load_conversations, read_jsonl
 from pipeline.tiny.tokenizer import render
 
@@ -164,7 +164,7 @@ def main(root: str | Path, seed: int = 0, steps: int | None = None) -> dict:
     """Train and save the target into root/target (the tokenizer must already be there)."""
     from transformers import AutoTokenizer
 
-    from pipeline.seeding import seed_everything
+    from pipeline.core.seeding import seed_everything
 
     root = Path(root)
     steps = TRAIN["steps"] if steps is None else steps

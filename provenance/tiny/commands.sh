@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The command lines of every stage of this run, as captured when they ran
-# (pipeline/stage.py), in pipeline order. Run from the specquant checkout.
+# (pipeline/stages/runner.py), in pipeline order. Run from the specquant checkout.
 set -euo pipefail
 
 # data (stages/data.json)

@@ -8,11 +8,11 @@ which then travels inside the bundle with its chain. The signature, `model.sig`,
 around an in-toto statement listing the sha256 of every file in the folder (weights, card, manifests,
 `provenance/` with the run's in-toto statement and the file list), signed offline (no transparency log).
 It is the one file the signature does not cover, and the Hub client's `.cache/huggingface/` metadata
-(written by `hf download --local-dir`) is left out like in `pipeline.verify`.
+(written by `hf download --local-dir`) is left out like in `pipeline.stages.verify`.
 
 The key is read from its path by model_signing and never copied: only its path (in the stage
 record's resolved config) and its public key's sha256 (the OMS key hint, in the card and the publish
-record) are written anywhere; `pipeline.secrets` scrubs a PEM private key block from any text.
+record) are written anywhere; `pipeline.core.secrets` scrubs a PEM private key block from any text.
 
 `python -m pipeline verify` checks the signature with a public key (`--public-key PATH` or
 `publish.public_key`) or, for a certificate signature, against trusted root certificates (`--root-certs
@@ -36,9 +36,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import bad_value
-from pipeline.io import HF_LOCAL_DIR_CACHE, TMP_PREFIX, sha256_file
-from pipeline.secrets import remember
+from pipeline.core.errors import bad_value
+from pipeline.core.io import HF_LOCAL_DIR_CACHE, TMP_PREFIX, sha256_file
+from pipeline.core.secrets import remember
 
 SIGNATURE = "model.sig"
 # not covered by the signature: the signature itself and the Hub client's local-dir metadata
@@ -414,7 +414,7 @@ def _signed_resources(sig: Path) -> dict[str, str]:
 
 
 def _present(folder: Path) -> dict[str, str]:
-    from pipeline.io import list_files
+    from pipeline.core.io import list_files
 
     def skip(rel: str) -> bool:
         return any(rel == i or rel.startswith(i + "/") for i in IGNORED) or rel.split("/")[0] in (

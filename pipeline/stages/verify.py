@@ -1,9 +1,9 @@
 """`python -m pipeline verify <run dir or published dir>`: re-hash every file against the records.
 
-Every byte is read again: the digests `pipeline.hashes` remembers are never used here.
+Every byte is read again: the digests `pipeline.core.hashes` remembers are never used here.
 
 What is checked (each problem names the file):
-- `provenance/files.sha256.json` (the folder's own list; rule in pipeline/provenance.py) is intact:
+- `provenance/files.sha256.json` (the folder's own list; rule in pipeline/provenance/record.py) is intact:
   valid JSON, canonical bytes, and its `files_sha256` matches its content;
 - every listed file exists with that sha256 and size (missing / changed), and no unlisted file
   exists (extra; temp files left by an interrupted write and symbolic links count as extra). In a run directory,
@@ -14,7 +14,7 @@ What is checked (each problem names the file):
   manifest's checkpoint files agree with the files (a record that disagrees while the file matches
   the list is reported as that record being altered); in a published folder, each file's "origin"
   digest in the run's statement equals the file's;
-- in a published folder, its OpenSSF model signing signature `model.sig` (pipeline/signing.py), when a
+- in a published folder, its OpenSSF model signing signature `model.sig` (pipeline/provenance/signing.py), when a
   public key is given (`--public-key PATH`, or `publish.public_key` in conf/): model_signing's verifier
   checks the signature, then every file against it; a file the signature disagrees with is named once
   (on its hash-check line when that already names it). With a key but no `model.sig` the folder is
@@ -30,11 +30,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline import provenance as prov
-from pipeline import signing
-from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import dumps_json, in_hf_local_cache
-from pipeline.secrets import scrub
+from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.io import dumps_json, in_hf_local_cache
+from pipeline.core.secrets import scrub
+from pipeline.provenance import record as prov
+from pipeline.provenance import signing
 
 
 def _load(path: Path, rel: str, problems: list[str]) -> Any:
@@ -51,7 +51,7 @@ def _check_list(folder: Path, problems: list[str]) -> dict | None:
     path = folder / prov.FILE_LIST
     if not path.is_file():
         problems.append(f"{prov.FILE_LIST}: missing; run `python -m pipeline manifest` (run dir) or "
-                        "`pipeline.provenance.write_file_list` (published folder) first")
+                        "`pipeline.provenance.record.write_file_list` (published folder) first")
         return None
     doc = _load(path, prov.FILE_LIST, problems)
     if doc is None:
@@ -133,7 +133,7 @@ def verify_dir(path: str | Path, public_key: str | Path | bytes | None = None, r
 
     `public_key` (a path, or PEM bytes): also check a published folder's `model.sig` with it.
     Every byte is read again (`reuse=False`, what `python -m pipeline verify` does); `reuse=True` takes
-    the digest `pipeline.hashes` remembers for a file whose size, mtime and ctime are unchanged since it
+    the digest `pipeline.core.hashes` remembers for a file whose size, mtime and ctime are unchanged since it
     was hashed (publish's check of the run it is about to publish)."""
     folder = Path(path)
     if not folder.is_dir():
@@ -205,7 +205,7 @@ def signature_notes(path: str | Path) -> list[str]:
 def _configured(key: str):
     """`publish.<key>` from conf/ (the default composition), or None."""
     try:
-        from pipeline.config import compose
+        from pipeline.core.config import compose
 
         value = compose([]).publish.get(key)
     except Exception:  # noqa: BLE001 - no usable conf/ (e.g. outside a checkout): nothing configured

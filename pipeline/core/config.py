@@ -15,7 +15,7 @@ from omegaconf import MISSING
 
 # conf/ and assets/ live beside the package in the checkout (`pip install -e .`, what `make setup` does),
 # so they are found from the installed package wherever the command runs
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = PROJECT_ROOT / "conf"
 
 
@@ -92,7 +92,7 @@ class CacheConfig:
 @dataclass
 class QuantConfig:
     # the output variant directory's name, e.g. nvfp4; `-on-<calibration_target>` is appended when that is
-    # not bf16 (pipeline.config.derive_names)
+    # not bf16 (pipeline.core.config.derive_names)
     name: str = MISSING
     scheme: str = MISSING  # nvfp4 | nvfp4a16 | w4a16
     observer: str = "minmax"  # llm-compressor weight observer, e.g. minmax | mse | nvfp4_expanded_mse | imatrix_mse
@@ -127,7 +127,7 @@ class QuantConfig:
     device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N - where calibration runs
     # the target whose cached hidden states calibrate the drafter: bf16 or a quantized target variant
     # (its cache: `cache.target=<variant>`); a variant calibrated on another target is named
-    # `<name>-on-<target>` (pipeline.config.derive_names)
+    # `<name>-on-<target>` (pipeline.core.config.derive_names)
     calibration_target: str = "bf16"
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from pipeline.errors import SpecquantError
-from pipeline.io import atomic_write_json, remove_stale_temps
-from pipeline.rundir import RunDir
-from pipeline.secrets import scrub, scrub_obj
+from pipeline.artifacts.rundir import RunDir
+from pipeline.core.errors import SpecquantError
+from pipeline.core.io import atomic_write_json, remove_stale_temps
+from pipeline.core.secrets import scrub, scrub_obj
 
 
 def package_versions() -> dict[str, str]:
@@ -33,8 +33,8 @@ def package_versions() -> dict[str, str]:
 
 
 def git_state() -> dict[str, Any]:
-    """{"commit", "dirty"} of this checkout; the rule for "dirty" is `pipeline.provenance.git_state`'s."""
-    from pipeline.provenance import git_state as _state
+    """{"commit", "dirty"} of this checkout; the rule for "dirty" is `pipeline.provenance.record.git_state`'s."""
+    from pipeline.provenance.record import git_state as _state
 
     state = _state()
     return {"commit": state["commit"], "dirty": state["dirty"]}
@@ -69,13 +69,13 @@ def stage_record_name(stage: str, cfg) -> str:
     return stage
 
 
-# stages that drive llm-compressor: it is imported first, quietly (pipeline.quiet.import_llmcompressor)
+# stages that drive llm-compressor: it is imported first, quietly (pipeline.core.quiet.import_llmcompressor)
 LLMCOMPRESSOR_STAGES = ("quantize-drafter", "quantize-target")
 
 
 def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, Any]:
     if stage in LLMCOMPRESSOR_STAGES:
-        from pipeline.quiet import import_llmcompressor
+        from pipeline.core.quiet import import_llmcompressor
 
         import_llmcompressor()
     try:
@@ -85,17 +85,17 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
             raise SpecquantError(f"stage `{stage}` is not built yet ({module} is missing); "
                                  "see the open issues for its status.") from None
         raise
-    from pipeline.secrets import remember
+    from pipeline.core.secrets import remember
 
     remember(OmegaConf.select(cfg, "publish.token"))  # a token in a config file is scrubbed from what any stage writes
     rd = RunDir.from_cfg(cfg)
     rd.check_confined()
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under torchrun the cache stage cleans up after its barrier
         remove_stale_temps(rd.root)
-    from pipeline import hashes
-    from pipeline.provenance import source_tree_sha256
+    from pipeline.core import hashes
+    from pipeline.provenance.record import source_tree_sha256
 
-    hashes.use_run(rd.root)  # the digests earlier stages of this run remembered (hash once: pipeline/hashes.py)
+    hashes.use_run(rd.root)  # the digests earlier stages of this run remembered (hash once: pipeline/core/hashes.py)
     hashes.reset_counters()  # bytes_hashed: every byte this stage reads to hash a file, from here on
     source_sha256 = source_tree_sha256()  # the code that is about to run, for the manifests
     started = time.time()
@@ -119,7 +119,7 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
             "git": git_state(),
             "source_sha256": source_sha256,
             "device": device_info(),
-            # what this process read to hash files, and what remembered digests saved (pipeline/hashes.py);
+            # what this process read to hash files, and what remembered digests saved (pipeline/core/hashes.py);
             # kept out of `result`, which the manifests copy
             **hash_report(rd),
             "result": result,
@@ -135,7 +135,7 @@ def hash_report(rd: RunDir) -> dict[str, Any]:
     """The stage record's hashing figures: `bytes_hashed` (bytes read to hash files in this process),
     `files_hashed`, the digests reused instead (`hash_reused`: files, bytes) and which files were read
     (`hashed_files`: {run-relative or absolute path: bytes})."""
-    from pipeline import hashes
+    from pipeline.core import hashes
 
     c = hashes.counters()
     return {"bytes_hashed": c["bytes_hashed"], "files_hashed": c["files_hashed"],

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import bad_value
-from pipeline.io import hash_files, in_hf_local_cache, list_files
+from pipeline.core.errors import bad_value
+from pipeline.core.io import hash_files, in_hf_local_cache, list_files
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 CONFIG_FILES = ("config.json",)  # with the weights, what decides a checkpoint's outputs

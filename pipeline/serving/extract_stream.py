@@ -29,17 +29,17 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cache_store import Layout, encode_hidden
-from pipeline.cache_writer import BackgroundWriter
-from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import atomic_write_json
+from pipeline.artifacts.cache import Layout, encode_hidden
+from pipeline.artifacts.cache_writer import BackgroundWriter
+from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.io import atomic_write_json
 
 FIELD = "cache.engine"
 
 
 def check_vllm_engine(cfg, aux: list[int], num_layers: int) -> dict:
     """Before any work: an interpreter with vLLM and a GPU, layer ids vLLM can extract, one process."""
-    from pipeline.serve_check import probe
+    from pipeline.stages.serve_check import probe
 
     bad = [m for m in aux if not 1 <= m <= num_layers - 1]
     if bad:
@@ -57,7 +57,7 @@ def check_vllm_engine(cfg, aux: list[int], num_layers: int) -> dict:
 
 
 def _worker_env() -> dict:
-    from pipeline.serve_check import _worker_pythonpath
+    from pipeline.stages.serve_check import _worker_pythonpath
 
     env = {**os.environ, "PYTHONPATH": _worker_pythonpath(), "VLLM_NO_USAGE_STATS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -71,7 +71,7 @@ class _Worker:
     module = "pipeline.serving.extract"
 
     def __init__(self, python: str, job: dict, scratch: Path, work: Path):
-        from pipeline.serve_check import _repo_root
+        from pipeline.stages.serve_check import _repo_root
 
         self.scratch = scratch
         self.log_path = work / f"{scratch.name}.log"  # kept when the extraction fails

@@ -6,7 +6,7 @@ per sample, holding `token_ids` [T] and `hidden_states` [T, n_layers, H]; its pr
 the layers the drafter reads and writes the same shards + index.json as the cache stage, so
 `CacheReader` and every later stage use an imported cache unchanged.
 
-    python -m pipeline.cache_import SRC OUT --file-layer-ids 2 18 33 36 --aux-layer-ids 2 18 33 \
+    python -m pipeline cache-import SRC OUT --file-layer-ids 2 18 33 36 --aux-layer-ids 2 18 33 \
         --dataset path/to/prepared_dataset
 """
 
@@ -18,7 +18,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pipeline.cache_store import (
+from pipeline.artifacts.cache import (
     Layout,
     build_index,
     check_storage_dtype,
@@ -26,9 +26,9 @@ from pipeline.cache_store import (
     encode_hidden,
     plan_shards,
 )
-from pipeline.cache_writer import ShardWriter
-from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import dumps_json, remove_stale_temps, sha256_bytes, sha256_text
+from pipeline.artifacts.cache_writer import ShardWriter
+from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.io import dumps_json, remove_stale_temps, sha256_bytes, sha256_text
 
 _HS_RE = re.compile(r"^hs_(\d+)\.safetensors$")
 
@@ -162,7 +162,7 @@ def import_speculators(src: str | Path, out: str | Path, file_layer_ids: list[in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.cache_import", description=(
+    ap = argparse.ArgumentParser(prog="python -m pipeline cache-import", description=(
         "Import speculators hidden-state files (hs_{i}.safetensors: token_ids [T], hidden_states "
         "[T, n_layers, H]) into a specquant cache directory (index.json + shard-NNNNN.safetensors)."))
     ap.add_argument("src", help="directory holding hs_0.safetensors, hs_1.safetensors, ...")

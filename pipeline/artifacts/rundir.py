@@ -85,7 +85,7 @@ class RunDir:
         """Refuse a run directory holding a symlink that resolves outside it (before any stage writes)."""
         import os
 
-        from pipeline.io import confine
+        from pipeline.core.io import confine
 
         if not self.root.exists():
             return

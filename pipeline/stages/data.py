@@ -15,8 +15,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import (
+from pipeline.artifacts.rundir import RunDir
+from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.io import (
     HashingWriter,
     atomic_open,
     atomic_write_json,
@@ -25,7 +26,6 @@ from pipeline.io import (
     sha256_bytes,
     sha256_file,
 )
-from pipeline.rundir import RunDir
 
 ROLE_ALIASES = {
     "human": "user", "user": "user",
@@ -276,7 +276,7 @@ def tokenizer_hashes(name_or_path: str | Path, revision: str | None = None) -> d
     (those of `TOKENIZER_FILES` present in the directory, or in the Hub cache's snapshot of
     `revision`; never re-saved, never downloaded). digest = sha256 of the canonical JSON of "files";
     both are None when the files cannot be found locally."""
-    from pipeline.loading import local_snapshot
+    from pipeline.core.loading import local_snapshot
     from pipeline.quant.export import TOKENIZER_FILES
 
     try:

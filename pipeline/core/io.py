@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pipeline.errors import DiskFullError, bad_value
+from pipeline.core.errors import DiskFullError, bad_value
 
 TMP_PREFIX = ".tmp-specquant-"
 PARTIAL_PREFIX = ".partial-"  # a whole directory being assembled by `atomic_dir`
@@ -102,7 +102,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]
         os.replace(tmp, path)
         _fsync_dir(path.parent)
         if hasher is not None:  # the bytes were hashed as they were written: nobody needs to read them back
-            from pipeline import hashes
+            from pipeline.core import hashes
 
             hashes.record_written(path, hasher.hexdigest(), hasher.bytes)
     except BaseException as exc:
@@ -116,7 +116,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_open(path, "wb") as fh:
-        HashingWriter(fh).write(data)  # its sha256 is remembered (pipeline.hashes), never read back
+        HashingWriter(fh).write(data)  # its sha256 is remembered (pipeline.core.hashes), never read back
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -146,7 +146,7 @@ class HashingWriter:
     """A file-like wrapper that hashes bytes as they are written (no second read).
 
     Over a handle of `atomic_open` (directly, or through wrappers that keep the inner handle as `_fh`,
-    like the cache's `_AsyncFile`), the digest is recorded in `pipeline.hashes` when the file is
+    like the cache's `_AsyncFile`), the digest is recorded in `pipeline.core.hashes` when the file is
     renamed into place, if every byte of the file went through this writer."""
 
     def __init__(self, fh: BinaryIO):
@@ -181,9 +181,9 @@ def sha256_text(text: str) -> str:
 
 
 def sha256_file(path: str | os.PathLike, reuse: bool = True) -> str:
-    """The file's sha256 (`pipeline.hashes.sha256_file`): remembered while the file is unchanged, else
+    """The file's sha256 (`pipeline.core.hashes.sha256_file`): remembered while the file is unchanged, else
     read; `reuse=False` reads every byte."""
-    from pipeline import hashes
+    from pipeline.core import hashes
 
     return hashes.sha256_file(path, reuse=reuse)
 
@@ -210,7 +210,7 @@ def list_files(root: str | os.PathLike, skip=lambda rel: False, follow_links: bo
 def hash_files(root: str | os.PathLike, rels: list[str], desc: str = "hashing",
                 reuse: bool = True) -> dict[str, dict[str, Any]]:
     """{rel: {"sha256", "bytes"}} for the given files under root, in the given order (progress bar when large).
-    A digest remembered by `pipeline.hashes` for an unchanged file is reused; `reuse=False` reads every byte."""
+    A digest remembered by `pipeline.core.hashes` for an unchanged file is reused; `reuse=False` reads every byte."""
     from tqdm import tqdm
 
     root = Path(root)

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline import pairing
-from pipeline.errors import bad_value
-from pipeline.io import atomic_write_json, atomic_write_text, dumps_json, hash_tree, sha256_text
-from pipeline.rundir import RunDir
+from pipeline.artifacts.rundir import RunDir
+from pipeline.core.errors import bad_value
+from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, hash_tree, sha256_text
+from pipeline.quant import pairing
 
 REFERENCE = "bf16"
 SOURCE = "source"
@@ -216,7 +216,7 @@ def _matrix_drafters(drafters: dict) -> list[str]:
 
 
 def _pair_entry(d: dict, rd: RunDir, variant: str) -> dict:
-    from pipeline import pairing
+    from pipeline.quant import pairing
 
     brief = ("tau", "steps", "acceptance_rate", "position_acceptance")
     rec = pairing.drafter_record(rd, variant)  # None: no record (the bf16 reference, the drafter as given)
@@ -228,8 +228,7 @@ def _pair_entry(d: dict, rd: RunDir, variant: str) -> dict:
 def pair_comparison(rd: RunDir, matrix: dict, per_prompt: dict, seed: int) -> list[dict]:
     """A drafter calibrated on a quantized target's states vs the same recipe calibrated on the bf16
     target's, paired over the same prompts with each target (95% paired-bootstrap interval of Δτ)."""
-    from pipeline import pairing
-    from pipeline.quant import paired
+    from pipeline.quant import paired, pairing
 
     out = []
     drafters = next(iter(matrix.values()), {})
@@ -298,7 +297,7 @@ def _greedy_reference(target, subsets, max_new_tokens, stop, device):
 def _config_record(cfg) -> dict:
     from omegaconf import OmegaConf
 
-    from pipeline.secrets import scrub_obj
+    from pipeline.core.secrets import scrub_obj
 
     full = OmegaConf.to_container(cfg, resolve=True)
     return scrub_obj({k: full[k] for k in ("run_name", "seed", "target", "drafter", "eval")})
@@ -336,11 +335,11 @@ def run(cfg) -> dict:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    from pipeline.core.seeding import seed_everything
     from pipeline.evaluation.fakequant import load_drafter_variant, load_target
     from pipeline.evaluation.prompts import load_prompt_sets
     from pipeline.models.compat import check_compatible
     from pipeline.models.formats import load_drafter_config
-    from pipeline.seeding import seed_everything
 
     rd = RunDir.from_cfg(cfg)
     if cfg.target.dtype not in _DTYPES:

@@ -1,7 +1,7 @@
 """The run's `provenance/` folder and the file lists that `verify` checks.
 
 Everything here is derived from what was captured while the stages ran
-(`stages/*.json`, written by `pipeline.stage`) and from the files on disk;
+(`stages/*.json`, written by `pipeline.stages.runner`) and from the files on disk;
 nothing is reconstructed from the current configuration.
 
     provenance/
@@ -20,7 +20,7 @@ canonical JSON of the other fields}.
 It lists every regular file under the folder except itself and temp files. In a run directory
 it also leaves out what is written after the manifest stage: `stages/manifest.json`,
 `stages/publish*.json` and `publish/` (each `publish/<variant>/` carries its own list), and the
-run's scratch `.work/` (stages' temporary folders, the hash memo of `pipeline.hashes`).
+run's scratch `.work/` (stages' temporary folders, the hash memo of `pipeline.core.hashes`).
 In a published folder, "origin" is the run-relative path a file was copied from, so `verify`
 can check it against the run's attestation. Write it last with `write_file_list`.
 """
@@ -33,8 +33,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from pipeline import hashes
-from pipeline.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFIX: the file list rule's pieces, used as prov.*
+from pipeline.core import hashes
+from pipeline.core.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFIX: the file list rule's pieces, used as prov.*
     TMP_PREFIX,
     atomic_write_bytes,
     atomic_write_json,
@@ -45,18 +45,18 @@ from pipeline.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFIX: th
     sha256_bytes,
     sha256_file,
 )
-from pipeline.secrets import scrub_config_text, scrub_obj, scrub_values
+from pipeline.core.secrets import scrub_config_text, scrub_obj, scrub_values
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FILE_LIST = "provenance/files.sha256.json"
 ATTESTATION = "provenance/attestation.intoto.json"
 # written after the manifest stage, so never part of the run's list or attestation
 LATE_OUTPUTS = ("stages/manifest.json", "stages/publish", "publish/")
-# a run's scratch: stages' temporary folders and the hash memo (`pipeline.hashes`, .work/hashes.json);
+# a run's scratch: stages' temporary folders and the hash memo (`pipeline.core.hashes`, .work/hashes.json);
 # never an output, so never listed either
 SCRATCH = ".work/"
-STAGE_ORDER = ("data", "cache", "quantize-drafter", "quantize-target", "evaluate", "serve-check", "manifest",
-               "publish")
+from pipeline.stages import ORDER as STAGE_ORDER  # noqa: E402 - the one list of stages, in run order
+
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 SLSA_PREDICATE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "https://github.com/specquant/specquant/blob/main/docs/ARCHITECTURE.md#pipeline-run-v1"
@@ -84,7 +84,7 @@ def write_file_list(folder: str | Path, kind: str = "published", origins: dict[s
     """Write `provenance/files.sha256.json` for `folder` (call it after the folder is complete).
     `files` (already hashed, e.g. by the manifest stage) saves re-reading a large run."""
     folder = Path(folder)
-    # a published folder's signature (pipeline/signing.py) signs the list, so the list cannot name it
+    # a published folder's signature (pipeline/provenance/signing.py) signs the list, so the list cannot name it
     skip = (lambda rel: rel == FILE_LIST or is_late(rel)) if kind == "run" else \
         (lambda rel: rel in (FILE_LIST, "model.sig"))
     files = {r: dict(e) for r, e in files.items()} if files is not None else hash_files(folder, list_files(folder, skip))
@@ -121,7 +121,7 @@ def commands_doc(records: dict[str, dict]) -> list[dict[str, Any]]:
 
 def commands_sh(commands: list[dict[str, Any]]) -> str:
     lines = ["#!/usr/bin/env bash", "# The command lines of every stage of this run, as captured when they ran",
-             "# (pipeline/stage.py), in pipeline order. Run from the specquant checkout.", "set -euo pipefail", ""]
+             "# (pipeline/stages/runner.py), in pipeline order. Run from the specquant checkout.", "set -euo pipefail", ""]
     for c in commands:
         lines.append(f"# {c['stage']} ({c['record']})")
         launcher = c.get("launcher") or {}

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import distributed
-from pipeline.cache_store import (
+from pipeline.artifacts.cache import (
     CacheReader,
     Layout,
     build_index,
@@ -29,11 +28,12 @@ from pipeline.cache_store import (
     plan_shards,
     read_sidecar,
 )
-from pipeline.cache_writer import BackgroundWriter
-from pipeline.errors import bad_value
-from pipeline.io import confine, dumps_json, read_json, remove_stale_temps, sha256_text
-from pipeline.loading import check_safetensors_dir, checkpoint_hashes, local_snapshot, target_config
-from pipeline.rundir import RunDir
+from pipeline.artifacts.cache_writer import BackgroundWriter
+from pipeline.artifacts.rundir import RunDir
+from pipeline.core import distributed
+from pipeline.core.errors import bad_value
+from pipeline.core.io import confine, dumps_json, read_json, remove_stale_temps, sha256_text
+from pipeline.core.loading import check_safetensors_dir, checkpoint_hashes, local_snapshot, target_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -162,7 +162,7 @@ def _check_cfg(cfg) -> None:
 
 
 def _load_samples(data_dir: Path) -> list[dict]:
-    from pipeline.data import load_samples
+    from pipeline.stages.data import load_samples
 
     return load_samples(data_dir)
 
@@ -212,7 +212,7 @@ def load_target(cfg, device: torch.device, target_cfg=None):
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
-    from pipeline.loading import from_pretrained_safe
+    from pipeline.core.loading import from_pretrained_safe
 
     # the base model is loaded without lm_head on purpose: silence the "UNEXPECTED lm_head" report
     level = hf_logging.get_verbosity()
@@ -322,7 +322,7 @@ def run(cfg) -> dict:
     check_safetensors_dir(tcfg.path, "target.path" if variant == "bf16" else "cache.target")  # refuse pickles / truncated files before any work
     engine = str(cfg.cache.get("engine", "hf"))
     if engine == "vllm":  # an interpreter with vLLM and a GPU, and layer ids it can extract: before any work
-        from pipeline.cache_vllm import check_vllm_engine
+        from pipeline.serving.extract_stream import check_vllm_engine
 
         check_vllm_engine(cfg, aux, int(tconf.num_hidden_layers))
     layout = Layout(tuple(aux), int(tconf.hidden_size), cfg.cache.storage_dtype)
@@ -357,7 +357,7 @@ def run(cfg) -> dict:
         started = time.time()
         engine_report: dict = {}
         if engine == "vllm":
-            from pipeline.cache_vllm import cache_shards_vllm
+            from pipeline.serving.extract_stream import cache_shards_vllm
 
             *written, engine_report = cache_shards_vllm(cfg, mine, samples, layout, out, resume_key, tcfg,
                                                         rd.root / ".work", rd.data / "samples.jsonl")

@@ -1,10 +1,10 @@
-"""`python -m pipeline.repro` (`make repro-check`): run the tiny pipeline twice from scratch and compare.
+"""`python -m tests.repro` (`make repro-check`): run the tiny pipeline twice from scratch and compare.
 
 Both runs use the same config and seed, into `<workdir>/a` and `<workdir>/b` (runs_root). Every output
 file's sha256 is compared, after these documented exclusions and normalizations, which are printed:
 
 - EXCLUDED files (their content legitimately differs): `stages/*.json` (start time, wall time, argv),
-  `.work/*` (scratch: the hash memo, `pipeline/hashes.py`),
+  `.work/*` (scratch: the hash memo, `pipeline/core/hashes.py`),
   `eval/timings.json` (wall-clock seconds and speedups), `publish/*.json` (publish records: they
   carry the folder's files_sha256 and a tag derived from it; the folder itself is compared file by file).
 - NORMALIZED text: the runs root path (and the checkout path) is replaced by `<RUNS_ROOT>` (`<REPO>`)
@@ -38,14 +38,15 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pipeline import provenance as prov
-from pipeline.io import atomic_write_bytes, atomic_write_json, dumps_json, sha256_bytes
+from pipeline.core.io import atomic_write_bytes, atomic_write_json, dumps_json, sha256_bytes
+from pipeline.provenance import record as prov
+from pipeline.stages import ORDER
 
 EXCLUDED = {
     "stages/*.json": "stage records: start time, wall time and the captured argv",
     "eval/timings.json": "wall-clock seconds and speedups of the evaluation",
     "publish/*.json": "publish records: files_sha256 and tag of the folder, which is compared file by file",
-    ".work/*": "the run's scratch: the hash memo (pipeline/hashes.py), file identities and times, never an output",
+    ".work/*": "the run's scratch: the hash memo (pipeline/core/hashes.py), file identities and times, never an output",
 }
 DIGEST_LISTS = ("provenance/files.sha256.json", "provenance/attestation.intoto.json")
 TIMING_FIELDS = {"calibration_manifest.json": [("timing",)], "quant_run_manifest.json": [("timing",)],
@@ -54,8 +55,10 @@ TIMING_FIELDS = {"calibration_manifest.json": [("timing",)], "quant_run_manifest
 # fields that name the machine or the commit rather than the computation: dropped only against the reference
 MACHINE_FIELDS = [("environment",), ("stages",), ("checkpoints", "*", "stage"), ("source",)]
 REFERENCE_PARTS = ("data/", "cache/", "cache-", "drafter/", "target/", "checks/", "eval/")
-# `make all`'s order; cache-pair = the cache on the quantized target (cache.target=<pair target>)
-STAGES = ("data", "cache", "quantize-target", "cache-pair", "quantize-drafter", "evaluate", "manifest", "publish")
+# `make all`'s order, from the one stage list; cache-pair = the cache on the quantized target
+# (cache.target=<pair target>), right after that target is made; serve-check needs a GPU and vLLM
+STAGES = tuple(s for name in ORDER if name != "serve-check"
+               for s in ((name, "cache-pair") if name == "quantize-target" else (name,)))
 
 
 # ---------------------------------------------------------------- normalization
@@ -231,7 +234,7 @@ def leftover_sentence(files: list[str]) -> str | None:
     shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
     return (f"repro-check: FAILED: {len(files)} file(s) were left outside the checkout and the runs ({shown}); "
             "remove what writes them or point it into the run's .work/, or, for a per-user cache of a tool that "
-            "is not ours, add it with its reason to pipeline.repro.NOT_OURS (a program running beside the check "
+            "is not ours, add it with its reason to tests.repro.NOT_OURS (a program running beside the check "
             "can also leave files there: re-run it on a quiet machine)")
 
 
@@ -299,7 +302,7 @@ def check_reference(ref_dir: Path, view: dict[str, str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.repro", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.repro", description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", help="where the two runs go (default: a new temporary directory)")
     ap.add_argument("--quants", default="nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix",
                     help="drafter variants to quantize")
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every stage (same for both runs)")
     args = ap.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="specquant-repro-")).resolve()
-    from pipeline.config import compose
+    from pipeline.core.config import compose
 
     run_name = str(compose(args.overrides).run_name)
     runs = {}

@@ -12,14 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline import provenance as prov
-from pipeline import serve_check
-from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
-from pipeline.rundir import RunDir
-from pipeline.secrets import scrub, scrub_obj
+from pipeline.artifacts.rundir import RunDir
+from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
+from pipeline.core.secrets import scrub, scrub_obj
+from pipeline.provenance import record as prov
+from pipeline.stages import serve_check
 
-SCHEMA_DIR = Path(__file__).resolve().parent.parent / "manifests"
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "manifests"
 OWN_OUTPUTS = ("calibration_manifest.json", "quant_run_manifest.json", "provenance/")
 
 
@@ -33,7 +33,7 @@ def validate(doc: dict, schema_name: str) -> None:
         e = errors[0]
         where = "/".join(str(p) for p in e.path) or "(top level)"
         raise SpecquantError(f"{schema_name}.json does not match manifests/{schema_name}.schema.json at {where}: "
-                             f"{e.message}; this is a bug in pipeline/manifest.py, please report it.")
+                             f"{e.message}; this is a bug in pipeline/stages/manifest.py, please report it.")
 
 
 def _read(path: Path) -> Any:
@@ -65,9 +65,9 @@ class Inputs:
 
     @staticmethod
     def _checkpoint(path: str, revision: str | None) -> dict:
-        """Weight + config files (`pipeline.loading.checkpoint_hashes`) of a local directory, or of a Hub
+        """Weight + config files (`pipeline.core.loading.checkpoint_hashes`) of a local directory, or of a Hub
         repo already in the local cache; otherwise the repo id + revision is the reference."""
-        from pipeline.loading import checkpoint_hashes
+        from pipeline.core.loading import checkpoint_hashes
 
         local = _local(path)
         if local is not None and local.is_dir():
@@ -151,8 +151,8 @@ def _counts(counts: Any) -> dict | None:
 
 def _tokenizer(meta: dict, data_cfg: dict) -> dict:
     """The tokenizer the data stage used: its file hashes as data/meta.json records them
-    (`pipeline.data.tokenizer_hashes`), else hashed now from the configured path."""
-    from pipeline.data import tokenizer_hashes
+    (`pipeline.stages.data.tokenizer_hashes`), else hashed now from the configured path."""
+    from pipeline.stages.data import tokenizer_hashes
 
     tok = meta.get("tokenizer")
     if isinstance(tok, dict) and (tok.get("sha256") or tok.get("files")):
@@ -287,7 +287,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
                                           "index_sha256": cache.get("index_sha256")}
                                          if kind == "drafter" and cache and qcfg and qcfg.get("calibration") != "none"
                                          else None)},
-        # the target whose cached hidden states calibrated this drafter (pipeline.pairing)
+        # the target whose cached hidden states calibrated this drafter (pipeline.quant.pairing)
         "calibration_target": cal_target,
         "files": {r[len(rel) + 1:]: e for r, e in tree.items() if r.startswith(rel + "/")},
         "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"], "report": _read(rd.root / check_rel)}
@@ -299,7 +299,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
 
 def quant_run_manifest(rd: RunDir, records: dict, tree: dict, inputs: Inputs, calib: dict, cfg,
                        source: dict) -> dict:
-    from pipeline.stage import device_info, git_state, package_versions
+    from pipeline.stages.runner import device_info, git_state, package_versions
 
     ckpts = [_checkpoint_entry(rd, k, v, records, tree, inputs, calib)
              for k, variants in (("drafter", rd.drafter_variants()), ("target", rd.target_variants()))
@@ -311,7 +311,7 @@ def quant_run_manifest(rd: RunDir, records: dict, tree: dict, inputs: Inputs, ca
             "source": _source_section(source, records),
             "stages": {n: _stage_summary(n, r) for n, r in records.items()},
             "timing": _timing(records),
-            "not_run": [s for s in prov.STAGE_ORDER[:6] if s not in ran]}
+            "not_run": [s for s in prov.STAGE_ORDER[:prov.STAGE_ORDER.index("manifest")] if s not in ran]}
 
 
 # ---------------------------------------------------------------- the stage

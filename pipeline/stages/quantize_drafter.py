@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline import pairing
-from pipeline.errors import bad_value
-from pipeline.io import atomic_write_json, read_json
-from pipeline.loading import checkpoint_sha256
-from pipeline.quant import cache_batches, calibrate, drafter_checks, export, recipes
-from pipeline.rundir import RunDir
-from pipeline.seeding import seed_everything
+from pipeline.artifacts.rundir import RunDir
+from pipeline.core.errors import bad_value
+from pipeline.core.io import atomic_write_json, read_json
+from pipeline.core.loading import checkpoint_sha256
+from pipeline.core.seeding import seed_everything
+from pipeline.quant import cache_batches, calibrate, drafter_checks, export, pairing, recipes
 
 FIELD = "quant"
 REFERENCE = "bf16"
@@ -80,7 +79,7 @@ def calibration_cache(cfg, rd: RunDir) -> Path:
         raise bad_value(f"{FIELD}.calibration_target", target, f"no cache of that target's hidden states in {where}",
                         f"run `make cache ARGS=\"cache.target={target}{run}\"` first")
     if target != "bf16":  # the cache must hold the states of the target variant as it is now
-        from pipeline import pairing
+        from pipeline.quant import pairing
 
         cached = ((read_json(where / "index.json", f"{where.name}/index.json").get("inputs") or {}).get("target")
                   or {}).get("files_sha256")
@@ -94,7 +93,7 @@ def calibration_cache(cfg, rd: RunDir) -> Path:
 
 def check_cache(rd: RunDir, dconf, cache_dir: Path | None = None) -> dict:
     cache_dir = cache_dir or rd.cache
-    from pipeline.cache_store import check_index
+    from pipeline.artifacts.cache import check_index
 
     # the index against its shards (files, sizes, counts, sample -> shard), before any weight is read
     index = check_index(cache_dir, read_json(cache_dir / "index.json", f"{cache_dir.name}/index.json"))
@@ -231,7 +230,7 @@ def run(cfg) -> dict:
     seed = int(cfg.seed)
     calib_idx, held_idx = cache_batches.split_indices(int(index["num_samples"]), int(q.num_samples),
                                                       int(q.heldout_samples), seed, need_data, FIELD)
-    from pipeline.cache import CacheReader
+    from pipeline.stages.cache import CacheReader
 
     # the inputs' sha256 (the drafter's files, the target's weights) for the record: on a thread from the
     # start, beside the work that needs a GPU (hashlib and file reads release the GIL)
@@ -369,7 +368,7 @@ class _Clock:
 
     def finish(self) -> dict:
         """The laps, `total_s`, and on CUDA the peak GPU memory (overall and as it stood after each phase);
-        under `timings`, which the manifests treat as measurements (pipeline.manifest TIMING_KEYS)."""
+        under `timings`, which the manifests treat as measurements (pipeline.stages.manifest TIMING_KEYS)."""
         self.host.close()
         host = {"peak_host_anon_bytes": self.peak_host} if self.peak_host else {}
         return {**self.laps, "total_s": round(self._now() - self._start, 3), **(self.peak_gpu or {}), **host}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from pipeline.io import atomic_write_bytes
+from pipeline.core.io import atomic_write_bytes
 
 PNG_METADATA = {"Software": None}  # matplotlib would write its version here
 

@@ -10,7 +10,7 @@ Re-running is idempotent: an unchanged folder makes no commit, an interrupted on
 Dry run is the default: assemble, verify, print what would be pushed, write the record.
 
 With a signing key configured (publish.signing_key or publish.signing_key_env), each assembled folder is
-signed with OpenSSF model signing (`pipeline/signing.py`): `model.sig` covers every other file of the
+signed with OpenSSF model signing (`pipeline/provenance/signing.py`): `model.sig` covers every other file of the
 folder (card, manifests and `provenance/`, the in-toto statement included) and is pushed with them; the
 folder is then verified against the signature too. Without one, the card says the folder is unsigned.
 """
@@ -30,12 +30,13 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from pipeline import modelcard, serve_check, signing
-from pipeline import provenance as prov
-from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine, sha256_file
-from pipeline.rundir import RunDir
-from pipeline.secrets import remember, scrub, scrub_obj
+from pipeline.artifacts.rundir import RunDir
+from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine, sha256_file
+from pipeline.core.secrets import remember, scrub, scrub_obj
+from pipeline.provenance import modelcard, signing
+from pipeline.provenance import record as prov
+from pipeline.stages import serve_check
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -153,9 +154,9 @@ def _refuse_unserved(cfg, rd: RunDir, variant: str) -> None:
 # ---------------------------------------------------------------- verification
 def _refuse_unless_verified(path: Path, field: str, ignore_prefix: str | None = None,
                             public_key: bytes | None = None) -> None:
-    from pipeline.verify import verify_dir
+    from pipeline.stages.verify import verify_dir
 
-    # the digests of files unchanged since they were hashed are reused (pipeline.hashes); `verify` re-reads all
+    # the digests of files unchanged since they were hashed are reused (pipeline.core.hashes); `verify` re-reads all
     problems = [p for p in verify_dir(path, public_key=public_key, reuse=True)
                 if not (ignore_prefix and p.startswith(ignore_prefix))]
     if problems:
@@ -226,8 +227,8 @@ REFERENCE_TARGET = "bf16"
 
 def _refuse_mispaired(cfg, rd: RunDir, variant: str) -> None:
     """A drafter calibrated against a target of another vocab / hidden size / depth than the configured
-    target is never published as its drafter (pipeline.pairing.check_shape), before anything is assembled."""
-    from pipeline import pairing
+    target is never published as its drafter (pipeline.quant.pairing.check_shape), before anything is assembled."""
+    from pipeline.quant import pairing
 
     pairing.check_shape(variant, pairing.drafter_record(rd, variant),
                         pairing.target_identity(cfg.target.path, REFERENCE_TARGET, cfg.target.revision,
@@ -237,7 +238,7 @@ def _refuse_mispaired(cfg, rd: RunDir, variant: str) -> None:
 def pairing_info(cfg, rd: RunDir, variant: str, target: str, results: Any) -> dict[str, Any]:
     """The target the drafter was calibrated on, the targets it was measured with, and the one-sentence
     warning when the card's target is not the one it was calibrated on."""
-    from pipeline import pairing
+    from pipeline.quant import pairing
 
     cal = pairing.drafter_record(rd, variant)
     matrix = ((results or {}).get("pairs") or {}).get("matrix") or {}
@@ -443,7 +444,7 @@ def run(cfg) -> dict:
                             "set publish.tag=<letters, digits, '-', '_', '.'>")
         record = {"schema": "specquant.publish_record/v1", "run_name": str(cfg.run_name), "variant": v,
                   "repo_id": repos[v], "endpoint": str(pc.endpoint), "dry_run": bool(pc.dry_run),
-                  "folder": f"publish/{v}", "verifier": "pipeline.verify", "files": files,
+                  "folder": f"publish/{v}", "verifier": "pipeline.stages.verify", "files": files,
                   "files_sha256": listing["files_sha256"], "tag": tag,
                   # the key's path may be recorded, never its content
                   "signature": _signature_record(signer) if signer else None}

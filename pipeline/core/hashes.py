@@ -1,7 +1,7 @@
 """Hash once: a file's sha256 is computed when it is written or first read, then reused while the file is unchanged.
 
-Every sha256 of a file on disk goes through `sha256_file` (`pipeline.io.sha256_file`, `hash_files`,
-`hash_tree`, `pipeline.loading.checkpoint_hashes` all call it). A digest is remembered with the file's
+Every sha256 of a file on disk goes through `sha256_file` (`pipeline.core.io.sha256_file`, `hash_files`,
+`hash_tree`, `pipeline.core.loading.checkpoint_hashes` all call it). A digest is remembered with the file's
 identity and stamp:
 
     (st_dev, st_ino) -> {"path", "bytes", "mtime_ns", "ctime_ns", "sha256"}
@@ -12,18 +12,18 @@ rewrite through a temp file (new inode), a forged mtime (`os.utime` moves ctime,
 can set back). A digest is remembered only if the file's stamp did not change while it was read.
 
 Where digests come from:
-- a `pipeline.io.HashingWriter` inside `pipeline.io.atomic_open` (samples.jsonl, the cache shards,
+- a `pipeline.core.io.HashingWriter` inside `pipeline.core.io.atomic_open` (samples.jsonl, the cache shards,
   every `atomic_write_*`): recorded when the temp file is renamed into place, so nobody reads it back;
 - the first `sha256_file` of any other file (checkpoints a library wrote, the target, inputs).
 
 Two layers:
 - in this process, always (thread-safe: the cache stage hashes on writer threads);
-- per run, `<run_dir>/.work/hashes.json`: `pipeline.stage.run_stage` loads it before a stage runs
+- per run, `<run_dir>/.work/hashes.json`: `pipeline.stages.runner.run_stage` loads it before a stage runs
   (`use_run`) and merges this process's new digests into it after the stage finished (`flush`), under
   an exclusive lock on `.work/hashes.lock` (fcntl) and with an atomic rename, so torchrun ranks and
   concurrent stages of one run add to it without losing each other's digests. A stage that fails or
   is refused writes nothing there (the run directory stays as it was). The file is scratch: no file
-  list, manifest or comparison names it (`pipeline.provenance.is_late`). An unreadable store is
+  list, manifest or comparison names it (`pipeline.provenance.record.is_late`). An unreadable store is
   ignored and rewritten.
 
 Trust: the store only saves reads of files whose stamp is exactly as it was when hashed; whoever can
@@ -31,7 +31,7 @@ write the run directory could forge it, as they could the manifests. `python -m 
 never uses it (`reuse=False`): it reads every byte, on purpose.
 
 Counters (`counters()`, reset per stage): bytes and files read to hash, and bytes and files a
-remembered digest saved; `pipeline.stage` writes them into each stage record (`bytes_hashed`).
+remembered digest saved; `pipeline.stages.runner` writes them into each stage record (`bytes_hashed`).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def flush() -> Path | None:
     changed are dropped. Returns the store's path, or None when there was nothing to write."""
     import fcntl
 
-    from pipeline.io import atomic_open, dumps_json
+    from pipeline.core.io import atomic_open, dumps_json
 
     with _lock:
         store, new = _store, dict(_new)

@@ -2,7 +2,7 @@
 
 `ShardWriter` writes one shard (safetensors) and its sidecar; `BackgroundWriter` runs shard writers
 on background threads so the target never waits for the disk or the hashes. The format they write
-(layout, shard plan, sidecars, index, reader) is `pipeline.cache_store`.
+(layout, shard plan, sidecars, index, reader) is `pipeline.artifacts.cache`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from pipeline.cache_store import FORMAT, FORMAT_VERSION, Layout, ShardPlan, shard_file, sidecar_file
-from pipeline.io import HashingWriter, atomic_open, atomic_write_json
+from pipeline.artifacts.cache import FORMAT, FORMAT_VERSION, Layout, ShardPlan, shard_file, sidecar_file
+from pipeline.core.io import HashingWriter, atomic_open, atomic_write_json
 
 _ST_DTYPE = {torch.int64: "I64", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",
              torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3"}

@@ -159,7 +159,7 @@ def _pair_caveat(p: dict[str, Any]) -> list[str]:
 
 
 def render(info: dict[str, Any]) -> str:
-    """The whole README.md. `info` keys: see pipeline.publish.card_info."""
+    """The whole README.md. `info` keys: see pipeline.stages.publish.card_info."""
     sig = info.get("signature")
     meta = yaml.safe_dump(front_matter(info), sort_keys=False, allow_unicode=True)
     repo, target, variant = info["repo_id"], info.get("target") or "<target>", info["variant"]

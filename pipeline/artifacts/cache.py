@@ -1,6 +1,6 @@
 """The on-disk format of the hidden-state cache: layout, shard plan, sidecars, index, reader.
 
-The writer side (streaming shard writer, background writer threads) is `pipeline.cache_writer`.
+The writer side (streaming shard writer, background writer threads) is `pipeline.artifacts.cache_writer`.
 
 Layout of `cache/` (see docs/cache_format.md):
     shard-NNNNN.safetensors   per-sample tensors `s<i>.input_ids|loss_mask|hidden_states[_scale]`
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import atomic_write_json, dumps_json, read_json, sha256_file, sha256_text
+from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.io import atomic_write_json, dumps_json, read_json, sha256_file, sha256_text
 
 FORMAT = "specquant-cache"
 FORMAT_VERSION = 1

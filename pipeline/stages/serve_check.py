@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import SpecquantError, bad_value
-from pipeline.io import atomic_write_json, atomic_write_text
-from pipeline.rundir import RunDir
+from pipeline.artifacts.rundir import RunDir
+from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.io import atomic_write_json, atomic_write_text
 from pipeline.serving import verdict
 
 REFERENCE = "bf16"
@@ -66,7 +66,7 @@ def probe(python: str | None) -> dict:
 
 
 def _repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def _worker_pythonpath() -> str:
@@ -223,7 +223,7 @@ def _reference_tau(rd: RunDir) -> tuple[str | None, dict, dict]:
 def check_pairing(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str, Path]) -> tuple[list[str], dict]:
     """Every drafter against every target it will be served with (a refusal or a warning sentence each),
     and {variant: (calibration target, base variant)} for the drafters calibrated on a quantized target."""
-    from pipeline import pairing
+    from pipeline.quant import pairing
 
     warnings = []
     for t, path in targets.items():

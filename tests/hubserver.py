@@ -6,7 +6,7 @@ tag it, list it and download it back. Storage is content-addressed and every wri
 atomic (temp + rename), so a server killed with SIGKILL mid-upload restarts on the same
 directory with no half-written object visible; stale temp files are removed at start.
 
-    python -m pipeline.hubserver --root DIR --port N [--token-env VAR] [--slow-put S] [--trace FILE] [--die-on TEXT]
+    python -m tests.hubserver --root DIR --port N [--token-env VAR] [--slow-put S] [--trace FILE] [--die-on TEXT]
 
 In-process: `srv = HubServer(root).start(); srv.url; srv.stop()`.
 """
@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
 
-from pipeline.io import TMP_PREFIX, atomic_write_bytes, atomic_write_json, dumps_json
+from pipeline.core.io import TMP_PREFIX, atomic_write_bytes, atomic_write_json, dumps_json
 
 _REPO_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 _REPO_ID = re.compile(rf"^{_REPO_PART}/{_REPO_PART}$")
@@ -523,7 +523,7 @@ class HubServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.hubserver", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.hubserver", description=__doc__.split("\n")[0])
     ap.add_argument("--root", required=True, help="storage directory (created if missing)")
     ap.add_argument("--port", type=int, default=0, help="0 = any free port (printed at start)")
     ap.add_argument("--token-env", default=None, help="accept only the token in this env var (default: any token)")

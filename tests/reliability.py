@@ -1,4 +1,4 @@
-"""`python -m pipeline.reliability`: run the fault-injection suite and write docs/reliability.md.
+"""`python -m tests.reliability`: run the fault-injection suite and write docs/reliability.md.
 
 Every test marked `faults` (kills, full disk, tampering, bad inputs, leaked secrets) is run with
 pytest; its outcome is rendered as a table with the command that regenerates it.
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipeline.io import atomic_write_text
+from pipeline.core.io import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 KIND_TITLES = {

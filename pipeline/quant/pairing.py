@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import bad_value
+from pipeline.core.errors import bad_value
 
 REFERENCE = "bf16"
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers")
@@ -27,7 +27,7 @@ def calibration_record(cfg, index: dict, used: bool) -> dict[str, Any]:
     """What quantize-drafter writes into its record: the target behind the cache it read."""
     variant = str(index.get("target_variant") or REFERENCE)
     target = (index.get("inputs") or {}).get("target") or {}
-    from pipeline.publish import _hub_id  # the one rule for "this names a Hub repo"
+    from pipeline.stages.publish import _hub_id  # the one rule for "this names a Hub repo"
 
     hub = (cfg.publish.target_model or _hub_id(cfg.target.path)) if variant == REFERENCE else None
     return {"variant": variant, "used": bool(used), "files_sha256": target.get("files_sha256"),
@@ -49,8 +49,8 @@ def target_identity(path: str | Path, variant: str, revision: str | None = None,
                     trust_remote_code: bool = False, hashed: bool = True) -> dict[str, Any]:
     """The served target: variant name, files sha256 (the cache stage's rule; `hashed=False`: None) and
     shape, from its files."""
-    from pipeline.io import dumps_json, sha256_text
-    from pipeline.loading import checkpoint_hashes, load_config
+    from pipeline.core.io import dumps_json, sha256_text
+    from pipeline.core.loading import checkpoint_hashes, load_config
 
     files = (checkpoint_hashes(path, revision) or {}) if hashed else {}
     conf = load_config(str(path), revision, trust_remote_code, "target.path").get_text_config()
@@ -106,7 +106,7 @@ def check_pairs(rd, drafters: list[str], served: dict, stage: str) -> dict[str, 
 
 def base_variant(variant: str, record: dict | None) -> str | None:
     """`w4a16-gptq` for `w4a16-gptq-on-w4a16` (calibrated on target w4a16): the same recipe on bf16 states."""
-    from pipeline.config import PAIR_SUFFIX
+    from pipeline.core.config import PAIR_SUFFIX
 
     t = (record or {}).get("variant")
     suffix = f"{PAIR_SUFFIX}{t}"

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline import distributed
-from pipeline.errors import bad_value
-from pipeline.io import sha256_file
-from pipeline.loading import checkpoint_sha256
+from pipeline.artifacts.rundir import RunDir
+from pipeline.core import distributed
+from pipeline.core.errors import bad_value
+from pipeline.core.io import sha256_file
+from pipeline.core.loading import checkpoint_sha256
+from pipeline.core.seeding import seed_everything
 from pipeline.quant import calibrate, checks, export, recipes
-from pipeline.rundir import RunDir
-from pipeline.seeding import seed_everything
 
 FIELD = "target_quant"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,7 +64,7 @@ def run(cfg) -> dict:
                         "choice is quant.calibration_target)")
     ignore = recipes.resolve_ignore(q)
     config = target_config(cfg)
-    from pipeline.loading import check_safetensors_dir
+    from pipeline.core.loading import check_safetensors_dir
 
     check_safetensors_dir(cfg.target.path, "target.path")  # pickles, truncated files, missing shards: before any load
     recipes.validate_group_size(q, FIELD, target_linears(config, ignore))
@@ -80,7 +80,7 @@ def run(cfg) -> dict:
     samples_sha = None
     batches = None
     if recipes.needs_data(q):
-        from pipeline.data import load_samples
+        from pipeline.stages.data import load_samples
 
         samples = load_samples(rd.data)
         samples_sha = sha256_file(rd.data / "samples.jsonl")
