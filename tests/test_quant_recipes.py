@@ -107,3 +107,43 @@ def test_nvfp4_recipe_has_explicit_groups():
     assert a.dynamic == "local" and a.observer == "static_minmax" and a.group_size == 16
     w4 = recipes.build_modifier(world_cfg("/tmp/unused", "quant=w4a16").quant, []).config_groups["group_0"]
     assert (w4.weights.type, w4.weights.group_size, w4.input_activations) == ("int", 128, None)
+
+
+_FP8 = torch.float8_e4m3fn
+_NVFP4_WEIGHTS = dict(num_bits=4, type="float", symmetric=True, group_size=16, strategy="tensor_group",
+                      block_structure=None, dynamic=False, actorder=None, scale_dtype=_FP8, zp_dtype=_FP8)
+# what each scheme's checkpoint declares (config.json quantization_config), pinned: built from the
+# compressed-tensors presets, so a preset that changes under an upgrade shows up here, not in the bytes
+EXPECTED = {
+    "nvfp4": (_NVFP4_WEIGHTS, dict(num_bits=4, type="float", symmetric=True, group_size=16, strategy="tensor_group",
+                                   block_structure=None, dynamic="local", actorder=None, scale_dtype=_FP8,
+                                   zp_dtype=_FP8, observer="static_minmax", observer_kwargs={})),
+    "nvfp4a16": (_NVFP4_WEIGHTS, None),
+    "w4a16": (dict(num_bits=4, type="int", symmetric=True, group_size=128, strategy="group", block_structure=None,
+                   dynamic=False, actorder=None, scale_dtype=None, zp_dtype=torch.int8), None),
+}
+
+
+def _presets():
+    from pipeline.core.config import CONF_DIR
+
+    return [(group, p.stem) for group in ("quant", "target_quant") for p in sorted((CONF_DIR / group).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group, preset", _presets())
+def test_every_preset_builds_the_compressed_tensors_scheme(group, preset):
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    q = world_cfg("/tmp/unused", f"{group}={preset}")[group]
+    built = recipes.build_modifier(q, recipes.resolve_ignore(q))
+    built = built[-1] if isinstance(built, list) else built  # AWQ: the smoothing modifier, then the quantizer
+    scheme = built.config_groups["group_0"]
+    weights, acts = EXPECTED[q.scheme]
+    observer = {"observer": str(q.observer).lower(), "observer_kwargs": dict(q.observer_kwargs or {})}
+    assert dict(scheme.weights) == weights | observer
+    assert (dict(scheme.input_activations) if scheme.input_activations else None) == acts
+    assert (scheme.targets, scheme.output_activations, scheme.format) == (["Linear"], None, None)
+    # the compressed-tensors preset is the same but for the observer the config picks
+    base = preset_name_to_scheme(recipes.SCHEMES[q.scheme].preset, ["Linear"])
+    assert dict(base.weights) | observer == dict(scheme.weights)
+    assert base.input_activations == scheme.input_activations

@@ -18,21 +18,31 @@ FP8_E4M3_MAX = 448.0  # largest FP8 block-scale magnitude
 
 @dataclass(frozen=True)
 class Scheme:
-    """One quantization format: what its weights and activations are and what vLLM expects."""
+    """One quantization format: a compressed-tensors preset (what vLLM reads) and what may change in it."""
 
     name: str
-    weight_type: str  # "float" (E2M1) | "int"
-    num_bits: int
-    default_group_size: int
-    strategy: str  # tensor_group (NVFP4: FP8 block scales + fp32 global scale) | group
-    quantize_activations: bool
+    preset: str  # compressed_tensors.quantization.quant_scheme.PRESET_SCHEMES: NVFP4, NVFP4A16, W4A16
     fixed_group_size: bool  # NVFP4 kernels only read 16-element blocks
+
+    def base(self):
+        """A fresh copy of the preset's QuantizationScheme (targets Linear)."""
+        from compressed_tensors.quantization import preset_name_to_scheme
+
+        return preset_name_to_scheme(self.preset, ["Linear"])
+
+    @property
+    def default_group_size(self) -> int:
+        return int(self.base().weights.group_size)
+
+    @property
+    def quantize_activations(self) -> bool:
+        return self.base().input_activations is not None
 
 
 SCHEMES: dict[str, Scheme] = {
-    "nvfp4": Scheme("nvfp4", "float", 4, 16, "tensor_group", True, True),
-    "nvfp4a16": Scheme("nvfp4a16", "float", 4, 16, "tensor_group", False, True),
-    "w4a16": Scheme("w4a16", "int", 4, 128, "group", False, False),
+    "nvfp4": Scheme("nvfp4", "NVFP4", True),  # fp4 weights and local-dynamic fp4 activations, FP8 block scales
+    "nvfp4a16": Scheme("nvfp4a16", "NVFP4A16", True),
+    "w4a16": Scheme("w4a16", "W4A16", False),  # int4 symmetric, group 128
 }
 ALGORITHMS = ("rtn", "gptq", "awq")
 CALIBRATIONS = ("cache", "none")
@@ -188,7 +198,7 @@ def check_observer_kwargs(q, field: str) -> None:
             self.read.add(key)
             return super().__contains__(key)
 
-    args = _weight_args(q, SCHEMES[q.scheme])
+    args = _weight_args(q)
     reads = _Reads(given)
     object.__setattr__(args, "observer_kwargs", reads)  # as-is: the observer's own reads are recorded
     try:
@@ -223,38 +233,30 @@ def validate_group_size(q, field: str, linears: list[tuple[str, int]]) -> None:
                         f"use a group size that divides every quantized layer's width, {hint}")
 
 
-def _weight_args(q, scheme: Scheme):
+def _weight_args(q):
+    """The preset's weight args with what the config sets: observer, its settings and the group size."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    fp = scheme.weight_type == "float"
-    return QuantizationArgs(
-        num_bits=scheme.num_bits, type=scheme.weight_type, symmetric=True, group_size=group_size(q),
-        strategy=scheme.strategy, dynamic=False,
-        scale_dtype=torch.float8_e4m3fn if fp else None, zp_dtype=torch.float8_e4m3fn if fp else None,
-        observer=str(q.observer).strip().lower(), observer_kwargs=dict(q.observer_kwargs or {}),
-    )
-
-
-def _activation_args(q):
-    from compressed_tensors.quantization import QuantizationArgs
-
-    # dynamic "local": FP8 block scales are computed per token at run time; only the per-tensor
-    # input_global_scale is calibrated (static_minmax keeps the running absmax over all batches)
-    return QuantizationArgs(
-        num_bits=4, type="float", symmetric=True, group_size=group_size(q), strategy="tensor_group",
-        dynamic="local", scale_dtype=torch.float8_e4m3fn, zp_dtype=torch.float8_e4m3fn, observer="static_minmax",
-    )
+    preset = SCHEMES[q.scheme].base().weights
+    return QuantizationArgs(**{**dict(preset), "group_size": group_size(q),
+                               "observer": str(q.observer).strip().lower(),
+                               "observer_kwargs": dict(q.observer_kwargs or {})})
 
 
 def build_modifier(q, ignore: list[str]):
-    """A QuantizationModifier (RTN) or GPTQModifier with explicit config_groups for `q.scheme`."""
-    from compressed_tensors.quantization import QuantizationScheme
+    """A QuantizationModifier (RTN) or GPTQModifier with explicit config_groups for `q.scheme`: the
+    compressed-tensors preset with the config's weight observer and group size (`_weight_args`).
 
-    scheme = SCHEMES[q.scheme]
-    group = QuantizationScheme(
-        targets=["Linear"], weights=_weight_args(q, scheme),
-        input_activations=_activation_args(q) if scheme.quantize_activations else None,
-    )
+    NVFP4's activations are the preset's: dynamic "local", so FP8 block scales are computed per token at
+    run time and only the per-tensor input_global_scale is calibrated (static_minmax keeps the running
+    absmax over all batches), in groups of the weights' size (16: `validate_settings`).
+    """
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    preset = SCHEMES[q.scheme].base()
+    acts = preset.input_activations
+    group = QuantizationScheme(**{**dict(preset), "weights": _weight_args(q), "input_activations": (
+        QuantizationArgs(**{**dict(acts), "group_size": group_size(q)}) if acts is not None else None)})
     kwargs = {"config_groups": {"group_0": group}, "ignore": list(ignore)}
     if q.algorithm == "awq":
         from llmcompressor.modifiers.quantization import QuantizationModifier
