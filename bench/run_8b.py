@@ -313,7 +313,7 @@ class Bench:
         job = {"target": str(self.models / "target"), "aux_layer_ids": aux, "samples": str(samples),
                "chunks": [list(range(n))], "out_dir": str(scratch), "dtype": "bfloat16",
                "max_model_len": self.args.seq_len + 8, "max_num_batched_tokens": 8192, "backlog": 1 << 30,
-               "gpu_memory_utilization": 0.85, "wait_writes": True}
+               "gpu_memory_utilization": 0.85}
         job_file = self.work / "probes" / "vllm-raw.job.json"
         job_file.parent.mkdir(parents=True, exist_ok=True)
         job_file.write_text(json.dumps(job))

@@ -304,6 +304,26 @@ def test_vllm_engine_streams_connector_files_into_the_same_cache(tmp_path, monke
     assert "engine" not in json.loads((tmp_path / "hf" / "cache" / "index.json").read_text())["inputs"]
 
 
+def test_vllm_engine_worker_dying_mid_shard_is_one_sentence(tmp_path, monkeypatch):
+    """The reader waits for each sample's file while vLLM computes it; a worker that dies before writing
+    one stops the stage with vLLM's own error, and no index or shard appears."""
+    from pipeline.core.errors import SpecquantError
+    from pipeline.serving import extract_stream as cache_vllm
+
+    write_data(tmp_path, n=6)
+    monkeypatch.setattr(cache_vllm, "check_vllm_engine", lambda *a: {})
+    monkeypatch.setattr(cache_vllm._Worker, "module", "tests.extract_producer")
+    monkeypatch.setenv("EXTRACT_PRODUCER_FAIL_AFTER", "3")
+    with pytest.raises(SpecquantError) as err:
+        run_cache(tmp_path, "cache.batch_tokens=1", "cache.engine=vllm", f"serve.python={sys.executable}",
+                  "cache.samples_per_shard=2", "cache.shards_in_flight=2", f"cache.vllm_scratch={tmp_path / 'shm'}")
+    msg = str(err.value)
+    assert "vLLM's extraction stopped before sample" in msg and "illegal memory access" in msg, msg
+    assert "cache.engine=hf" in msg
+    assert not (tmp_path / "cache" / "index.json").exists()  # finished shards stay, for the resume
+    assert not list((tmp_path / "shm").iterdir())  # scratch removed on the error too
+
+
 def test_vllm_engine_without_vllm_is_one_sentence(tmp_path):
     def run_cli(*args):
         return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True)

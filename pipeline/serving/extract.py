@@ -10,12 +10,13 @@ The job names the target, the aux layer ids (HF `output_hidden_states` numbering
 vLLM's `eagle_aux_hidden_state_layer_ids` means: id i = the input of decoder layer i), the data
 stage's samples.jsonl and the chunks to extract (lists of sample indices; one chunk = one shard of
 the cache). For each chunk, one `generate(max_tokens=1)` call: vLLM's ExampleHiddenStatesConnector
-writes one safetensors file per request (`hidden_states` [T, n_aux, H], `token_ids` [T]) under
-`out_dir`, behind an exclusive flock on `<file>.lock` until written; then `chunk-<k>.json` lists
-those files in the chunk's order (written atomically). Before starting a chunk the worker waits
+writes one safetensors file per request (`hidden_states` [T, n_aux, H], `token_ids` [T]) at
+`sample_path(out_dir, g)` (the request names it, `allow_custom_save_path`), behind an exclusive flock
+on `<file>.lock` until written, so the reader takes each sample as soon as vLLM has it, while the
+rest of its chunk is still being computed. Before starting a chunk the worker waits
 until the reader has consumed (deleted) all but `backlog` chunks' files, so the scratch space
-holds a bounded number of samples whatever the dataset size. `result.json` closes the run (or
-says why it failed).
+holds a bounded number of samples whatever the dataset size. The worker exits once every file is
+complete; `result.json` closes the run (or says why it failed).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def _read_samples(path: str, wanted: set[int]) -> dict[int, list[int]]:
     return out
 
 
+def sample_path(out_dir: str | os.PathLike, g: int) -> str:
+    """Where sample `g`'s file is written (the reader and the stand-in producer of the tests use it too)."""
+    return os.path.join(str(out_dir), f"sample-{g:08d}.safetensors")
+
+
 def _pending(out_dir: Path) -> int:
     return sum(1 for e in os.scandir(out_dir) if e.name.endswith(".safetensors"))
 
@@ -67,33 +73,42 @@ def run_job(job: dict) -> dict:
                                 "draft_model_config": {"hf_config": {
                                     "eagle_aux_hidden_state_layer_ids": list(job["aux_layer_ids"])}}},
             kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                "kv_connector_extra_config": {"shared_storage_path": str(out_dir)}})
+                                "kv_connector_extra_config": {"shared_storage_path": str(out_dir),
+                                                              "allow_custom_save_path": True}})
         if job.get("attention_backend"):
             kwargs["attention_backend"] = job["attention_backend"]
         llm = LLM(**kwargs)
         result["load_s"] = round(time.perf_counter() - t0, 3)
-        params = SamplingParams(max_tokens=1, temperature=0.0)
+
+        def params(g: int):  # the request names its file, so the reader knows it before generate() returns
+            return SamplingParams(max_tokens=1, temperature=0.0,
+                                  extra_args={"kv_transfer_params": {"hidden_states_path": sample_path(out_dir, g)}})
         per_sample = max(1, max(len(c) for c in chunks))
         backlog = max(1, int(job.get("backlog", 2)))
         t1 = time.perf_counter()
         written: list[str] = []
-        for k, chunk in enumerate(chunks):
+        for chunk in chunks:
             while _pending(out_dir) > backlog * per_sample:  # the reader is behind: bounded scratch space
                 if Path(job.get("stop_file", out_dir / "stop")).exists():
                     raise RuntimeError("the reader asked the worker to stop")
                 time.sleep(0.02)
-            outs = llm.generate([{"prompt_token_ids": ids[g]} for g in chunk], params, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": ids[g]} for g in chunk], [params(g) for g in chunk],
+                                use_tqdm=False)
             paths = [str((o.kv_transfer_params or {}).get("hidden_states_path") or "") for o in outs]
-            if not all(paths):
-                raise RuntimeError(f"vLLM returned no hidden_states_path for a request of chunk {k}")
-            _write(out_dir / f"chunk-{k:05d}.json", {"chunk": k, "samples": chunk, "paths": paths})
+            wrong = [(g, p) for g, p in zip(chunk, paths, strict=True) if p != sample_path(out_dir, g)]
+            if wrong:
+                raise RuntimeError(f"vLLM wrote sample {wrong[0][0]} to {wrong[0][1] or 'no file'}, not to the path "
+                                   "the request named (allow_custom_save_path ignored?)")
             written.extend(paths)
-        if job.get("wait_writes"):  # benchmarks: the clock stops when the last file is on disk
-            import fcntl
+        import fcntl
 
-            for path in written:
-                with open(path + ".lock") as fh:
-                    fcntl.flock(fh, fcntl.LOCK_SH)
+        for path in written:  # every file complete before the worker exits (and the clock stops)
+            try:
+                fh = open(path + ".lock")  # noqa: SIM115 - closed below
+            except FileNotFoundError:
+                continue  # already read and removed by the reader
+            with fh:
+                fcntl.flock(fh, fcntl.LOCK_SH)
         result["extract_s"] = round(time.perf_counter() - t1, 3)
         result["tokens"] = sum(len(ids[g]) for c in chunks for g in c)
         if torch.cuda.is_available():

@@ -2,8 +2,10 @@
 
 vLLM (`serve.python`, its own interpreter) runs `pipeline.serving.extract`: the target under
 `extract_hidden_states` with the ExampleHiddenStatesConnector, one `generate` per shard, one file
-per sample in `runs/<name>/.work/vllm-extract-<pid>/`. This process reads each sample's file as
-soon as vLLM has written it (a shared flock on `<file>.lock` waits for the write), checks its
+per sample in `runs/<name>/.work/vllm-extract-<pid>/`, at a path the request names
+(`extract.sample_path`). A shard goes to a writer lane before vLLM has computed it, and this process
+reads each sample's file as soon as vLLM has written it (a shared flock on `<file>.lock` waits for
+the write), so a shard is written while the rest of it is still being computed; it checks its
 token ids and shape, converts it to the cache's storage dtype and hands it to the same
 `BackgroundWriter` the HF engine uses: same shard plan, same file format, same sidecars, hashes
 and index, so every reader (`CacheReader`, quantize-drafter, manifest) sees no difference. The
@@ -33,6 +35,7 @@ from pipeline.artifacts.cache import Layout, encode_hidden
 from pipeline.artifacts.cache_writer import BackgroundWriter
 from pipeline.core.errors import SpecquantError, bad_value
 from pipeline.core.io import atomic_write_json
+from pipeline.serving.extract import sample_path
 
 FIELD = "cache.engine"
 
@@ -93,17 +96,8 @@ class _Worker:
         lines = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
         return f"the worker exited {self.proc.returncode} ({(lines[-1:] or ['no output'])[0][:300]})"
 
-    def chunk_ready(self, k: int) -> bool:
-        return (self.scratch / f"chunk-{k:05d}.json").is_file()
-
-    def wait_chunk(self, k: int) -> dict:
-        f = self.scratch / f"chunk-{k:05d}.json"
-        while not f.is_file():
-            if self.proc.poll() is not None and not f.is_file():
-                raise bad_value(FIELD, "vllm", f"vLLM's extraction stopped before shard {k}: {self.failure()}",
-                                f"read {self.log_path} for vLLM's log, or use cache.engine=hf")
-            time.sleep(0.02)
-        return json.loads(f.read_text(encoding="utf-8"))
+    def stopped(self) -> bool:
+        return self.proc.poll() is not None
 
     def finish(self) -> dict:
         rc = self.proc.wait()
@@ -131,14 +125,26 @@ class _Worker:
             self.log_path.unlink(missing_ok=True)
 
 
-def read_sample(path: str, ids: list[int], layout: Layout, where: str):
-    """One file of vLLM's connector -> (storage tensor [T, n_aux, H], fp8 scales or None); deleted once read."""
+def read_sample(path: str, ids: list[int], layout: Layout, where: str, worker: _Worker | None = None):
+    """One file of vLLM's connector -> (storage tensor [T, n_aux, H], fp8 scales or None); deleted once read.
+
+    Waits for vLLM to write it: the connector creates `<file>.lock` under an exclusive flock when it
+    schedules the request and releases it once the file is complete, so a file that exists while we
+    hold the shared lock is whole. Raises if the worker stopped without writing it."""
     from safetensors.torch import load_file
 
     lock = path + ".lock"
-    with open(lock) as fh:
-        fcntl.flock(fh, fcntl.LOCK_SH)  # sleeps until the connector's writer thread has released it
-        data = load_file(path, device="cpu")
+    while True:
+        if os.path.exists(lock):
+            with open(lock) as fh:
+                fcntl.flock(fh, fcntl.LOCK_SH)  # sleeps until the connector's writer thread has released it
+                if os.path.exists(path):
+                    data = load_file(path, device="cpu")
+                    break
+        elif worker is not None and worker.stopped() and not os.path.exists(lock):
+            raise bad_value(FIELD, "vllm", f"vLLM's extraction stopped before {where}: {worker.failure()}",
+                            f"read {worker.log_path} for vLLM's log, or use cache.engine=hf")
+        time.sleep(0.005)
     os.remove(path)
     os.remove(lock)
     hs, tok = data["hidden_states"], data["token_ids"]
@@ -196,42 +202,35 @@ def cache_shards_vllm(cfg, plans, samples, layout: Layout, out: Path, resume_key
 
 
 def _stream(worker: _Worker, writer: BackgroundWriter, pool, plans, samples, layout: Layout, lanes: int, bar) -> None:
-    """Each shard goes to a writer lane as soon as vLLM has finished its chunk (not when a whole group of
-    `lanes` chunks is done); the open shards' samples are read ahead on `pool`, interleaved over the lanes,
-    and handed to the writer in that order. A lane takes its next shard only after its last one was closed."""
-    free, active = list(range(lanes)), {}  # lane -> deque of (sample, file) still to read
+    """Each shard goes to a writer lane as soon as the lane has closed its last one, before vLLM has
+    computed it; the open shards' samples are read on `pool` as vLLM writes them (ahead, interleaved
+    over the lanes, in the shards' order) and handed to the writer in that order."""
+    free, active = list(range(lanes)), {}  # lane -> deque of samples still to read
     ahead: collections.deque = collections.deque()  # (lane, sample or None = close, future)
     depth, k, n = 2 * max(4, lanes), 0, len(plans)
     while k < n or active or ahead:
-        progressed = False
-        while free and k < n and (worker.chunk_ready(k) or not (active or ahead)):
-            chunk = worker.wait_chunk(k)  # blocks only when there is nothing else to do
-            lane = free.pop(0)
-            writer.open_shard(plans[k], list(chunk["samples"]), lane)
-            active[lane] = collections.deque(zip(chunk["samples"], chunk["paths"], strict=True))
-            k, progressed = k + 1, True
-        if len(ahead) < depth:
+        while free and k < n:
+            lane, order = free.pop(0), list(range(plans[k].first, plans[k].first + plans[k].count))
+            writer.open_shard(plans[k], order, lane)
+            active[lane] = collections.deque(order)
+            k += 1
+        while len(ahead) < depth and active:
             for lane in list(active):
-                g, path = active[lane].popleft()
-                ahead.append((lane, g, pool.submit(read_sample, path, samples[g]["input_ids"], layout,
-                                                   f"sample {samples[g]['id']}")))
+                g = active[lane].popleft()
+                ahead.append((lane, g, pool.submit(read_sample, sample_path(worker.scratch, g), samples[g]["input_ids"],
+                                                   layout, f"sample {samples[g]['id']}", worker)))
                 if not active[lane]:
                     del active[lane]
                     ahead.append((lane, None, None))
-                progressed = True
-        if ahead and (len(ahead) >= depth or not active or not progressed):
-            lane, g, fut = ahead.popleft()
-            if g is None:
-                writer.close_shard(lane)
-                free.append(lane)
-            else:
-                hs, scale = fut.result()
-                t = len(samples[g]["input_ids"])
-                writer.put_batch([g], [t], hs, scale, lane)
-                bar.update(t)
-            progressed = True
-        if not progressed:
-            time.sleep(0.005)
+        lane, g, fut = ahead.popleft()
+        if g is None:
+            writer.close_shard(lane)
+            free.append(lane)
+        else:
+            hs, scale = fut.result()  # waits for vLLM when it is behind
+            t = len(samples[g]["input_ids"])
+            writer.put_batch([g], [t], hs, scale, lane)
+            bar.update(t)
 
 
 __all__ = ["check_vllm_engine", "cache_shards_vllm", "read_sample"]
