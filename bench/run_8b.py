@@ -112,7 +112,8 @@ class Bench:
         stage_json = self.runs / run / "stages" / f"{stage_file(stage, extra)}.json"
         if stage_json.is_file():
             rec["stage_record"] = {k: v for k, v in json.loads(stage_json.read_text()).items()
-                                   if k in ("wall_time_s", "result", "device", "versions")}
+                                   if k in ("wall_time_s", "result", "device", "versions", "bytes_hashed",
+                                            "files_hashed", "hash_reused", "hashed_files")}
         return rec
 
     # ---- phases ------------------------------------------------------------------------------
@@ -264,6 +265,8 @@ class Bench:
                   "fp8": ["cache.shards_in_flight=4", "cache.storage_dtype=fp8"],
                   "vllm": ["cache.shards_in_flight=4", "cache.engine=vllm"],
                   "vllm8": ["cache.shards_in_flight=8", "cache.engine=vllm"],
+                  "vllm1g": ["cache.shards_in_flight=4", "cache.engine=vllm", "cache.max_shard_bytes=1073741824"],
+                  "vllm512m": ["cache.shards_in_flight=4", "cache.engine=vllm", "cache.max_shard_bytes=536870912"],
                   "compile": ["cache.shards_in_flight=4", "cache.compile_layers=true"]}
 
     def peers(self) -> None:
@@ -341,20 +344,27 @@ class Bench:
         tok = lambda k, f="tok_s_steady": (ph.get(k) or {}).get(f) or (ph.get(k) or {}).get("tok_s")  # noqa: E731
         stock = (ph.get("peer[stock]") or {}).get("tokens_per_s")
         vllm = tok("peer[vllmraw]", "tok_s")
-        bf16 = max([x for x in (tok("peer[hf1]"), tok("peer[hf4]")) if x] or [0]) or None
+        # the stage's best bf16-storage configuration, either engine (which one is named beside it)
+        bf16_runs = {v: tok(f"peer[{v}]") for v in ("hf1", "hf4", "hf8", "vllm", "vllm8", "vllm1g", "vllm512m")}
+        best = max((v for v in bf16_runs if bf16_runs[v]), key=lambda v: bf16_runs[v], default=None)
+        bf16 = bf16_runs[best] if best else None
         flop = report.flop_limit(self.shapes, self.args.seq_len, [i + 1 for i in self.shapes.zlab_layer_ids])
         import datetime
 
         gpu = ((self.results.get("env") or {}).get("gpus") or ["none"])[0]
         out = {"date": datetime.date.today().isoformat(), "gpu": gpu, "command": " ".join(sys.argv),
                "stock_hf_tok_s": stock, "vllm_extract_tok_s": vllm, "cache_bf16_tok_s": bf16,
+               "cache_bf16_config": best, "cache_hf_engine_bf16_tok_s": max([bf16_runs[v] for v in ("hf1", "hf4", "hf8")
+                                                                         if bf16_runs[v]] or [0]) or None,
                "cache_fp8_tok_s": tok("peer[fp8]"), "cache_vllm_engine_tok_s": tok("peer[vllm]"),
+               "cache_vllm_engine_1g_shards_tok_s": tok("peer[vllm1g]"),
+               "cache_vllm_engine_512m_shards_tok_s": tok("peer[vllm512m]"),
                "cache_compile_tok_s": tok("peer[compile]"), "cache_bf16_1_shard_in_flight_tok_s": tok("peer[hf1]"),
                "cache_bf16_4_shards_in_flight_tok_s": tok("peer[hf4]"), "flop_limit_tok_s": flop,
                "cache_bf16_vs_stock": round(bf16 / stock, 3) if bf16 and stock else None,
                "cache_bf16_vs_vllm": round(bf16 / vllm, 3) if bf16 and vllm else None,
                "content_sha256": {k: (ph.get(f"peer[{k}]") or {}).get("content_sha256")
-                                  for k in ("hf1", "hf4", "fp8", "vllm", "compile")}}
+                                  for k in ("hf1", "hf4", "fp8", "vllm", "vllm1g", "vllm512m", "compile")}}
         h = out["content_sha256"]
         out["hf1_equals_hf4"] = bool(h["hf1"]) and h["hf1"] == h["hf4"]
         (self.out / "cache-peers.json").write_text(json.dumps(out, indent=2) + "\n")
@@ -377,6 +387,31 @@ class Bench:
     def manifest(self) -> None:
         rec = self.stage("manifest", "manifest", "bench")
         self.record("manifest", rec)
+
+    def hashreport(self) -> None:
+        """Hash once (issue 18) at 8B shape: bytes read for hashing by the cache, quantize-drafter,
+        quantize-target and manifest stages of the `bench` run, from their stage records; "without the
+        memo" adds the bytes a remembered digest saved (`hash_reused`)."""
+        stages = self.runs / "bench" / "stages"
+        target = str((self.models / "target").resolve())
+        rows, total, saved = {}, 0, 0
+        for f in sorted(stages.glob("*.json")) if stages.is_dir() else []:
+            if not f.stem.startswith(("cache", "quantize-drafter", "quantize-target", "manifest")):
+                continue
+            r = json.loads(f.read_text())
+            if "bytes_hashed" not in r:
+                continue
+            reused = int((r.get("hash_reused") or {}).get("bytes", 0))
+            tgt = sum(int(b) for k, b in (r.get("hashed_files") or {}).items() if str(k).startswith((target, str(self.models / "target"))))
+            rows[f.stem] = {"bytes_hashed": int(r["bytes_hashed"]), "files_hashed": r.get("files_hashed"),
+                            "reused_bytes": reused, "target_bytes_hashed": tgt}
+            total, saved = total + int(r["bytes_hashed"]), saved + reused
+        target_bytes = sum(p.stat().st_size for p in (self.models / "target").glob("*.safetensors"))
+        out = {"stages": rows, "bytes_hashed": total, "bytes_without_memo": total + saved,
+               "target_weight_bytes": target_bytes,
+               "stages_hashing_target": sorted(k for k, v in rows.items() if v["target_bytes_hashed"])}
+        (self.out / "hash-once.json").write_text(json.dumps(out, indent=2) + "\n")
+        self.record("hashreport", out)
 
     def disttarget(self) -> None:
         """quantize-target GPTQ W4A16 on 1 process then N (torchrun, llm-compressor's distributed
@@ -520,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     print(f"[bench] work dir {bench.work} ({shutil.disk_usage(bench.work).free / 2**30:.0f} GiB free)", flush=True)
     for phase in [p.strip() for p in args.phases.split(",") if p.strip()]:
-        extra_phases = ["dist", "disttarget", "cachebench", "serve", "paircache", "peers", "peersreport"]
+        extra_phases = ["dist", "disttarget", "cachebench", "serve", "paircache", "peers", "peersreport", "hashreport"]
         if phase not in {*ALL_PHASES, *extra_phases}:
             raise SystemExit(f"unknown phase {phase!r}; choose from {', '.join([*ALL_PHASES, *extra_phases])}")
         t0 = time.perf_counter()
