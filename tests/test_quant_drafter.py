@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.core.io import hash_tree, read_json
-from pipeline.quant import cache_batches, recipes
+from pipeline.quant import act_scale, cache_batches
 from pipeline.stages import quantize_drafter
 from tests._support import build_world, copy_world, geometry, massive_activation_target, world_cfg
 
@@ -107,7 +107,7 @@ def _fc_scale(root) -> float:
     reader = CacheReader(root / "qw" / "cache")
     calib, _ = cache_batches.split_indices(len(reader), 12, 12, 0, True)
     absmax = max(float(reader[i]["hidden_states"][:64].abs().max()) for i in calib)
-    return recipes.fixed_input_global_scale(absmax)
+    return act_scale.fixed_input_global_scale(absmax)
 
 
 def test_calibrated_nvfp4_is_not_worse_than_calibration_free(world, nvfp4):

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.core.io import read_json
-from pipeline.quant import act_scale, cache_batches, recipes
+from pipeline.quant import act_scale, cache_batches
 from pipeline.stages import quantize_drafter
 from tests._support import (
     DRAFTER,
@@ -20,7 +20,7 @@ from tests._support import (
     world_cfg,
 )
 
-FIXED = recipes.fixed_input_global_scale(2688.0)  # 1.0, the calibration-free scale
+FIXED = act_scale.fixed_input_global_scale(2688.0)  # 1.0, the calibration-free scale
 
 
 @pytest.fixture(scope="module")

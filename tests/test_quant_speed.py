@@ -153,8 +153,8 @@ def test_parallel_verification_names_the_corrupt_shard(fixture_world, tmp_path):
 
 
 def test_skipping_the_output_head_leaves_every_linear_input_alone(fixture_world):
+    from pipeline.models.calibration import skip_logits
     from pipeline.models.formats import load_drafter
-    from pipeline.quant.calibrate import skip_logits
     from pipeline.stages.cache import CacheReader
     from tests._support import DRAFTER, TARGET
 

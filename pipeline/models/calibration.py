@@ -10,6 +10,8 @@ Unused anchor slots are padded like speculators pads them: position 0, `anchor_v
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -172,3 +174,21 @@ def block_metrics(logits, targets, mask, block_size: int) -> dict[str, float]:
     out["eal_total"] = float(has.sum())
     return out
 
+
+@contextlib.contextmanager
+def skip_logits(model):
+    """Calibration forwards that read only the inputs of the drafter's Linear layers skip its output head.
+
+    The head (the target's lm_head, vocab x hidden, never quantized: pipeline.quant.recipes.ALWAYS_IGNORE)
+    is about a third of the drafter's forward at Qwen3-8B shape (151,936 x 4,096 per block row) and its
+    logits are never read by oneshot's observers, GPTQ's Hessians, the scale search or the layer-error
+    check; it returns an empty [..., 0] tensor instead, and every quantized layer sees the same inputs."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear) or getattr(head, "quantization_scheme", None) is not None:
+        yield
+        return
+    head.forward = lambda x: x.new_empty((*x.shape[:-1], 0))  # shadows nn.Linear.forward on this instance
+    try:
+        yield
+    finally:
+        del head.forward

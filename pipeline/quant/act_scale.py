@@ -70,6 +70,14 @@ def validate_settings(q, field: str) -> None:
                         "use 2688.0 (input_global_scale 1.0, the calibration-free value)")
 
 
+def fixed_input_global_scale(amax: float) -> float:
+    """The calibration-free activation global scale for a fixed absmax (what static_minmax would give):
+    the largest FP8-E4M3 block scale (448) times the largest E2M1 magnitude (6) over the absmax."""
+    from compressed_tensors.quantization.quant_args import FP4_E2M1_DATA, FP8_E4M3_DATA
+
+    return FP8_E4M3_DATA.max * FP4_E2M1_DATA.max / float(amax)
+
+
 def _f32(x: float) -> float:
     """The value as the float32 that input_global_scale will hold."""
     return float(torch.tensor(x, dtype=torch.float32))
@@ -204,7 +212,7 @@ def run_hooked(model, modules: dict[str, torch.nn.Module], layers: dict[str, Lay
     from llmcompressor.utils.helpers import DisableQuantization, calibration_forward_context
     from tqdm import tqdm
 
-    from pipeline.quant.calibrate import skip_logits
+    from pipeline.models.calibration import skip_logits
 
     device = get_execution_device(model)  # where oneshot's basic pipeline sends the batches
     handles = [modules[name].register_forward_pre_hook(layer.hook) for name, layer in layers.items()]
@@ -251,8 +259,6 @@ def search(model, batches, q) -> dict:
     chosen scale with the error of each on the calibration batches.
     """
     from compressed_tensors.offload import update_offload_parameter
-
-    from pipeline.quant.recipes import fixed_input_global_scale
 
     fixed = _f32(fixed_input_global_scale(float(q.fixed_activation_amax)))
     mults = [float(m) for m in q.activation_scale_multipliers]

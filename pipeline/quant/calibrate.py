@@ -7,7 +7,9 @@ import contextlib
 import torch
 
 from pipeline.core import quiet
-from pipeline.quant.recipes import SCHEMES, build_modifier, fixed_input_global_scale
+from pipeline.models.calibration import skip_logits
+from pipeline.quant.act_scale import fixed_input_global_scale
+from pipeline.quant.recipes import SCHEMES, build_modifier
 
 
 class NullProcessor:
@@ -69,25 +71,6 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
         with quiet.loguru_muted(*muted):
             oneshot(model=model, recipe=recipe, pipeline="datafree")
     return modifier
-
-
-@contextlib.contextmanager
-def skip_logits(model):
-    """Calibration forwards that read only the inputs of the drafter's Linear layers skip its output head.
-
-    The head (the target's lm_head, vocab x hidden, never quantized: recipes.ALWAYS_IGNORE) is about a
-    third of the drafter's forward at Qwen3-8B shape (151,936 x 4,096 per block row) and its logits are
-    never read by oneshot's observers, GPTQ's Hessians or the scale search; it returns an empty
-    [..., 0] tensor instead, and every quantized layer sees the same inputs as before."""
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, torch.nn.Linear) or getattr(head, "quantization_scheme", None) is not None:
-        yield
-        return
-    head.forward = lambda x: x.new_empty((*x.shape[:-1], 0))  # shadows nn.Linear.forward on this instance
-    try:
-        yield
-    finally:
-        del head.forward
 
 
 @contextlib.contextmanager

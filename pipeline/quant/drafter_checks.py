@@ -136,7 +136,7 @@ def layer_output_errors(reference, quantized, batches) -> dict[str, float]:
             den[name] += float(y.pow(2).sum())
         return fn
 
-    from pipeline.quant.calibrate import skip_logits
+    from pipeline.models.calibration import skip_logits
 
     handles = [ref_mods[n].register_forward_hook(hook(n)) for n in qmods]
     try:
@@ -155,7 +155,7 @@ def activation_error_report(reference, quantized, held, q, search: dict | None) 
     batches, the checkpoint's scale against the calibration-free fixed one."""
     if not act_scale.activation_quantized(quantized) or not len(held):
         return {}
-    fixed = recipes.fixed_input_global_scale(float(q.fixed_activation_amax))
+    fixed = act_scale.fixed_input_global_scale(float(q.fixed_activation_amax))
     heldout = act_scale.heldout_errors(reference, quantized, held, fixed)
     out = {"activation_error_heldout": heldout,
            "activation_error_summary": {"heldout": act_scale.summarize(heldout, ("calibrated", "fixed"))}}

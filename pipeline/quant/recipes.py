@@ -11,9 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.core.errors import bad_value
-
-FP4_MAX = 6.0  # largest E2M1 magnitude
-FP8_E4M3_MAX = 448.0  # largest FP8 block-scale magnitude
+from pipeline.quant import act_scale
 
 
 @dataclass(frozen=True)
@@ -136,8 +134,6 @@ def validate_settings(q, field: str) -> None:
         raise bad_value(f"{field}.num_samples", q.num_samples, "calibration needs at least one sample",
                         "use a positive number")
     check_observer_kwargs(q, field)
-    from pipeline.quant import act_scale
-
     act_scale.validate_settings(q, field)
 
 
@@ -285,11 +281,6 @@ def needs_data(q) -> bool:
     """Whether the recipe runs a calibration forward (activation scales, GPTQ Hessians, imatrix statistics)."""
     return q.calibration == "cache" and (SCHEMES[q.scheme].quantize_activations or q.algorithm in ("gptq", "awq")
                                          or _observer_key(str(q.observer)) in DATA_OBSERVERS)
-
-
-def fixed_input_global_scale(amax: float) -> float:
-    """The calibration-free activation global scale for a fixed absmax (what static_minmax would give)."""
-    return FP8_E4M3_MAX * FP4_MAX / float(amax)
 
 
 def resolve_device(device: str) -> torch.device:
