@@ -1,9 +1,13 @@
-"""Manifest stage on a small hand-built run directory (records written by the real pipeline.stages.runner)."""
+"""Manifest stage on real runs: the session's fixture-world run (tests/conftest.py `tiny_run`: data written by
+the data format's writer, the real cache stage, quantize-drafter nvfp4 as a subprocess, the real manifest) and,
+for the data section, the real data stage on the tiny corpus. Every input comes from its writer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -11,28 +15,55 @@ import sys
 import pytest
 import yaml
 
+from pipeline.artifacts import samples as samples_file
+from pipeline.artifacts.cache import read_index
+from pipeline.artifacts.stage_record import read_record
 from pipeline.core.config import compose
 from pipeline.core.errors import SpecquantError
 from pipeline.core.io import sha256_file
 from pipeline.provenance import record as provenance
-from pipeline.stages import manifest
-from tests._support import DFLASH as FIX
-from tests._support import MANIFEST_RECIPE as RECIPE
-from tests._support import MANIFEST_TOKEN as TOKEN
-from tests._support import REPO, build_run, run_manifest
-from tests._support import manifest_overrides as _overrides
+from pipeline.stages import ORDER, manifest
+from tests._support import DRAFTER, REPO, TARGET, geometry, overrides
+
+TOKEN = "sq_PlantedSecretToken1234567890abcdef"  # not HF-shaped: caught as the known value of HF_TOKEN
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One run for the read-only tests of this module (built once: the machine is shared)."""
+def run(tiny_run):
+    """The session's real run (data, cache, quantize-drafter nvfp4, manifest); read-only here."""
+    return tiny_run["reference"]
+
+
+def _manifest(run_dir, monkeypatch=None, token: str | None = None) -> dict:
+    """The manifest stage on `run_dir` (runs root = its parent, run name = its name)."""
+    mp = monkeypatch or pytest.MonkeyPatch()
+    try:
+        if token:
+            mp.setenv("HF_TOKEN", token)
+        return manifest.run(compose([f"runs_root={run_dir.parent}", f"run_name={run_dir.name}"]))
+    finally:
+        if monkeypatch is None:
+            mp.undo()
+
+
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory, chat_tokenizer):
+    """The real data stage (through pipeline.stages.runner, so its record is genuine) on the tiny corpus, with a
+    token planted in its overrides, then the manifest stage with that token known: a run of one stage."""
+    from pipeline.stages.runner import run_stage
+
+    root = tmp_path_factory.mktemp("data_run")
+    ov = [f"runs_root={root}", "run_name=d", "seed=3", f"target.tokenizer={chat_tokenizer}",
+          "data.num_samples=6", f"publish.namespace={TOKEN}"]
     mp = pytest.MonkeyPatch()
     try:
-        rd, ov = build_run(tmp_path_factory.mktemp("manifest"), mp)
-        run_manifest(rd, ov, mp)
+        mp.delenv("HF_TOKEN", raising=False)  # the record is written before the token is known
+        mp.setattr(sys, "argv", [str(REPO / "pipeline" / "__main__.py"), "data", *ov])
+        run_stage("data", "pipeline.stages.data", compose(ov), ov)
+        result = _manifest(root / "d", mp, token=TOKEN)
     finally:
         mp.undo()
-    return rd
+    return root / "d", result
 
 
 def _validate(doc: dict, name: str) -> None:
@@ -47,19 +78,47 @@ def test_calibration_manifest_fields(run):
     cal = json.loads((run / "calibration_manifest.json").read_text())
     _validate(cal, "calibration_manifest")
     data, cache = cal["data"], cal["cache"]
-    assert data["sources"][0]["name"] == "chat" and "revision" in data["sources"][0]
-    assert data["counts"]["chat"]["kept"] == 3 and data["counts"]["chat"]["dropped"]["no_assistant_turn"] == 1
-    assert data["counts"]["chat"]["dropped_total"] == 1
-    rec = json.loads((run / "stages" / "data.json").read_text())
-    assert (data["seed"], data["max_seq_len"]) == (3, rec["resolved_config"]["data"]["max_seq_len"])
-    assert data["tokenizer"]["sha256"] == "a" * 64
-    assert data["samples_sha256"] == sha256_file(run / "data" / "samples.jsonl")
-    shard = run / "cache" / "shard-00000.safetensors"
-    assert cache["shards"] == [{"file": "cache/shard-00000.safetensors", "sha256": sha256_file(shard),
-                                "bytes": shard.stat().st_size, "in_index": True}]
-    assert cache["content_sha256"] == "c" * 64 and cache["index_sha256"] == sha256_file(run / "cache" / "index.json")
-    assert (cache["aux_layer_ids"], cache["dtype"]) == ([2, 4], "bfloat16")
-    assert set(cal["timing"]) == {"data", "cache"} and cal["not_run"] == []
+    meta, counts = samples_file.load_meta(run / "data"), samples_file.load_counts(run / "data")
+    assert data["meta"] == dataclasses.asdict(meta)
+    assert [s["name"] for s in data["sources"]] == [s.name for s in meta.sources] and "revision" in data["sources"][0]
+    assert set(data["counts"]) == set(counts)
+    for src, c in counts.items():
+        assert data["counts"][src] == {**dataclasses.asdict(c), "dropped_total": sum(c.dropped.values())}
+    assert (data["seed"], data["max_seq_len"]) == (meta.seed, meta.max_seq_len)
+    assert data["samples_sha256"] == sha256_file(run / "data" / "samples.jsonl") == meta.samples_sha256
+    assert (data["num_samples"], data["num_tokens"]) == (meta.num_samples, meta.num_tokens)
+    index = read_index(run / "cache")
+    assert cache["shards"] == [{"file": f"cache/{s['file']}", "sha256": sha256_file(run / "cache" / s["file"]),
+                                "bytes": (run / "cache" / s["file"]).stat().st_size, "in_index": True}
+                               for s in index["shards"]]
+    assert len(cache["shards"]) > 1  # tiny_run writes 4 samples per shard
+    assert cache["content_sha256"] == index["content_hash"]
+    assert cache["index_sha256"] == sha256_file(run / "cache" / "index.json")
+    assert (cache["aux_layer_ids"], cache["dtype"]) == (index["aux_layer_ids"], index["storage_dtype"]) \
+        == (geometry()["aux_layer_ids"], "float32")
+    assert cache["target_variant"] == "bf16" and cal["target_caches"] == {}
+    assert set(cal["timing"]) == {"cache"} and cal["not_run"] == []  # the data files come from the format's writer
+
+
+def test_data_section_of_the_real_data_stage(data_run, chat_tokenizer):
+    """The data stage's own files: sources, counts with their drop totals, and the tokenizer's file hashes as
+    the data stage computes them (`pipeline.stages.data.tokenizer_hashes`)."""
+    from pipeline.stages import data as data_stage
+
+    rd, _ = data_run
+    cal = json.loads((rd / "calibration_manifest.json").read_text())
+    data = cal["data"]
+    rec = read_record(rd / "stages" / "data.json")
+    assert [s["name"] for s in data["sources"]] == ["chat", "math", "code"]
+    assert all(s["sha256"] == sha256_file(REPO / s["path"]) for s in data["sources"])
+    assert sum(c["kept"] for c in data["counts"].values()) == data["num_samples"] == 6
+    assert all(c["dropped_total"] == sum(c["dropped"].values()) for c in data["counts"].values())
+    assert (data["seed"], data["max_seq_len"]) == (3, rec.resolved_config["data"]["max_seq_len"])
+    hashes = data_stage.tokenizer_hashes(chat_tokenizer)
+    assert "tokenizer.json" in hashes["files"]
+    assert data["tokenizer"] == {"path": str(chat_tokenizer), "revision": None, **hashes}
+    assert data["samples_sha256"] == sha256_file(rd / "data" / "samples.jsonl")
+    assert set(cal["timing"]) == {"data"}
 
 
 def test_quant_run_manifest_fields(run):
@@ -68,24 +127,27 @@ def test_quant_run_manifest_fields(run):
     by = {(c["kind"], c["variant"]): c for c in q["checkpoints"]}
     assert set(by) == {("drafter", "bf16"), ("drafter", "nvfp4")}
     ck = by[("drafter", "nvfp4")]
-    qcfg = json.loads((run / "stages" / "quantize-drafter-nvfp4.json").read_text())["resolved_config"]["quant"]
-    assert ck["quant_config"] == qcfg and ck["scheme"] == qcfg["scheme"] == "nvfp4"
-    assert ck["observer"] == qcfg["observer"] and isinstance(ck["observer"], str)
-    assert ck["observer_kwargs"] == {"averaging_constant": 0.01}
-    assert ck["ignore"] == ["lm_head", "re:.*q_proj", "re:.*k_proj", "re:.*v_proj"]  # the effective list
-    assert ck["group_size"] == 16
-    assert ck["recipe"]["text"] == RECIPE and ck["recipe"]["parsed"] == yaml.safe_load(RECIPE)
-    assert ck["seeds"] == {"seed": 3, "calibration_seed": 7, "anchors": 11}
-    assert ck["quantization_config"]["format"] == "nvfp4-pack-quantized"
-    src = FIX / "speculators" / "checkpoint"
-    assert ck["inputs"]["drafter"]["files"]["model.safetensors"]["sha256"] == sha256_file(src / "model.safetensors")
-    assert ck["inputs"]["target"]["files"]["model.safetensors"]["sha256"] == sha256_file(FIX / "target" / "model.safetensors")
-    assert set(ck["inputs"]["target"]["files"]) == {"config.json", "model.safetensors"}  # weights + config only
-    assert ck["inputs"]["calibration_cache"]["content_sha256"] == "c" * 64
+    rec = read_record(run / "stages" / "quantize-drafter-nvfp4.json")
+    qcfg = rec.config("quant")
+    assert ck["quant_config"] == qcfg and ck["scheme"] == rec.result["scheme"] == "nvfp4"
+    assert ck["observer"] == rec.result.get("observer", qcfg["observer"]) and isinstance(ck["observer"], str)
+    assert ck["observer_kwargs"] == rec.result.get("observer_kwargs", qcfg["observer_kwargs"])
+    assert ck["ignore"] == rec.result["ignore"] and "lm_head" in " ".join(ck["ignore"])  # the effective list
+    assert ck["group_size"] == rec.result.get("group_size", qcfg["group_size"]) == 16
     out = run / "drafter" / "nvfp4"
+    text = (out / "recipe.yaml").read_text()
+    assert ck["recipe"]["text"] == text and ck["recipe"]["parsed"] == yaml.safe_load(text)
+    assert ck["seeds"]["seed"] == rec.seed == 0
+    assert all(ck["seeds"][k] == v for k, v in rec.result.items() if "seed" in k and isinstance(v, int))
+    conf = json.loads((out / "config.json").read_text())
+    assert ck["quantization_config"] == conf["quantization_config"]
+    assert ck["inputs"]["drafter"]["files"]["model.safetensors"]["sha256"] == sha256_file(DRAFTER / "model.safetensors")
+    assert ck["inputs"]["target"]["files"]["model.safetensors"]["sha256"] == sha256_file(TARGET / "model.safetensors")
+    assert set(ck["inputs"]["target"]["files"]) == {"config.json", "model.safetensors"}  # weights + config only
+    assert ck["inputs"]["calibration_cache"]["content_sha256"] == read_index(run / "cache")["content_hash"]
     assert ck["files"] == {f: {"sha256": sha256_file(out / f), "bytes": (out / f).stat().st_size}
-                           for f in ("config.json", "model.safetensors", "recipe.yaml")}
-    assert ck["checks"]["report"] == {"kl_vs_bf16": 0.01}
+                           for f in sorted(p.name for p in out.iterdir())}
+    assert ck["checks"]["report"] == json.loads((run / "checks" / "drafter-nvfp4.json").read_text())
     bf16 = by[("drafter", "bf16")]
     assert bf16["scheme"] == "unquantized" and bf16["quant_config"] is None and bf16["ignore"] is None
     assert bf16["stage"]["record"] == "stages/quantize-drafter-nvfp4.json"  # the stage that wrote it
@@ -93,27 +155,28 @@ def test_quant_run_manifest_fields(run):
     env = q["environment"]
     assert {"torch", "transformers", "llmcompressor", "compressed-tensors", "specquant"} <= set(env["versions"])
     assert set(env["git"]) >= {"commit", "dirty"} and env["device"]["machine"]
-    assert ck["stage"]["git"]["commit"] == env["git"]["commit"]
+    assert ck["stage"]["git"]["commit"] == rec.git["commit"]
     assert all(isinstance(t["wall_time_s"], float) for t in q["timing"].values())
     # a stage's own timings move out of its result into the timing section
-    assert "timings" not in ck["stage"]["result"] and "load_s" not in ck["stage"]["result"]
-    assert q["timing"]["quantize-drafter-nvfp4"]["result"] == {"timings": {"oneshot_s": 1.5}, "load_s": 0.25}
-    assert q["not_run"] == ["quantize-target", "evaluate", "serve-check"]
+    timed = {k: v for k, v in rec.result.items() if manifest._is_timing(k)}
+    assert "timings" in timed and not set(timed) & set(ck["stage"]["result"])
+    assert q["timing"]["quantize-drafter-nvfp4"]["result"] == timed
+    assert q["not_run"] == [s for s in ORDER[:ORDER.index("manifest")] if s not in ("cache", "quantize-drafter")]
 
 
 def test_provenance_folder(run):
     p = run / "provenance"
     cmds = json.loads((p / "commands.json").read_text())
-    assert [c["stage"] for c in cmds] == ["data", "cache", "quantize-drafter"]
-    rec = json.loads((run / "stages" / "quantize-drafter-nvfp4.json").read_text())
-    assert cmds[2]["argv"] == rec["argv"] and cmds[2]["overrides"] == rec["overrides"]
-    assert " ".join(rec["overrides"][:2]) in (p / "commands.sh").read_text()
+    assert [c["stage"] for c in cmds] == ["cache", "quantize-drafter"]
+    rec = read_record(run / "stages" / "quantize-drafter-nvfp4.json")
+    assert cmds[1]["argv"] == rec.argv and cmds[1]["overrides"] == rec.overrides
+    assert " ".join(rec.overrides[:2]) in (p / "commands.sh").read_text()
     subprocess.run(["bash", "-n", str(p / "commands.sh")], check=True)
     cfg = yaml.safe_load((p / "resolved_config" / "quantize-drafter-nvfp4.yaml").read_text())
     assert cfg["quant"]["scheme"] == "nvfp4" and cfg["run_dir"] == str(run)
     src = json.loads((p / "source" / "SOURCE.json").read_text())
-    assert src["files"]["pipeline/stages/manifest.py"]["sha256"] == sha256_file(REPO / "pipeline" / "manifest.py")
-    assert (p / "source" / "pipeline" / "stage.py").read_bytes() == (REPO / "pipeline" / "stage.py").read_bytes()
+    for rel in ("pipeline/stages/manifest.py", "pipeline/stages/runner.py"):
+        assert src["files"][rel]["sha256"] == sha256_file(p / "source" / rel)
     assert (p / "source" / "git.diff").exists() == bool(src["git"]["dirty"] and src["git"]["diff"])
     att = json.loads((p / "attestation.intoto.json").read_text())
     assert att["_type"] == "https://in-toto.io/Statement/v1" and att["predicateType"] == "https://slsa.dev/provenance/v1"
@@ -126,7 +189,7 @@ def test_provenance_folder(run):
     assert dt.datetime.fromisoformat(meta["startedOn"]) <= dt.datetime.fromisoformat(meta["finishedOn"])
     assert all(set(d) & {"uri", "digest"} for d in bd["resolvedDependencies"])
     deps = {d["name"]: d for d in bd["resolvedDependencies"]}
-    assert deps[f"{FIX / 'target'}/model.safetensors"]["digest"]["sha256"] == sha256_file(FIX / "target" / "model.safetensors")
+    assert deps[f"{TARGET}/model.safetensors"]["digest"]["sha256"] == sha256_file(TARGET / "model.safetensors")
     every = provenance.list_files(run, lambda r: provenance.is_late(r))
     expected = sorted(set(every) - {provenance.ATTESTATION, provenance.FILE_LIST})
     assert [s["name"] for s in att["subject"]] == expected
@@ -144,22 +207,26 @@ def test_vllm_serve_command_runs(run, tmp_path):
     out = subprocess.run(["bash", str(run / "provenance" / "vllm_serve.sh"), "nvfp4"], env=env, check=True,
                          capture_output=True, text=True).stdout
     argv = json.loads(out)
-    assert argv[:2] == ["serve", str(FIX / "target")]
+    assert argv[:2] == ["serve", str(TARGET)]
     assert argv[2:5] == ["--attention-backend", "FLASH_ATTN", "--speculative-config"]  # non-causal drafting
     spec = json.loads(argv[5])
-    assert spec == {"method": "dflash", "model": f"{run.resolve()}/drafter/nvfp4", "num_speculative_tokens": 3}
+    assert spec == {"method": "dflash", "model": f"{run.resolve()}/drafter/nvfp4",
+                    "num_speculative_tokens": geometry()["block_size"] - 1}
     bad = subprocess.run(["bash", str(run / "provenance" / "vllm_serve.sh"), "nope"], env=env, capture_output=True)
     assert bad.returncode == 2
 
 
 def test_eval_commands_compose_per_subset(run):
-    """Each per-subset command's overrides compose with the real config tree to exactly one prompt set."""
+    """Each per-subset command's overrides compose with the real config tree to exactly one prompt set; with
+    no evaluate stage (and so no eval/vllm_commands.sh) the script says so and has no vLLM section."""
     text = (run / "provenance" / "eval_commands.sh").read_text()
     subprocess.run(["bash", "-n", str(run / "provenance" / "eval_commands.sh")], check=True)
     import shlex
 
     cmds = [shlex.split(line) for line in text.splitlines() if line.startswith("python -m pipeline evaluate")]
-    assert len(cmds) == 3 and "vllm bench serve" in text
+    assert len(cmds) == 3
+    assert not (run / "eval" / "vllm_commands.sh").exists() and "vllm bench serve" not in text
+    assert "the evaluate stage has not run" in text
     names = []
     for argv in cmds:
         cfg = compose(argv[4:])
@@ -170,21 +237,25 @@ def test_eval_commands_compose_per_subset(run):
 
 
 @pytest.mark.faults("secret")
-def test_planted_token_never_written(run):
-    hits = [p for p in [run / "calibration_manifest.json", run / "quant_run_manifest.json",
-                        *(run / "provenance").rglob("*")]
+def test_planted_token_never_written(data_run):
+    rd, _ = data_run
+    hits = [p for p in [rd / "calibration_manifest.json", rd / "quant_run_manifest.json", *(rd / "provenance").rglob("*")]
             if p.is_file() and TOKEN.encode() in p.read_bytes()]
     assert hits == []
-    assert TOKEN in (run / "stages" / "data.json").read_text()  # the plant really was in the inputs
+    assert TOKEN in (rd / "stages" / "data.json").read_text()  # the plant really was in the inputs
 
 
-def test_byte_stable_across_writes(run, monkeypatch):
+def test_byte_stable_across_writes(run, tmp_path, monkeypatch):
+    copy = tmp_path / run.parent.name / run.name
+    shutil.copytree(run, copy)
+    _manifest(copy, monkeypatch)
+
     def snapshot():
-        return {r: (run / r).read_bytes() for r in provenance.list_files(run, provenance.is_late)}
+        return {r: (copy / r).read_bytes() for r in provenance.list_files(copy, provenance.is_late)}
 
     first = snapshot()
     for _ in range(3):  # others may edit the shared checkout between two writes; CI's tree is still
-        run_manifest(run, _overrides(run.parent), monkeypatch)
+        _manifest(copy, monkeypatch)
         second = snapshot()
         if second["provenance/source/SOURCE.json"] == first["provenance/source/SOURCE.json"]:
             break
@@ -192,9 +263,8 @@ def test_byte_stable_across_writes(run, monkeypatch):
     assert second == first
 
 
-def test_degrades_when_stages_missing(tmp_path, monkeypatch):
-    rd, ov = build_run(tmp_path, monkeypatch, stages=("data",))
-    result = run_manifest(rd, ov, monkeypatch)
+def test_degrades_when_stages_missing(data_run):
+    rd, result = data_run
     cal = json.loads((rd / "calibration_manifest.json").read_text())
     q = json.loads((rd / "quant_run_manifest.json").read_text())
     _validate(cal, "calibration_manifest")
@@ -205,14 +275,16 @@ def test_degrades_when_stages_missing(tmp_path, monkeypatch):
 
 
 @pytest.mark.faults("tamper")
-def test_corrupt_shard_refused_before_writing(tmp_path, monkeypatch):
-    rd, ov = build_run(tmp_path, monkeypatch, stages=("data", "cache"))
+def test_corrupt_shard_refused_before_writing(tiny_run, tmp_path):
+    rd = tmp_path / "runs" / "qw"
+    shutil.copytree(tiny_run["template"], rd)  # data + cache, no manifest yet
+    assert not (rd / "calibration_manifest.json").exists()
     shard = rd / "cache" / "shard-00000.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
     with pytest.raises(SpecquantError, match="cache/shard-00000.safetensors"):
-        run_manifest(rd, ov, monkeypatch)
+        manifest.run(compose(overrides(rd.parent)))
     assert not (rd / "calibration_manifest.json").exists() and not (rd / "provenance").exists()
 
 
@@ -220,6 +292,24 @@ def test_corrupt_shard_refused_before_writing(tmp_path, monkeypatch):
 def test_missing_run_dir_is_one_sentence(tmp_path):
     with pytest.raises(SpecquantError, match=r"`run_dir` = .*does not exist"):
         manifest.run(compose([f"runs_root={tmp_path}", "run_name=nothing"]))
+
+
+@pytest.mark.faults("bad_input")
+def test_unknown_format_versions_are_one_sentence(tiny_run, tmp_path):
+    """A stage record or cache index of another format version is refused naming the file, field and value."""
+    from pipeline.core.io import atomic_write_json, read_json
+
+    rd = tmp_path / "runs" / "qw"
+    shutil.copytree(tiny_run["template"], rd)
+    rec = read_json(rd / "stages" / "cache.json")
+    atomic_write_json(rd / "stages" / "cache.json", {**rec, "format_version": 99})
+    with pytest.raises(SpecquantError, match=r"`stages/cache.json format_version` = 99: .*version 1"):
+        manifest.run(compose(overrides(rd.parent)))
+    atomic_write_json(rd / "stages" / "cache.json", rec)
+    index = read_json(rd / "cache" / "index.json")
+    atomic_write_json(rd / "cache" / "index.json", {**index, "format_version": 2})
+    with pytest.raises(SpecquantError, match=r"`cache/index.json` = .*specquant-cache v1 index"):
+        manifest.run(compose(overrides(rd.parent)))
 
 
 @pytest.mark.parametrize("name", ["calibration_manifest", "quant_run_manifest"])
@@ -231,14 +321,3 @@ def test_committed_tiny_manifests_validate(name):
     _validate(doc, name)
     # the reference is made on a CPU machine: serve-check (GPU + vLLM) is the one stage it says it did not run
     assert doc["not_run"] == ([] if name == "calibration_manifest" else ["serve-check"]) and doc["run_name"] == "tiny"
-
-
-def test_tokenizer_section_agrees_with_the_data_stage(chat_tokenizer):
-    """The manifest reports the data stage's tokenizer hashes, and hashes a bare path the same way."""
-    from pipeline.stages import data
-
-    hashes = data.tokenizer_hashes(chat_tokenizer)
-    recorded = manifest._tokenizer({"tokenizer": {"name_or_path": str(chat_tokenizer), "revision": None, **hashes}}, {})
-    fallback = manifest._tokenizer({}, {"target": {"tokenizer": str(chat_tokenizer)}})
-    assert recorded["files"] == fallback["files"] == hashes["files"] and "tokenizer.json" in hashes["files"]
-    assert recorded["sha256"] == fallback["sha256"] == hashes["sha256"]

@@ -5,6 +5,7 @@ The run is real: the session's data -> cache -> quantize-drafter nvfp4 -> manife
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.io import TMP_PREFIX, atomic_write_json
+from pipeline.core.config import compose
+from pipeline.core.io import TMP_PREFIX, read_json
 from pipeline.provenance import record as provenance
 from pipeline.stages import verify
-from tests._support import REPO
+from tests._support import HUB_BASE, REPO, overrides
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ FLIPS = ["cache/shard-00000.safetensors", "cache/shard-00000.json", "cache/index
          "stages/quantize-drafter-nvfp4.json", "stages/cache.json", "calibration_manifest.json",
          "quant_run_manifest.json", "provenance/commands.sh", "provenance/commands.json",
          "provenance/resolved_config/cache.yaml",
-         "provenance/source/pipeline/stage.py", "provenance/source/SOURCE.json", "provenance/vllm_serve.sh",
+         "provenance/source/pipeline/stages/runner.py", "provenance/source/SOURCE.json", "provenance/vllm_serve.sh",
          "provenance/eval_commands.sh", "provenance/attestation.intoto.json", "provenance/files.sha256.json"]
 
 
@@ -96,26 +98,22 @@ def test_record_edited_consistently_is_caught_by_other_records(run):
 
 
 def test_late_outputs_are_not_extra(run):
-    atomic_write_json(run / "stages" / "manifest.json", {"stage": "manifest"})
-    atomic_write_json(run / "publish" / "record.json", {"pushed": False})
+    """Stage records written after the manifest (its own, publish's: by the one writer) and publish/ are no extra
+    files (publish/ itself: test_published_folder)."""
+    from pipeline.artifacts.stage_record import read_record, write_record
+
+    rec = read_record(run / "stages" / "cache.json")
+    write_record(run, "manifest", dataclasses.replace(rec, stage="manifest"))
+    write_record(run, "publish", dataclasses.replace(rec, stage="publish"))
     assert verify.verify_dir(run) == []
 
 
 def _publish(run: Path) -> Path:
-    """Assemble a published folder the way the publish stage does: copy files, then write its list last."""
-    pub = run / "publish" / "nvfp4"
-    origins = {}
-    for rel in ("config.json", "model.safetensors", "recipe.yaml"):
-        origins[rel] = f"drafter/nvfp4/{rel}"
-    for rel in ("calibration_manifest.json", "quant_run_manifest.json"):
-        origins[rel] = rel
-    for dst, src in origins.items():
-        (pub / dst).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(run / src, pub / dst)
-    shutil.copytree(run / "provenance", pub / "provenance")
-    (pub / "README.md").write_text("# tiny drafter nvfp4\n")
-    provenance.write_file_list(pub, kind="published", origins=origins)
-    return pub
+    """The publish stage's dry run (it assembles publish/nvfp4/ and writes its file list last)."""
+    from pipeline.stages import publish
+
+    publish.run(compose(overrides(run.parent, f"publish.base_model={HUB_BASE}", "publish.namespace=specquant-test")))
+    return run / "publish" / "nvfp4"
 
 
 @pytest.mark.faults("tamper")
@@ -132,7 +130,7 @@ def test_published_folder(run):
 def test_published_file_that_differs_from_the_run_is_named(run):
     pub = _publish(run)
     _flip(pub / "recipe.yaml")
-    lst = json.loads((pub / provenance.FILE_LIST).read_text())
+    lst = read_json(pub / provenance.FILE_LIST)
     provenance.write_file_list(pub, kind="published",
                                origins={r: e["origin"] for r, e in lst["files"].items() if "origin" in e})
     problems = verify.verify_dir(pub)

@@ -282,6 +282,13 @@ def check_index(cache_dir: str | Path, index: dict) -> dict:
     return index
 
 
+def read_index(cache_dir: str | Path) -> dict:
+    """`<cache_dir>/index.json`, refused unless it is a specquant-cache index of this format version and
+    agrees with itself and its shard files (`check_index`); the one reader of the index."""
+    cache_dir = Path(cache_dir)
+    return check_index(cache_dir, read_json(cache_dir / "index.json", "cache/index.json"))
+
+
 class CacheReader:
     """Read a finished cache. Shard hashes are verified lazily: the first access to a shard hashes
     the whole file and compares it with index.json (`verify="open"` checks every shard up front,
@@ -289,7 +296,7 @@ class CacheReader:
 
     def __init__(self, cache_dir: str | Path, verify: str | bool = "lazy", dtype: torch.dtype = torch.float32):
         self.dir = Path(cache_dir)
-        self.index = check_index(self.dir, read_json(self.dir / "index.json", "cache/index.json"))
+        self.index = read_index(self.dir)
         self.dtype, self._verify = dtype, verify
         self._verified: set[int] = set()
         self._first = [s["first"] for s in self.index["shards"]]
@@ -346,6 +353,6 @@ class CacheReader:
 
 
 __all__ = ["CacheReader", "check_index", "Layout", "ShardPlan", "plan_shards", "pack_batches", "encode_hidden",
-           "decode_hidden", "content_hash", "build_index", "clear_stale", "read_sidecar", "finished_index",
+           "decode_hidden", "content_hash", "build_index", "read_index", "clear_stale", "read_sidecar", "finished_index",
            "check_storage_dtype", "dumps_json", "FORMAT", "FORMAT_VERSION", "STORAGE_DTYPES", "shard_file"]
 

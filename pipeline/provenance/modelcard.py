@@ -12,8 +12,9 @@ from typing import Any
 
 import yaml
 
+from pipeline.artifacts.eval_results import EvalResults
+
 SCHEME_TAGS = {"nvfp4": "nvfp4", "nvfp4a16": "nvfp4", "w4a16": "w4a16", "fp8": "fp8"}
-_TAU_KEYS = ("tau", "mean_tau", "acceptance_length", "mean_acceptance_length")
 
 
 def front_matter(info: dict[str, Any]) -> dict[str, Any]:
@@ -40,18 +41,16 @@ def front_matter(info: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def calibration_lines(results: Any, variant: str) -> list[str]:
+def calibration_lines(results: EvalResults | None, variant: str) -> list[str]:
     """This variant against its data-free / calibration-free twin (evaluate's paired comparison), if any."""
-    rows = [r for r in ((results or {}).get("calibration_comparison") or []) if isinstance(results, dict)
-            and variant in (r.get("calibrated"), r.get("calibration_free"))]
     out = []
-    for r in rows:
-        t, tau = r.get("top1_heldout") or {}, r.get("tau") or {}
-        errs = r.get("layer_output_error_heldout") or {}
-        e = [((errs.get(v) or {}).get("mean")) for v in (r["calibrated"], r["calibration_free"])]
+    for r in results.comparisons_for(variant) if results else []:
+        t, tau = r.top1_heldout or {}, r.tau
+        errs = r.layer_output_error_heldout or {}
+        e = [((errs.get(v) or {}).get("mean")) for v in (r.calibrated, r.calibration_free)]
         boot = tau.get("paired_bootstrap") or {}
         ci = boot.get("ci95") or [None, None]
-        line = (f"- `{r['calibrated']}` ({r.get('what_is_calibrated') or 'calibrated'}) vs `{r['calibration_free']}`: "
+        line = (f"- `{r.calibrated}` ({r.what_is_calibrated or 'calibrated'}) vs `{r.calibration_free}`: "
                 f"tau {tau.get('calibrated', float('nan')):.3f} vs {tau.get('calibration_free', float('nan')):.3f}")
         if boot:
             line += f" (difference {boot['difference']:+.3f}, 95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}])"
@@ -60,30 +59,14 @@ def calibration_lines(results: Any, variant: str) -> list[str]:
                      f"rows (McNemar p {t['mcnemar_p']:.3g})")
         if None not in e:
             line += f"; held-apart layer-output error {e[0]:.4f} vs {e[1]:.4f}"
-        out.append(line + f"; verdict **{r.get('verdict')}**.")
+        out.append(line + f"; verdict **{r.verdict}**.")
     return out
 
 
-def acceptance_table(results: Any, variant: str) -> str | None:
-    """A markdown table subset x variant of mean acceptance length, from eval/results.json rows.
-
-    The evaluate stage's exact layout is its own; any dict carrying `variant`, `subset`
-    and a tau key (tau / mean_tau / acceptance_length) anywhere in the document counts as a row.
-    """
-    rows: dict[tuple[str, str], float] = {}
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            key = next((k for k in _TAU_KEYS if isinstance(node.get(k), int | float)), None)
-            if key and isinstance(node.get("variant"), str) and isinstance(node.get("subset"), str):
-                rows[(node["subset"], node["variant"])] = float(node[key])
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(results)
+def acceptance_table(results: EvalResults | None, variant: str) -> str | None:
+    """A markdown table subset x variant of mean acceptance length, from eval/results.json's `table` rows
+    (`pipeline.artifacts.eval_results.TauRow`)."""
+    rows = {(r.subset, r.variant): float(r.tau) for r in (results.table if results else [])}
     if not rows:
         return None
     variants = sorted({v for _, v in rows}, key=lambda v: (v != "bf16", v != variant, v))

@@ -33,6 +33,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import stage_record
+from pipeline.artifacts.stage_record import StageRecord
 from pipeline.core import hashes
 from pipeline.core.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFIX: the file list rule's pieces, used as prov.*
     TMP_PREFIX,
@@ -97,26 +99,15 @@ def write_file_list(folder: str | Path, kind: str = "published", origins: dict[s
 
 
 # ---------------------------------------------------------------- stage records
-def load_records(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """{record name: record} for stages/*.json, skipping the manifest's and publish's own records."""
-    out = {}
-    d = run_dir / "stages"
-    for p in sorted(d.glob("*.json")) if d.is_dir() else []:
-        if p.stem == "manifest" or p.stem.startswith("publish"):
-            continue
-        out[p.stem] = json.loads(p.read_text(encoding="utf-8"))
-    return dict(sorted(out.items(), key=lambda kv: _order(kv[0], kv[1])))
+def load_records(run_dir: Path) -> dict[str, StageRecord]:
+    """{record name: record} for stages/*.json in pipeline order, skipping the manifest's and publish's own
+    records (`pipeline.artifacts.stage_record`, the one reader)."""
+    return stage_record.load_records(run_dir, STAGE_ORDER)
 
 
-def _order(name: str, rec: dict) -> tuple[int, str]:
-    stage = rec.get("stage", name)
-    return (STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER), name)
-
-
-def commands_doc(records: dict[str, dict]) -> list[dict[str, Any]]:
-    return [{"record": f"stages/{name}.json", "stage": rec.get("stage", name), "argv": rec.get("argv"),
-             "command": rec.get("command"), "overrides": rec.get("overrides", []),
-             "launcher": rec.get("launcher")} for name, rec in records.items()]
+def commands_doc(records: dict[str, StageRecord]) -> list[dict[str, Any]]:
+    return [{"record": f"stages/{name}.json", "stage": rec.stage, "argv": rec.argv, "command": rec.command,
+             "overrides": rec.overrides, "launcher": rec.launcher} for name, rec in records.items()]
 
 
 def commands_sh(commands: list[dict[str, Any]]) -> str:
@@ -134,10 +125,10 @@ def commands_sh(commands: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def resolved_config_yaml(record: dict) -> str:
+def resolved_config_yaml(record: StageRecord) -> str:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.create(record.get("resolved_config") or {}), resolve=True)
+    return OmegaConf.to_yaml(OmegaConf.create(record.resolved_config), resolve=True)
 
 
 # ---------------------------------------------------------------- source snapshot
@@ -258,9 +249,9 @@ def _hydra_value(v: Any) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def eval_commands_sh(eval_record: dict | None, eval_cfg: dict, vllm_commands: str | None) -> str:
+def eval_commands_sh(eval_record: StageRecord | None, eval_cfg: dict, vllm_commands: str | None) -> str:
     """Per-subset `python -m pipeline evaluate` commands (the captured overrides + one prompt set each)."""
-    overrides = list((eval_record or {}).get("overrides", []))
+    overrides = list(eval_record.overrides) if eval_record else []
     kept = [o for o in overrides if not o.lstrip("+~").startswith("eval.prompt_sets")]
     lines = ["#!/usr/bin/env bash", "# Per-subset evaluation commands of this run (run from the specquant checkout).",
              "# Each is the captured evaluate command restricted to one prompt set.", "set -euo pipefail", ""]
@@ -278,24 +269,25 @@ def eval_commands_sh(eval_record: dict | None, eval_cfg: dict, vllm_commands: st
 
 
 # ---------------------------------------------------------------- in-toto / SLSA statement
-def attestation(subjects: dict[str, dict], records: dict[str, dict], dependencies: list[dict],
+def attestation(subjects: dict[str, dict], records: dict[str, StageRecord], dependencies: list[dict],
                 source: dict, run_name: str) -> dict[str, Any]:
-    starts = sorted(r["started_utc"] for r in records.values() if r.get("started_utc"))
-    last = records[list(records)[-1]] if records else {}
+    starts = sorted(r.started_utc for r in records.values() if r.started_utc)
+    last = records[list(records)[-1]] if records else None
+    versions, git = (last.versions, last.git) if last else (None, None)
     predicate = {
         "buildDefinition": {
             "buildType": BUILD_TYPE,
             "externalParameters": {
                 "run_name": run_name,
-                "stages": {name: {"command": r.get("command"), "overrides": r.get("overrides", []),
-                                  "seed": r.get("seed")} for name, r in records.items()},
+                "stages": {name: {"command": r.command, "overrides": r.overrides, "seed": r.seed}
+                           for name, r in records.items()},
             },
-            "internalParameters": {"versions": last.get("versions"), "git": last.get("git"),
+            "internalParameters": {"versions": versions, "git": git,
                                    "source_tree_sha256": source.get("tree_sha256")},
             "resolvedDependencies": dependencies,
         },
         # timing lives only in runDetails.metadata (startedOn/finishedOn) so repro-check can drop it by name
-        "runDetails": {"builder": {"id": BUILDER_ID, "version": {"specquant": (last.get("versions") or {}).get("specquant")}},
+        "runDetails": {"builder": {"id": BUILDER_ID, "version": {"specquant": (versions or {}).get("specquant")}},
                        "metadata": {k: v for k, v in (("invocationId", run_name),
                                                       ("startedOn", starts[0] if starts else None),
                                                       ("finishedOn", _finished(records))) if v is not None}},
@@ -305,11 +297,11 @@ def attestation(subjects: dict[str, dict], records: dict[str, dict], dependencie
                       "predicateType": SLSA_PREDICATE, "predicate": predicate})
 
 
-def _finished(records: dict[str, dict]) -> str | None:
+def _finished(records: dict[str, StageRecord]) -> str | None:
     import datetime as dt
 
     ends = []
     for r in records.values():
-        if r.get("started_utc") and r.get("wall_time_s") is not None:
-            ends.append(dt.datetime.fromisoformat(r["started_utc"]) + dt.timedelta(seconds=float(r["wall_time_s"])))
+        if r.started_utc and r.wall_time_s is not None:
+            ends.append(dt.datetime.fromisoformat(r.started_utc) + dt.timedelta(seconds=float(r.wall_time_s)))
     return max(ends).isoformat() if ends else None

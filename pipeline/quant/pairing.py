@@ -12,7 +12,6 @@ publish compare it with the target they pair the drafter with (`check_pair`):
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,12 +36,10 @@ def calibration_record(cfg, index: dict, used: bool) -> dict[str, Any]:
 
 def drafter_record(rd, variant: str) -> dict[str, Any] | None:
     """The calibration target a drafter variant's stage record names (None: no record, e.g. bf16)."""
-    p = rd.stages / f"quantize-drafter-{variant}.json"
-    try:
-        rec = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return (rec.get("result") or {}).get("calibration_target")
+    from pipeline.artifacts.stage_record import load_record
+
+    rec = load_record(rd.root, f"quantize-drafter-{variant}")
+    return rec.result.get("calibration_target") if rec else None
 
 
 def target_identity(path: str | Path, variant: str, revision: str | None = None,

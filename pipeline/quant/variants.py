@@ -8,7 +8,6 @@ override that keeps both, before any weight is read. The same settings (a re-run
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,12 @@ def refuse_overwrite(record: Path, out_dir: Path, field: str, quant_cfg, seed: i
     """Refuse when `out_dir` exists and `record` (its stage record) says it was made with other settings."""
     from omegaconf import OmegaConf
 
+    from pipeline.artifacts.stage_record import read_record
+
     if not (out_dir.is_dir() and record.is_file()):
         return
-    try:
-        old_rec = json.loads(record.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return
-    old = _bytes_settings((old_rec.get("resolved_config") or {}).get(field) or {}, old_rec.get("seed"))
+    old_rec = read_record(record)
+    old = _bytes_settings(old_rec.config(field), old_rec.seed)
     new = _bytes_settings(OmegaConf.to_container(quant_cfg, resolve=True), int(seed))
     diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if not diff:

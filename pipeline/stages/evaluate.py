@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import eval_results
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, hash_tree, sha256_text
@@ -72,9 +73,11 @@ def _variant_meta(rd: RunDir, variant: str, summary: dict) -> dict[str, Any]:
     q = summary["quantization"]
     if not q.get("quantized"):
         return {"scheme": None, "calibration": None}
-    record = rd.stages / f"quantize-drafter-{variant}.json"
-    if record.is_file():
-        quant = json.loads(record.read_text(encoding="utf-8")).get("resolved_config", {}).get("quant", {})
+    from pipeline.artifacts.stage_record import load_record
+
+    record = load_record(rd.root, f"quantize-drafter-{variant}")
+    if record is not None:
+        quant = record.config("quant")
         cal = quant.get("calibration")
         method = quant.get("activation_scale") if cal == "cache" and q.get("activations_quantized") else None
         algo = quant.get("algorithm")
@@ -308,8 +311,10 @@ def _tree(path: str | Path) -> dict | None:
     return {k: v["sha256"] for k, v in hash_tree(p).items()} if p.is_dir() else None
 
 
-def _write_outputs(out: Path, results: dict, timings: dict, subsets) -> list[str]:
+def _write_outputs(out: Path, doc: eval_results.EvalResults, timings: dict, subsets) -> list[str]:
     from pipeline.evaluation import plots, report
+
+    results = doc.to_json()
 
     prompt_files = {}
     for stale in sorted((out / "prompts").glob("*.jsonl")):
@@ -319,11 +324,10 @@ def _write_outputs(out: Path, results: dict, timings: dict, subsets) -> list[str
         rel = f"prompts/{s.name}.jsonl"
         atomic_write_text(out / rel, "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in s.texts))
         prompt_files[s.name] = str(out / rel)
-    atomic_write_json(out / "results.json", results)
+    eval_results.write_results(out, doc)
     atomic_write_json(out / "timings.json", timings)
     atomic_write_text(out / "report.md", report.render_report(results))
-    atomic_write_text(out / "vllm_commands.sh", report.render_vllm_commands(results, prompt_files))
-    (out / "vllm_commands.sh").chmod(0o755)
+    eval_results.write_vllm_commands(out, report.render_vllm_commands(results, prompt_files))
     plots.tau_bars(results, out / "tau_per_subset.png")
     plots.acceptance_curves(results, out / "acceptance_per_position.png")
     plots.calibration_pairs(results, out / "calibration_vs_datafree.png")
@@ -428,12 +432,15 @@ def run(cfg) -> dict:
         "subsets": [{"name": s.name, "source": s.source, "num_prompts": len(s.prompts),
                      "prompt_tokens": sum(len(p) for p in s.prompts)} for s in subsets],
     }
-    results["table"] = tau_table(results)
-    results["calibration_comparison"] = calibration_comparison(rd, results, per_prompt, int(cfg.seed))
-    results["pairs"] = {"targets": list(matrix), "served": served, "matrix": matrix,
-                        "warnings": {t: w for t, w in warnings.items() if w},
-                        "comparison": pair_comparison(rd, matrix, pair_prompts, int(cfg.seed))}
-    written = _write_outputs(rd.eval, results, timings, subsets)
+    doc = eval_results.EvalResults(
+        **results, table=[eval_results.TauRow(**r) for r in tau_table(results)],
+        calibration_comparison=[eval_results.CalibrationComparison(**c)
+                                for c in calibration_comparison(rd, results, per_prompt, int(cfg.seed))],
+        pairs={"targets": list(matrix), "served": served, "matrix": matrix,
+               "warnings": {t: w for t, w in warnings.items() if w},
+               "comparison": pair_comparison(rd, matrix, pair_prompts, int(cfg.seed))})
+    results = doc.to_json()
+    written = _write_outputs(rd.eval, doc, timings, subsets)
     lossless = all(n == 0 for row in matrix.values() for d in row.values() for n in d["lossless_mismatches"].values())
     return {"output": str(rd.eval), "files": written, "lossless": lossless,
             "tau": {v: {s: d["subsets"][s]["tau"] for s in d["subsets"]} | {"all": d["overall"]["tau"]}

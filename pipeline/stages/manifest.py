@@ -8,11 +8,16 @@ attestation's `runDetails.metadata`, so same config + seed gives byte-identical 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import eval_results
+from pipeline.artifacts import samples as samples_file
+from pipeline.artifacts.cache import read_index
 from pipeline.artifacts.rundir import RunDir
+from pipeline.artifacts.stage_record import StageRecord
 from pipeline.core.errors import SpecquantError, bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
 from pipeline.core.secrets import scrub, scrub_obj
@@ -97,15 +102,15 @@ class Inputs:
         return deps
 
 
-def _stage_summary(name: str, rec: dict) -> dict:
-    return {"record": f"stages/{name}.json", "stage": rec.get("stage", name), "command": rec.get("command"),
-            "overrides": rec.get("overrides", []), "seed": rec.get("seed"), "versions": rec.get("versions"),
-            "git": rec.get("git"), "device": rec.get("device"), "source_sha256": rec.get("source_sha256")}
+def _stage_summary(name: str, rec: StageRecord) -> dict:
+    return {"record": f"stages/{name}.json", "stage": rec.stage, "command": rec.command,
+            "overrides": rec.overrides, "seed": rec.seed, "versions": rec.versions,
+            "git": rec.git, "device": rec.device, "source_sha256": rec.source_sha256}
 
 
-def _source_section(source: dict, records: dict) -> dict:
+def _source_section(source: dict, records: dict[str, StageRecord]) -> dict:
     """Which code produced the outputs: the snapshot in provenance/source/ and whether each stage ran it."""
-    match = {n: (r["source_sha256"] == source["tree_sha256"]) if r.get("source_sha256") else None
+    match = {n: (r.source_sha256 == source["tree_sha256"]) if r.source_sha256 else None
              for n, r in records.items()}
     return {"snapshot": "provenance/source/SOURCE.json", "tree_sha256": source["tree_sha256"],
             "git": {k: source["git"][k] for k in ("commit", "dirty")}, "stages_ran_this_source": match}
@@ -123,124 +128,84 @@ def _untimed(result: Any) -> Any:
     return {k: v for k, v in result.items() if not _is_timing(k)} if isinstance(result, dict) else result
 
 
-def _timing(records: dict[str, dict]) -> dict:
+def _timing(records: dict[str, StageRecord]) -> dict:
     out = {}
     for n, r in records.items():
-        out[n] = {"started_utc": r.get("started_utc"), "wall_time_s": r.get("wall_time_s")}
-        res = r.get("result") if isinstance(r.get("result"), dict) else {}
+        out[n] = {"started_utc": r.started_utc, "wall_time_s": r.wall_time_s}
+        res = r.result
         if any(_is_timing(k) for k in res):
             out[n]["result"] = {k: v for k, v in res.items() if _is_timing(k)}
     return out
 
 
 # ---------------------------------------------------------------- calibration manifest
-def _counts(counts: Any) -> dict | None:
-    if not isinstance(counts, dict):
-        return None
-    per = counts.get("sources", counts) if isinstance(counts.get("sources"), dict) else counts
-    out = {}
-    for src, c in sorted(per.items()):
-        if not isinstance(c, dict):
-            continue
-        dropped = c.get("dropped", {})
-        total = sum(dropped.values()) if isinstance(dropped, dict) else dropped
-        out[src] = {**c, "kept": c.get("kept"), "dropped": dropped if isinstance(dropped, dict) else {"unspecified": dropped},
-                    "dropped_total": total}
-    return out
+def _counts(counts: dict[str, samples_file.SourceCounts]) -> dict:
+    """counts.json per source (`pipeline.artifacts.samples.SourceCounts`) with the drops' total."""
+    return {src: {**dataclasses.asdict(c), "dropped_total": sum(c.dropped.values())} for src, c in sorted(counts.items())}
 
 
-def _tokenizer(meta: dict, data_cfg: dict) -> dict:
-    """The tokenizer the data stage used: its file hashes as data/meta.json records them
-    (`pipeline.stages.data.tokenizer_hashes`), else hashed now from the configured path."""
-    from pipeline.stages.data import tokenizer_hashes
-
-    tok = meta.get("tokenizer")
-    if isinstance(tok, dict) and (tok.get("sha256") or tok.get("files")):
-        files = tok.get("files")
-        digest = tok.get("sha256") or sha256_bytes(dumps_json(files).encode())
-        return {"path": tok.get("path") or tok.get("name_or_path"), "revision": tok.get("revision"),
-                "sha256": digest, "files": files}
-    target = data_cfg.get("target") or {}
-    path = (tok if isinstance(tok, str) else None) or target.get("tokenizer") or target.get("path")
-    local = _local(path)
-    hashes = tokenizer_hashes(local) if local and local.is_dir() else {"files": None, "sha256": None}
-    return {"path": path, **hashes}
+def _tokenizer(meta: samples_file.DataMeta) -> dict:
+    """The tokenizer the data stage used and its file hashes, as data/meta.json records them
+    (`pipeline.stages.data.tokenizer_hashes`)."""
+    tok = meta.tokenizer
+    return {"path": tok.name_or_path, "revision": tok.revision, "sha256": tok.sha256, "files": tok.files}
 
 
-def _sources(meta: dict, data_cfg: dict) -> list[dict]:
-    sources = meta.get("sources") or (data_cfg.get("data") or {}).get("sources") or []
+def _sources(meta: samples_file.DataMeta) -> list[dict]:
+    """The blend's sources as data/meta.json names them, each local file's sha256 added."""
     out = []
-    for s in sources:
-        s = dict(s)
-        s.setdefault("revision", None)
-        local = _local(s.get("path"))
-        if local is not None and local.is_file() and "sha256" not in s:
+    for src in meta.sources:
+        s = dataclasses.asdict(src)
+        local = _local(s["path"])
+        if local is not None and local.is_file():
             s["sha256"] = sha256_file(local)
         out.append(s)
     return out
 
 
 def calibration_manifest(rd: RunDir, records: dict, tree: dict, run_name: str) -> dict:
-    data_rec, cache_rec = records.get("data"), records.get("cache")
-    meta, counts, index = _read(rd.data / "meta.json"), _read(rd.data / "counts.json"), _read(rd.cache / "index.json")
     data = None
-    if meta is not None or counts is not None:
-        meta = meta or {}
-        cfg = (data_rec or {}).get("resolved_config") or {}
-        data = {"sources": _sources(meta, cfg), "counts": _counts(counts),
-                "seed": meta.get("seed", (data_rec or {}).get("seed")),
-                "max_seq_len": meta.get("max_seq_len", (cfg.get("data") or {}).get("max_seq_len")),
-                "num_samples": meta.get("num_samples"), "num_tokens": meta.get("num_tokens"),
-                "samples_sha256": meta.get("samples_sha256"), "tokenizer": _tokenizer(meta, cfg),
-                "files": {r: e for r, e in tree.items() if r.startswith("data/")}, "meta": meta}
-    cache = _cache_section(rd, index, tree, cache_rec) if index is not None else None
-    # caches of the quantized targets' hidden states (cache cache.target=<variant>), by target variant
-    pair_caches = {t: _cache_section(rd, _read(p / "index.json"), tree, records.get(f"cache-{t}"), p.name)
-                   for t, p in rd.caches().items() if t != "bf16"}
-    stages = {n: _stage_summary(n, r) for n, r in records.items() if r.get("stage") in ("data", "cache")}
+    if (rd.data / samples_file.META).is_file():  # the data stage's files, through its reader (pipeline/artifacts/samples.py)
+        meta, counts = samples_file.load_meta(rd.data), samples_file.load_counts(rd.data)
+        data = {"sources": _sources(meta), "counts": _counts(counts), "seed": meta.seed,
+                "max_seq_len": meta.max_seq_len, "num_samples": meta.num_samples, "num_tokens": meta.num_tokens,
+                "samples_sha256": meta.samples_sha256, "tokenizer": _tokenizer(meta),
+                "files": {r: e for r, e in tree.items() if r.startswith("data/")}, "meta": dataclasses.asdict(meta)}
+    # the bf16 target's cache and the quantized targets' (cache cache.target=<variant>), by target variant
+    caches = {t: _cache_section(p, tree) for t, p in rd.caches().items()}
+    cache = caches.pop("bf16", None)
+    stages = {n: _stage_summary(n, r) for n, r in records.items() if r.stage in ("data", "cache")}
     return {"schema": "specquant.calibration_manifest/v1", "run_name": run_name, "data": data, "cache": cache,
-            "target_caches": pair_caches,
+            "target_caches": caches,
             "stages": stages, "timing": _timing({n: records[n] for n in stages}),
             "not_run": [s for s, sec in (("data", data), ("cache", cache)) if sec is None]}
 
 
-def _shard_claims(index: dict) -> dict[str, str | None]:
-    shards = index.get("shards") or []
-    claims = {}
-    items = shards.items() if isinstance(shards, dict) else enumerate(shards)
-    for key, s in items:
-        if isinstance(s, str):
-            claims[s] = None
-        elif isinstance(s, dict):
-            name = s.get("file") or s.get("name") or s.get("path") or (key if isinstance(key, str) else None)
-            if name:
-                claims[Path(name).name] = s.get("sha256")
-    return claims
-
-
-def _cache_section(rd: RunDir, index: dict, tree: dict, rec: dict | None, folder: str = "cache") -> dict:
-    claims = _shard_claims(index)
+def _cache_section(cache_dir: Path, tree: dict) -> dict:
+    """A cache folder as its index.json (read and checked by `pipeline.artifacts.cache.read_index`) and the
+    run's file hashes describe it; a shard whose bytes differ from the index is refused."""
+    folder = cache_dir.name
+    index = read_index(cache_dir)
+    claims = {s["file"]: s["sha256"] for s in index["shards"]}
     on_disk = {Path(r).name for r in tree if r.startswith(f"{folder}/") and r.endswith(".safetensors")}
     shards = []
     for name in sorted(set(claims) | on_disk):
         rel = f"{folder}/{name}"
         if rel not in tree:
-            raise bad_value("cache", rel, "cache/index.json lists this shard but the file is missing",
+            raise bad_value("cache", rel, f"{folder}/index.json lists this shard but the file is missing",
                             "re-run `make cache` to rebuild the cache")
-        if claims.get(name) and claims[name] != tree[rel]["sha256"]:
+        if name in claims and claims[name] != tree[rel]["sha256"]:
             raise bad_value("cache", rel, f"its sha256 {tree[rel]['sha256'][:12]}... differs from the "
-                            f"{claims[name][:12]}... recorded in cache/index.json (the shard is corrupt)",
+                            f"{claims[name][:12]}... recorded in {folder}/index.json (the shard is corrupt)",
                             "re-run `make cache` to rebuild it")
         shards.append({"file": rel, **tree[rel], "in_index": name in claims})
-    cfg = (rec or {}).get("resolved_config") or {}
-    content = index.get("content_sha256") or index.get("content_hash")
-    return {"folder": folder, "target_variant": index.get("target_variant", "bf16"),
+    return {"folder": folder,
+            # written by the cache stage; an imported cache (pipeline/artifacts/cache_import.py) is of the bf16 target
+            "target_variant": index.get("target_variant", "bf16"),
             "index_sha256": tree[f"{folder}/index.json"]["sha256"],
-            "content_sha256": content or sha256_bytes(dumps_json([s["sha256"] for s in shards]).encode()),
-            "content_sha256_from": "cache/index.json" if content else "shard sha256 list (index has none)",
-            "aux_layer_ids": index.get("aux_layer_ids", index.get("aux_hidden_state_layer_ids")),
-            "dtype": index.get("storage_dtype", index.get("dtype", (cfg.get("cache") or {}).get("storage_dtype"))),
-            "num_samples": index.get("num_samples"), "shards": shards,
+            "content_sha256": index["content_hash"], "content_sha256_from": "cache/index.json",
+            "aux_layer_ids": index["aux_layer_ids"], "dtype": index["storage_dtype"],
+            "num_samples": index["num_samples"], "shards": shards,
             "index_fields": {k: v for k, v in index.items() if k not in ("shards", "samples")}}
 
 
@@ -249,11 +214,11 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
                       calib: dict) -> dict:
     name = f"quantize-{kind}-{variant}"
     rec = records.get(name)
-    qcfg = (((rec or {}).get("resolved_config") or {}).get("quant" if kind == "drafter" else "target_quant"))
+    qcfg = rec.resolved_config.get("quant" if kind == "drafter" else "target_quant") if rec else None
     if rec is None:  # a by-product (e.g. drafter/bf16, the reference a quantize stage writes): credit that stage
-        name, rec = next(((n, r) for n, r in records.items() if str((r.get("result") or {}).get("reference", ""))
+        name, rec = next(((n, r) for n, r in records.items() if str(r.result.get("reference", ""))
                           .rstrip("/").endswith(f"{kind}/{variant}")), (name, None))
-    cfg = (rec or {}).get("resolved_config") or {}
+    cfg = rec.resolved_config if rec else {}
     rel = f"{kind}/{variant}"
     conf = _read(rd.root / rel / "config.json") or {}
     qconf = conf.get("quantization_config")
@@ -264,12 +229,12 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
         text = (rd.root / rel / "recipe.yaml").read_text(encoding="utf-8")
         recipe = {"file": f"{rel}/recipe.yaml", "sha256": tree[f"{rel}/recipe.yaml"]["sha256"], "text": text,
                   "parsed": yaml.safe_load(text)}
-    res = ((rec or {}).get("result") or {}) if qcfg is not None else {}
+    res = rec.result if rec is not None and qcfg is not None else {}
     q = qcfg or {}
     # the stage's result holds the effective values (e.g. q/k/v added to ignore); the config is the fallback
     scheme = res.get("scheme") or q.get("scheme") or (f"compressed-tensors:{qconf.get('format')}" if qconf
                                                        else "unquantized")
-    seeds = {"seed": (rec or {}).get("seed"), **{k: v for k, v in res.items() if "seed" in k and isinstance(v, int)},
+    seeds = {"seed": rec.seed if rec else None, **{k: v for k, v in res.items() if "seed" in k and isinstance(v, int)},
              **(res.get("seeds") if isinstance(res.get("seeds"), dict) else {})}
     check_rel = f"checks/{kind}-{variant}.json"
     cal_target = res.get("calibration_target") if kind == "drafter" else None
@@ -292,7 +257,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
         "files": {r[len(rel) + 1:]: e for r, e in tree.items() if r.startswith(rel + "/")},
         "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"], "report": _read(rd.root / check_rel)}
                    if check_rel in tree else None),
-        "stage": ({**_stage_summary(name, rec), "result": _untimed(rec.get("result"))} if rec else None),
+        "stage": ({**_stage_summary(name, rec), "result": _untimed(rec.result)} if rec else None),
         "serving": serve_check.status_for(rd, variant) if kind == "drafter" else None,
     }
 
@@ -304,7 +269,7 @@ def quant_run_manifest(rd: RunDir, records: dict, tree: dict, inputs: Inputs, ca
     ckpts = [_checkpoint_entry(rd, k, v, records, tree, inputs, calib)
              for k, variants in (("drafter", rd.drafter_variants()), ("target", rd.target_variants()))
              for v in variants]
-    ran = {r.get("stage", n) for n, r in records.items()}
+    ran = {r.stage for r in records.values()}
     return {"schema": "specquant.quant_run_manifest/v1", "run_name": str(cfg.run_name), "seed": int(cfg.seed),
             "checkpoints": ckpts,
             "environment": {"versions": package_versions(), "git": git_state(), "device": device_info()},
@@ -341,13 +306,12 @@ def run(cfg) -> dict:
     for name, rec in records.items():
         written[f"{p}resolved_config/{name}.yaml"] = prov.resolved_config_yaml(rec)
     eval_rec = records.get("evaluate")
-    last_cfg = (list(records.values())[-1].get("resolved_config") or {})
+    last_cfg = list(records.values())[-1].resolved_config
     written[p + "vllm_serve.sh"] = prov.vllm_serve_sh(
         last_cfg.get("target") or {}, {v: prov.drafter_block_size(rd.drafter(v)) for v in rd.drafter_variants()})
-    vllm_cmds = rd.eval / "vllm_commands.sh"
     written[p + "eval_commands.sh"] = prov.eval_commands_sh(
-        eval_rec, ((eval_rec or {}).get("resolved_config") or {}).get("eval") or last_cfg.get("eval") or {},
-        vllm_cmds.read_text(encoding="utf-8") if vllm_cmds.is_file() else None)
+        eval_rec, (eval_rec.config("eval") if eval_rec else None) or last_cfg.get("eval") or {},
+        eval_results.read_vllm_commands(rd.eval))
     written = {rel: scrub(text) for rel, text in written.items()}
     for rel, text in written.items():
         atomic_write_text(rd.root / rel, text)

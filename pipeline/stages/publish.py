@@ -30,7 +30,9 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from pipeline.artifacts import eval_results
 from pipeline.artifacts.rundir import RunDir
+from pipeline.artifacts.stage_record import load_record
 from pipeline.core.errors import SpecquantError, bad_value
 from pipeline.core.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine, sha256_file
 from pipeline.core.secrets import remember, scrub, scrub_obj
@@ -188,8 +190,9 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
     cal = _read_json(folder / "calibration_manifest.json") or {}
     entry = next((c for c in qrm.get("checkpoints") or [] if c.get("kind") == "drafter"
                   and c.get("variant") == variant), {})
-    record = _read_json(rd.stages / f"quantize-drafter-{variant}.json") or {}
-    q = entry.get("quant_config") or (record.get("resolved_config") or {}).get("quant") or {}
+    record = load_record(rd.root, f"quantize-drafter-{variant}")
+    results = eval_results.read_results(folder / "eval")
+    q = entry.get("quant_config") or (record.config("quant") if record else {})
     data = cal.get("data") or {}
     sources = [s.get("name") for s in data.get("sources") or [] if isinstance(s, dict)]
     verifier = (ckpt.get("speculators_config") or {}).get("verifier") or {}
@@ -205,17 +208,17 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "aux_layer_ids": ckpt.get("aux_hidden_state_layer_ids") or (cal.get("cache") or {}).get("aux_layer_ids"),
         "calibration": {"num_samples": q.get("num_samples"), "anchors": q.get("anchors_per_sequence"),
                         "max_seq_len": q.get("max_seq_len"), "calibration": q.get("calibration"),
-                        "seed": (entry.get("seeds") or {}).get("seed", record.get("seed")),
+                        "seed": (entry.get("seeds") or {}).get("seed", record.seed if record else None),
                         "observer": entry.get("observer") or q.get("observer"),
                         "observer_kwargs": entry.get("observer_kwargs") or q.get("observer_kwargs"),
                         "algorithm": q.get("algorithm"), "group_size": q.get("group_size"),
                         "ignore": entry.get("ignore") or q.get("ignore"),
                         "data": ", ".join(sources) if sources else None},
-        "acceptance_table": modelcard.acceptance_table(_read_json(folder / "eval" / "results.json"), variant),
-        "calibration_comparison": modelcard.calibration_lines(_read_json(folder / "eval" / "results.json"), variant),
+        "acceptance_table": modelcard.acceptance_table(results, variant),
+        "calibration_comparison": modelcard.calibration_lines(results, variant),
         "plots": sorted(p.relative_to(folder).as_posix() for p in (folder / "eval").glob("*.png")),
         "serving": serve_check.status_for(rd, variant),
-        "pairing": pairing_info(cfg, rd, variant, target, _read_json(folder / "eval" / "results.json")),
+        "pairing": pairing_info(cfg, rd, variant, target, results),
         "signature": {"file": signing.SIGNATURE, "public_key_sha256": signer.fingerprint,
                       "tool": f"model-signing {signing.tool_version()}",
                       "certificate": signer.certificate.info() if signer.certificate else None} if signer else None,
@@ -235,24 +238,21 @@ def _refuse_mispaired(cfg, rd: RunDir, variant: str) -> None:
                                                 bool(cfg.target.trust_remote_code), hashed=False))
 
 
-def pairing_info(cfg, rd: RunDir, variant: str, target: str, results: Any) -> dict[str, Any]:
+def pairing_info(cfg, rd: RunDir, variant: str, target: str,
+                 results: eval_results.EvalResults | None) -> dict[str, Any]:
     """The target the drafter was calibrated on, the targets it was measured with, and the one-sentence
     warning when the card's target is not the one it was calibrated on."""
     from pipeline.quant import pairing
 
     cal = pairing.drafter_record(rd, variant)
-    matrix = ((results or {}).get("pairs") or {}).get("matrix") or {}
-    measured = {t: row[variant]["overall"]["tau"] for t, row in matrix.items() if variant in row}
-    if not measured and isinstance(results, dict) and variant in (results.get("variants") or {}):
-        measured = {(results.get("target") or {}).get("variant") or "bf16":
-                    results["variants"][variant]["overall"]["tau"]}
+    measured = results.measured_tau(variant) if results else {}
     warning = None
     if cal and cal.get("used") and cal.get("variant") != "bf16" and target != cal.get("hub_id"):
         warning = (f"drafter `{variant}` was calibrated on the hidden states of target `{cal['variant']}`, but its "
                    f"card and config name `{target}` as its target; serve it with the `{cal['variant']}` target "
                    "(publish.target_model=<that checkpoint's Hub id> names it)")
         pairing.warn(warning, "publish")
-    table_target = ((results or {}).get("target") or {}).get("variant") if isinstance(results, dict) else None
+    table_target = results.target["variant"] if results else None
     return {"calibrated_on": cal, "measured_with": measured, "warning": warning, "table_target": table_target}
 
 

@@ -14,8 +14,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from pipeline.artifacts.rundir import RunDir
+from pipeline.artifacts.stage_record import StageRecord, write_record
 from pipeline.core.errors import SpecquantError
-from pipeline.core.io import atomic_write_json, remove_stale_temps
+from pipeline.core.io import remove_stale_temps
 from pipeline.core.secrets import scrub, scrub_obj
 
 
@@ -103,28 +104,28 @@ def run_stage(stage: str, module: str, cfg, overrides: list[str]) -> dict[str, A
     wall = time.time() - started
     if _rank() == 0:
         rd = RunDir.from_cfg(cfg)
-        record = {
-            "stage": stage,
-            "argv": [sys.executable, "-m", "pipeline", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith(
+        record = StageRecord(
+            stage=stage,
+            argv=[sys.executable, "-m", "pipeline", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith(
                 "__main__.py") else list(sys.argv),
-            "command": shlex.join(["python", "-m", "pipeline", stage, *overrides]),
-            "overrides": list(overrides),
-            "launcher": {"torchrun": "LOCAL_WORLD_SIZE" in os.environ,
-                         "world_size": int(os.environ.get("WORLD_SIZE", "1"))},
-            "resolved_config": OmegaConf.to_container(cfg, resolve=True),
-            "started_utc": _dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(),
-            "wall_time_s": round(wall, 3),
-            "seed": int(cfg.seed),
-            "versions": package_versions(),
-            "git": git_state(),
-            "source_sha256": source_sha256,
-            "device": device_info(),
+            command=shlex.join(["python", "-m", "pipeline", stage, *overrides]),
+            overrides=list(overrides),
+            launcher={"torchrun": "LOCAL_WORLD_SIZE" in os.environ,
+                      "world_size": int(os.environ.get("WORLD_SIZE", "1"))},
+            resolved_config=OmegaConf.to_container(cfg, resolve=True),
+            started_utc=_dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(),
+            wall_time_s=round(wall, 3),
+            seed=int(cfg.seed),
+            versions=package_versions(),
+            git=git_state(),
+            source_sha256=source_sha256,
+            device=device_info(),
             # what this process read to hash files, and what remembered digests saved (pipeline/core/hashes.py);
             # kept out of `result`, which the manifests copy
             **hash_report(rd),
-            "result": result,
-        }
-        atomic_write_json(rd.stages / f"{stage_record_name(stage, cfg)}.json", scrub_obj(record))
+            result=result,
+        )
+        write_record(rd.root, stage_record_name(stage, cfg), record, scrub=scrub_obj)
         where = result.get("output") if isinstance(result, dict) else None
         print(scrub(f"[specquant] {stage} done in {wall:.1f}s" + (f" -> {where}" if where else "")))
     hashes.flush()  # every rank: the digests this stage learnt, for the next stages of the run
