@@ -19,7 +19,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup all all-data all-cache all-quantize-target all-quantize-drafter all-evaluate all-serve-check all-manifest all-publish test lint clean assets data cache quantize-drafter quantize-target manifest evaluate publish \
+.PHONY: setup all _all-data _all-cache _all-quantize-target _all-quantize-drafter _all-evaluate _all-serve-check _all-manifest _all-publish test lint clean assets data cache quantize-drafter quantize-target manifest evaluate publish \
 	verify repro-check reliability serve-check
 
 setup: $(STAMP)
@@ -72,28 +72,28 @@ verify: setup
 	$(PYTHON) -m pipeline verify $(if $(RUN),$(RUN),$$($(PYTHON) -m pipeline run-dir $(ARGS)))
 
 # every stage in the order of the one stage list (pipeline/stages/__init__.py, `python -m pipeline stages`);
-# all-<stage> is how `make all` runs that stage on this run (variants, the paired cache, skips)
+# _all-<stage> (internal, not in `make help`) is how `make all` runs that stage on this run (variants, the paired cache, skips)
 all: setup
-	@for s in $$($(PYTHON) -m pipeline stages); do $(MAKE) --no-print-directory all-$$s ARGS="$(ARGS)" || exit 1; done
+	@for s in $$($(PYTHON) -m pipeline stages); do $(MAKE) --no-print-directory _all-$$s ARGS="$(ARGS)" || exit 1; done
 	@run_dir=$$($(PYTHON) -m pipeline run-dir $(ARGS)) && $(PYTHON) -m pipeline verify $$run_dir && \
 	echo "specquant: all stages done; outputs are in $$run_dir (eval/report.md, drafter/, target/, provenance/)"
 
-all-data all-cache all-evaluate all-manifest all-publish: all-%:
+_all-data _all-cache _all-evaluate _all-manifest _all-publish: _all-%:
 	$(MAKE) $* ARGS="$(ARGS)"
 
-all-quantize-target:
+_all-quantize-target:
 	$(MAKE) quantize-target ARGS="$(ARGS)"
 ifneq ($(PAIR_TARGET),)
 	$(MAKE) cache ARGS="cache.target=$(PAIR_TARGET) $(ARGS)"
 endif
 
-all-quantize-drafter:
+_all-quantize-drafter:
 	@for q in $(DRAFTER_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q $(ARGS)" || exit 1; done
 ifneq ($(PAIR_TARGET),)
 	@for q in $(PAIR_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q quant.calibration_target=$(PAIR_TARGET) $(ARGS)" || exit 1; done
 endif
 
-all-serve-check:
+_all-serve-check:
 ifneq ($(SERVE_PYTHON),)
 	$(MAKE) serve-check ARGS="$(ARGS)" SERVE_PYTHON="$(SERVE_PYTHON)"
 else
