@@ -66,8 +66,10 @@ def cache_summary(run_dir: Path, bench_rec: dict | None = None, target: str = "b
     probe's timing of `load_target` out (the slowest rank's, under torchrun)."""
     out: dict = {}
     cache = run_dir / ("cache" if target == "bf16" else f"cache-{target}")
-    meta_p = run_dir / "data" / "meta.json"
-    tokens = json.loads(meta_p.read_text())["num_tokens"] if meta_p.is_file() else None
+    from pipeline.artifacts import samples as samples_file
+
+    meta_p = run_dir / "data" / samples_file.META
+    tokens = samples_file.load_meta(meta_p.parent).num_tokens if meta_p.is_file() else None
     out["tokens"] = tokens
     if cache.is_dir():
         nbytes = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())

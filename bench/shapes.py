@@ -8,7 +8,6 @@ machines of the same kind build bit-identical checkpoints from the same seed.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,42 +165,38 @@ def write_blend(s: Shapes, data_dir: Path, tokenizer_dir: Path, num_samples: int
     """
     import numpy as np
 
-    from pipeline.core.io import atomic_open, atomic_write_json
+    from pipeline.artifacts import samples as samples_file
 
     rng = np.random.default_rng(seed)
     sources = ("chat", "math", "code")
     words = s.vocab_size - 512 if s.vocab_size > 4096 else min(s.specials, key=lambda x: x[1])[1]
-    h = hashlib.sha256()
-    n_tok = n_loss = 0
-    with atomic_open(data_dir / "samples.jsonl", "wb") as fh:
+
+    def rows():
         for i in range(num_samples):
             src = sources[i % 3]
             lo = {"chat": 0, "math": words // 3, "code": 2 * words // 3}[src]
             ids = rng.integers(lo, lo + words // 3, size=seq_len).tolist()
             prompt = int(rng.integers(seq_len // 8, seq_len // 2))
-            mask = [0] * prompt + [1] * (seq_len - prompt)
-            row = {"id": f"{src}/{i // 3}", "source": src, "input_ids": ids, "loss_mask": mask}
-            line = (json.dumps(row, sort_keys=True, separators=(",", ":")) + "\n").encode()
-            h.update(line)
-            fh.write(line)
-            n_tok += seq_len
-            n_loss += seq_len - prompt
+            yield {"id": f"{src}/{i // 3}", "source": src, "input_ids": ids,
+                   "loss_mask": [0] * prompt + [1] * (seq_len - prompt)}
+
     from transformers import AutoTokenizer
 
-    from pipeline.stages.data import tokenizer_sha256
+    from pipeline.stages.data import tokenizer_hashes
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    meta = {"format_version": 1, "seed": seed, "max_seq_len": seq_len, "num_samples": num_samples,
-            "num_tokens": n_tok, "num_loss_tokens": n_loss, "samples_sha256": h.hexdigest(),
-            "tokenizer": {"name_or_path": str(tokenizer_dir), "revision": None,
-                          "sha256": tokenizer_sha256(tok), "vocab_size": len(tok)},
-            "sources": [{"name": x, "path": None, "hub_id": None, "revision": None, "split": "train",
-                         "format": "synthetic", "weight": 1.0} for x in sources],
-            "blend_name": "synthetic-blend"}
-    atomic_write_json(data_dir / "meta.json", meta)
     kept = {x: sum(1 for i in range(num_samples) if sources[i % 3] == x) for x in sources}
-    counts = {x: {"requested": kept[x], "available": kept[x], "kept": kept[x], "dropped": {}} for x in sources}
-    atomic_write_json(data_dir / "counts.json", counts)
+    counts = {x: samples_file.SourceCounts(requested=kept[x], available=kept[x], examined=kept[x], kept=kept[x],
+                                           dropped={}, dropped_examples={}, location="synthetic", revision=None,
+                                           format="synthetic", weight=1.0) for x in sources}
+    meta = samples_file.write(
+        data_dir, rows(), counts, seed=seed, max_seq_len=seq_len,
+        tokenizer=samples_file.TokenizerRecord(name_or_path=str(tokenizer_dir), revision=None,
+                                               **tokenizer_hashes(tokenizer_dir), vocab_size=len(tok)),
+        sources=[samples_file.SourceRecord(name=x, path=None, hub_id=None, revision=None, split="train",
+                                           format="synthetic", weight=1.0) for x in sources],
+        blend_name="synthetic-blend")
+    n_tok, n_loss = meta.num_tokens, meta.num_loss_tokens
     return {"num_samples": num_samples, "num_tokens": n_tok, "num_loss_tokens": n_loss}
 
 

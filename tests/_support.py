@@ -17,6 +17,7 @@ import subprocess
 import sys
 import types
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -91,24 +92,37 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: floa
 
 # ---------------------------------------------------------------- the fixture world: target, drafter, blend, cache
 def write_blend(data_dir: Path, num_samples: int = 30, seq_len: int = 40, seed: int = 0) -> Path:
-    """samples.jsonl + meta.json in the data stage's contract: random ids below the mask id, loss mask 1
-    after a short prompt. By hand on purpose: the data stage's writer is inline in `pipeline.stages.data.run`,
-    which tokenizes text, and the fixture target has no tokenizer."""
+    """The data stage's files (through its writer, `pipeline.artifacts.samples.write`): random ids below the
+    mask id, loss mask 1 after a short prompt. Built here rather than by the data stage, which tokenizes
+    text: the fixture target has no tokenizer."""
     g = torch.Generator().manual_seed(seed)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    lines = []
+    samples = []
     for i in range(num_samples):
         n = seq_len - int(torch.randint(0, 8, (1,), generator=g))
         ids = torch.randint(2, geometry()["mask_token_id"], (n,), generator=g).tolist()
         prompt = 6 + i % 5
         mask = [0] * prompt + [1] * (n - prompt)
-        lines.append(json.dumps({"id": f"synthetic/{i}", "input_ids": ids, "loss_mask": mask,
-                                 "source": "synthetic"}, sort_keys=True))
-    path = data_dir / "samples.jsonl"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    atomic_write_json(data_dir / "meta.json", {"samples_sha256": sha256_file(path), "num_samples": num_samples,
-                                               "seed": seed})
-    return path
+        samples.append({"id": f"synthetic/{i}", "input_ids": ids, "loss_mask": mask, "source": "synthetic"})
+    write_samples(data_dir, samples, seed=seed, max_seq_len=seq_len)
+    return data_dir / "samples.jsonl"
+
+
+def write_samples(data_dir: Path, samples: list[dict], seed: int = 0, max_seq_len: int = 64) -> None:
+    """`samples` as the data stage writes them, with one synthetic source and the fixture target as tokenizer."""
+    from pipeline.artifacts import samples as samples_file
+
+    kept = Counter(s["source"] for s in samples)
+    names = sorted(kept)
+    counts = {n: samples_file.SourceCounts(
+        requested=kept[n], available=kept[n], examined=kept[n], kept=kept[n], dropped={}, dropped_examples={},
+        location="synthetic", revision=None, format="synthetic", weight=1.0) for n in names}
+    samples_file.write(
+        data_dir, samples, counts, seed=seed, max_seq_len=max_seq_len,
+        tokenizer=samples_file.TokenizerRecord(name_or_path=str(TARGET), revision=None, files=None, sha256=None,
+                                               vocab_size=geometry()["vocab"]),
+        sources=[samples_file.SourceRecord(name=n, path=None, hub_id=None, revision=None, split="train",
+                                           format="synthetic", weight=1.0) for n in names],
+        blend_name="synthetic")
 
 
 def world_cfg(runs_root: Path, *overrides: str, target: Path = TARGET):
@@ -150,7 +164,7 @@ def massive_activation_target(out: Path, factor: float = 1e4) -> Path:
 
 # ---------------------------------------------------------------- the cache stage on the fixture world
 def write_data(run_dir: Path, n: int = 10, seed: int = 0, max_len: int = 40) -> list[dict]:
-    """samples.jsonl + meta.json in the data stage's contract (ARCHITECTURE.md); random ids and loss mask."""
+    """The data stage's files (its writer, see `write_samples`); random ids and loss mask."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
@@ -158,11 +172,7 @@ def write_data(run_dir: Path, n: int = 10, seed: int = 0, max_len: int = 40) -> 
         ids = torch.randint(0, geometry()["mask_token_id"], (t,), generator=g).tolist()
         mask = torch.randint(0, 2, (t,), generator=g).tolist()
         samples.append({"id": f"syn/{i}", "source": "syn", "input_ids": ids, "loss_mask": mask})
-    d = run_dir / "data"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "samples.jsonl").write_text("".join(json.dumps(s, sort_keys=True) + "\n" for s in samples))
-    atomic_write_json(d / "meta.json", {"samples_sha256": sha256_file(d / "samples.jsonl"), "num_samples": n,
-                                        "num_tokens": sum(len(s["input_ids"]) for s in samples)})
+    write_samples(run_dir / "data", samples, seed=seed, max_seq_len=max_len)
     return samples
 
 
@@ -413,22 +423,42 @@ def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
     (rd / "checks").mkdir()
     (rd / "checks" / "drafter-nvfp4.json").write_text('{"max_rel_error": 0.1}\n')
     (rd / "eval").mkdir()
-    rows = [{"variant": v, "subset": s, "tau": t} for v, s, t in
-            (("bf16", "chat", 2.5), ("nvfp4", "chat", 2.4), ("bf16", "code", 3.0), ("nvfp4", "code", 2.7))]
-    (rd / "eval" / "results.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    write_eval_results(rd / "eval", {("bf16", "chat"): 2.5, ("nvfp4", "chat"): 2.4, ("bf16", "code"): 3.0,
+                                     ("nvfp4", "code"): 2.7})
     (rd / "eval" / "report.md").write_text("# Acceptance\n\n| subset | bf16 | nvfp4 |\n")
     (rd / "eval" / "tau.png").write_bytes(_png())
     cfg = compose([f"runs_root={runs_root}", f"run_name={name}", f"seed={seed}"])
     from omegaconf import OmegaConf
 
-    record = {"stage": "quantize-drafter", "command": "python -m pipeline quantize-drafter quant=nvfp4",
-              "argv": ["python", "-m", "pipeline", "quantize-drafter", "quant=nvfp4"], "overrides": ["quant=nvfp4"],
-              "resolved_config": OmegaConf.to_container(cfg, resolve=True), "seed": seed,
-              "started_utc": "2026-01-01T00:00:00+00:00", "wall_time_s": 1.0, "result": {}}
-    (rd / "stages").mkdir()
-    (rd / "stages" / "quantize-drafter-nvfp4.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    from pipeline.artifacts.stage_record import StageRecord, write_record
+    from pipeline.stages.runner import device_info, git_state, package_versions
+
+    write_record(rd, "quantize-drafter-nvfp4", StageRecord(
+        stage="quantize-drafter", command="python -m pipeline quantize-drafter quant=nvfp4",
+        argv=["python", "-m", "pipeline", "quantize-drafter", "quant=nvfp4"], overrides=["quant=nvfp4"],
+        launcher={"torchrun": False, "world_size": 1}, resolved_config=OmegaConf.to_container(cfg, resolve=True),
+        seed=seed, started_utc="2026-01-01T00:00:00+00:00", wall_time_s=1.0, versions=package_versions(),
+        git=git_state(), source_sha256=None, device=device_info(), bytes_hashed=0, files_hashed=0,
+        hash_reused={"files": 0, "bytes": 0}, hashed_files={}, result={}))
     remanifest(runs_root, name)
     return rd
+
+
+def write_eval_results(eval_dir: Path, tau: dict[tuple[str, str], float]) -> None:
+    """eval/results.json through evaluate's writer (`pipeline.artifacts.eval_results`), holding the
+    acceptance table {(variant, subset): tau} and nothing measured beyond it."""
+    from pipeline.artifacts import eval_results
+
+    order = list(dict.fromkeys(v for v, _ in tau))
+    subsets = list(dict.fromkeys(s for _, s in tau))
+    rows = [eval_results.TauRow(variant=v, subset=s, tau=t, relative_to_bf16=None if v == "bf16" else
+                                round(t / tau[("bf16", s)] - 1, 6)) for (v, s), t in tau.items()]
+    eval_results.write_results(eval_dir, eval_results.EvalResults(
+        stage="evaluate", config={}, block_size=geometry()["block_size"], max_new_tokens=8, stop_token_ids=[],
+        reference_variant="bf16", variant_order=order,
+        variants={v: {"subsets": {s: {"tau": tau[(v, s)]} for s in subsets}} for v in order},
+        drafter={}, target={"variant": "bf16"}, subsets=[{"name": s} for s in subsets], table=rows,
+        calibration_comparison=[], pairs={"targets": [], "served": {}, "matrix": {}, "warnings": {}, "comparison": []}))
 
 
 def remanifest(runs_root: Path, name: str = "tiny") -> None:

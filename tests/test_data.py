@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from pipeline.artifacts import samples as samples_file
 from pipeline.core.config import DataSource, compose
 from pipeline.core.errors import SpecquantError
 from tests._support import REPO, build_chat_tokenizer, run_cli
@@ -49,9 +50,9 @@ def test_blend_counts_mask_and_determinism(tmp_path, chat_tokenizer, sources):
     data.run(cfg)
     out = Path(cfg.run_dir) / "data"
     first = (out / "samples.jsonl").read_bytes()
-    counts = json.loads((out / "counts.json").read_text())
-    assert counts["chat"]["kept"] == 10 and counts["code"]["kept"] == 30  # weights 1:3 of 40
-    samples = data.load_samples(out)
+    counts = samples_file.load_counts(out)
+    assert counts["chat"].kept == 10 and counts["code"].kept == 30  # weights 1:3 of 40
+    samples = samples_file.load_samples(out)
     assert len(samples) == 40 and {s["source"] for s in samples} == {"chat", "code"}
 
     # the loss mask covers exactly the assistant turns (content + end-of-turn), nothing else
@@ -75,7 +76,7 @@ def test_truncation_keeps_lengths_aligned(tmp_path, chat_tokenizer, sources):
 
     cfg = make_cfg(tmp_path, chat_tokenizer, sources, max_seq_len=48)
     data.run(cfg)
-    for s in data.load_samples(Path(cfg.run_dir) / "data"):
+    for s in samples_file.load_samples(Path(cfg.run_dir) / "data"):
         assert len(s["input_ids"]) == len(s["loss_mask"]) <= 48 and sum(s["loss_mask"]) >= 1
 
 
@@ -97,12 +98,12 @@ def test_malformed_rows_are_counted_with_file_and_line(tmp_path, chat_tokenizer)
     from pipeline.stages import data
 
     data.run(cfg)
-    counts = json.loads((Path(cfg.run_dir) / "data" / "counts.json").read_text())["mixed"]
-    assert counts["kept"] == 5
-    assert counts["dropped"] == {"malformed_json": 1, "not_utf8": 1, "missing_role": 1, "empty_turn": 1,
+    counts = samples_file.load_counts(Path(cfg.run_dir) / "data")["mixed"]
+    assert counts.kept == 5
+    assert counts.dropped == {"malformed_json": 1, "not_utf8": 1, "missing_role": 1, "empty_turn": 1,
                                  "no_assistant_turn": 1, "unknown_format": 1, "oversized_turn": 1}
-    assert counts["dropped_examples"]["malformed_json"] == [f"{path}:6"]
-    assert counts["dropped_examples"]["not_utf8"] == [f"{path}:7"]
+    assert counts.dropped_examples["malformed_json"] == [f"{path}:6"]
+    assert counts.dropped_examples["not_utf8"] == [f"{path}:7"]
 
 
 @pytest.mark.faults("bad_input")
@@ -140,8 +141,8 @@ def test_hub_dataset_path_through_load_dataset(tmp_path, chat_tokenizer):
     from pipeline.stages import data
 
     data.run(cfg)
-    meta = json.loads((Path(cfg.run_dir) / "data" / "meta.json").read_text())
-    assert meta["num_samples"] == 12 and meta["sources"][0]["hub_id"] == str(ds_dir)
+    meta = samples_file.load_meta(Path(cfg.run_dir) / "data")
+    assert meta.num_samples == 12 and meta.sources[0].hub_id == str(ds_dir)
 
 
 @pytest.mark.faults("tamper")
@@ -156,7 +157,38 @@ def test_tampered_samples_are_refused(tmp_path, chat_tokenizer, sources):
     raw[10] ^= 1
     p.write_bytes(bytes(raw))
     with pytest.raises(SpecquantError, match="does not match meta.json"):
-        data.load_samples(p.parent)
+        samples_file.load_samples(p.parent)
+
+
+@pytest.mark.faults("tamper")
+def test_reader_refuses_unknown_version_and_other_keys(tmp_path, chat_tokenizer, sources):
+    """meta.json of another format version, or with a renamed key, and a sample line with an alternative key
+    name are each refused in one sentence naming the file and the fix."""
+    from pipeline.core.io import atomic_write_json, sha256_file
+    from pipeline.stages import data
+
+    cfg = make_cfg(tmp_path, chat_tokenizer, sources)
+    data.run(cfg)
+    out = Path(cfg.run_dir) / "data"
+    meta = json.loads((out / "meta.json").read_text())
+    atomic_write_json(out / "meta.json", {**meta, "format_version": 2})
+    with pytest.raises(SpecquantError) as err:
+        samples_file.load_samples(out)
+    msg = str(err.value)
+    assert msg.startswith(f"`{out / 'meta.json'}:format_version` = 2: this reader knows data format version 1")
+    assert msg.endswith("re-run `make data` with this version of specquant.") and "\n" not in msg
+    renamed = {**meta, "sha256": meta["samples_sha256"]}
+    del renamed["samples_sha256"]
+    atomic_write_json(out / "meta.json", renamed)
+    with pytest.raises(SpecquantError, match=r"unknown key\(s\) \['sha256'\]; missing key\(s\) \['samples_sha256'\]"):
+        samples_file.load_meta(out)
+    # a sample with `labels` for `loss_mask`, its hash recorded: refused by key, not by hash
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    rows[0]["labels"] = rows[0].pop("loss_mask")
+    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_json(out / "meta.json", {**meta, "samples_sha256": sha256_file(out / "samples.jsonl")})
+    with pytest.raises(SpecquantError, match=r"samples.jsonl:1` = \['id', 'input_ids', 'labels', 'source'\]"):
+        samples_file.load_samples(out)
 
 
 @pytest.mark.parametrize("override,key", [("seed=abc", "seed"), ("data.num_samples=many", "data.num_samples"),

@@ -348,8 +348,10 @@ def test_utf8_bom_keeps_the_first_row(suffix, tmp_path, capsys):
     rc, err = _main(["data", f"run_dir={run}", "data.num_samples=4",
                      f"data.sources=[{{name: chat, path: {src}, format: sharegpt}}]"], capsys)
     assert rc == 0, err[-2000:]
-    counts = json.loads((run / "data" / "counts.json").read_text())["chat"]
-    assert counts["kept"] == 4 and counts["dropped"] == {}, counts
+    from pipeline.artifacts.samples import load_counts
+
+    counts = load_counts(run / "data")["chat"]
+    assert counts.kept == 4 and counts.dropped == {}, counts
 
 
 @pytest.mark.faults("bad_input")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.artifacts import samples as samples_file
 from pipeline.artifacts.cache import (
     CacheReader,
     Layout,
@@ -161,12 +162,6 @@ def _check_cfg(cfg) -> None:
         raise bad_value("target.dtype", cfg.target.dtype, "it is not supported", f"use one of {', '.join(_DTYPES)}")
 
 
-def _load_samples(data_dir: Path) -> list[dict]:
-    from pipeline.stages.data import load_samples
-
-    return load_samples(data_dir)
-
-
 def _device(cfg) -> torch.device:
     dev = distributed.rank_device(torch.device(cfg.target.device))
     if dev.type == "cuda":
@@ -310,10 +305,10 @@ def run(cfg) -> dict:
     tcfg, variant = target_for_cache(cfg, rd)
     where = rd.cache_for(variant)
     out = confine(where, rd.root, "cache dir") if rd.root.exists() else where
-    samples = _load_samples(rd.data)
+    data_meta = samples_file.load_meta(rd.data)
+    samples = samples_file.load_samples(rd.data, data_meta)
     if not samples:
         raise bad_value("data", str(rd.data), "it holds no samples", "re-run `make data` with a non-empty blend")
-    data_meta = read_json(rd.data / "meta.json", "data/meta.json")
     tconf = target_config(tcfg).get_text_config()
     field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
     aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field)
@@ -331,7 +326,7 @@ def run(cfg) -> dict:
     inputs = {"format_version": 1, "aux_layer_ids": aux, "storage_dtype": layout.storage_dtype,
               "target": {"files_sha256": files_sha, "dtype": cfg.target.dtype,
                          "attn_implementation": cfg.target.attn_implementation},
-              "data": {"samples_sha256": data_meta.get("samples_sha256"), "num_samples": len(samples)}}
+              "data": {"samples_sha256": data_meta.samples_sha256, "num_samples": len(samples)}}
     if engine != "hf":  # other kernels, other values (the HF engine's inputs, and so its caches, are unchanged)
         inputs["engine"] = engine
     inputs_hash = sha256_text(dumps_json(inputs))
@@ -360,7 +355,7 @@ def run(cfg) -> dict:
             from pipeline.serving.extract_stream import cache_shards_vllm
 
             *written, engine_report = cache_shards_vllm(cfg, mine, samples, layout, out, resume_key, tcfg,
-                                                        rd.root / ".work", rd.data / "samples.jsonl")
+                                                        rd.root / ".work", rd.data / samples_file.SAMPLES)
         else:
             written = _cache_rank(cfg, mine, samples, layout, out, resume_key, device, dist.rank, tcfg)
         per_rank = dist.gather([*written, time.time() - started])

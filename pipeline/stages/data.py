@@ -3,7 +3,8 @@
 Load each configured source (local JSON/JSONL in ShareGPT or OpenAI form, or a Hub
 dataset at a pinned revision), keep well-formed conversations, render them with the
 TARGET's chat template, mark assistant tokens in the loss mask, truncate, and draw a
-seeded, weighted blend. Writes `data/samples.jsonl`, `data/counts.json`, `data/meta.json`.
+seeded, weighted blend. Writes `data/samples.jsonl`, `data/counts.json`, `data/meta.json` through
+`pipeline.artifacts.samples` (the format's writer and reader).
 """
 
 from __future__ import annotations
@@ -15,17 +16,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import samples as samples_file
 from pipeline.artifacts.rundir import RunDir
-from pipeline.core.errors import SpecquantError, bad_value
-from pipeline.core.io import (
-    HashingWriter,
-    atomic_open,
-    atomic_write_json,
-    dumps_json,
-    read_json,
-    sha256_bytes,
-    sha256_file,
-)
+from pipeline.core.errors import bad_value
+from pipeline.core.io import dumps_json, sha256_bytes, sha256_file
 
 ROLE_ALIASES = {
     "human": "user", "user": "user",
@@ -230,7 +224,8 @@ def _validate_cfg(cfg) -> None:
             _check_source_file(s.path, f"{field}.path")
 
 
-def _take_from_source(src, idx: int, want: int, tok, cfg, rng: random.Random) -> tuple[list[dict], dict]:
+def _take_from_source(src, idx: int, want: int, tok, cfg, rng: random.Random
+                      ) -> tuple[list[dict], samples_file.SourceCounts]:
     from tqdm import tqdm
 
     field = f"data.sources[{idx}]"
@@ -257,10 +252,10 @@ def _take_from_source(src, idx: int, want: int, tok, cfg, rng: random.Random) ->
                 examples[d.reason].append(f"{where}:{line}")
             continue
         kept.append({"id": f"{src.name}/{line - 1}", "source": src.name, "input_ids": ids, "loss_mask": mask})
-    counts = {"requested": want, "available": len(rows), "examined": len(kept) + sum(dropped.values()),
-              "kept": len(kept), "dropped": dict(sorted(dropped.items())),
-              "dropped_examples": dict(sorted(examples.items())),
-              "location": where, "revision": src.revision, "format": src.format, "weight": src.weight}
+    counts = samples_file.SourceCounts(
+        requested=want, available=len(rows), examined=len(kept) + sum(dropped.values()), kept=len(kept),
+        dropped=dict(sorted(dropped.items())), dropped_examples=dict(sorted(examples.items())),
+        location=where, revision=src.revision, format=src.format, weight=src.weight)
     if dropped:
         summary = ", ".join(f"{r}: {n} (e.g. {examples[r][0]})" for r, n in sorted(dropped.items()))
         print(f"[specquant] data: source {src.name!r} dropped {sum(dropped.values())} rows - {summary}")
@@ -293,7 +288,7 @@ def tokenizer_sha256(tok_or_path, revision: str | None = None) -> str | None:
     return tokenizer_hashes(getattr(tok_or_path, "name_or_path", tok_or_path), revision)["sha256"]
 
 
-def build_blend(cfg) -> tuple[list[dict], dict, Any]:
+def build_blend(cfg) -> tuple[list[dict], dict[str, samples_file.SourceCounts], Any]:
     _validate_cfg(cfg)
     tok = load_tokenizer(cfg.target)
     wants = _allocate(cfg.data.num_samples, [float(s.weight) for s in cfg.data.sources])
@@ -310,50 +305,21 @@ def run(cfg) -> dict:
     rd = RunDir.from_cfg(cfg)
     samples, counts, tok = build_blend(cfg)
     out = rd.data
-    with atomic_open(out / "samples.jsonl") as raw:
-        fh = HashingWriter(raw)
-        for s in samples:
-            fh.write((json.dumps(s, sort_keys=True, separators=(",", ":")) + "\n").encode())
-    meta = {
-        "format_version": 1,
-        "seed": int(cfg.seed),
-        "max_seq_len": int(cfg.data.max_seq_len),
-        "num_samples": len(samples),
-        "num_tokens": sum(len(s["input_ids"]) for s in samples),
-        "num_loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
-        "samples_sha256": fh.hexdigest(),
-        "tokenizer": {"name_or_path": cfg.target.tokenizer or cfg.target.path, "revision": cfg.target.revision,
-                      **tokenizer_hashes(cfg.target.tokenizer or cfg.target.path, cfg.target.revision),
-                      "vocab_size": len(tok)},
-        "sources": [{"name": s.name, "path": s.path, "hub_id": s.hub_id, "revision": s.revision,
-                     "split": s.split, "format": s.format, "weight": s.weight} for s in cfg.data.sources],
-        "blend_name": cfg.data.name,
-    }
-    atomic_write_json(out / "counts.json", counts)
-    atomic_write_json(out / "meta.json", meta)
-    short = {k: v for k, v in counts.items() if v["kept"] < v["requested"]}
-    for name, c in short.items():
-        print(f"[specquant] data: source {name!r} had only {c['kept']} usable of {c['requested']} requested")
-    print(f"[specquant] data: {len(samples)} samples, {meta['num_tokens']} tokens "
-          f"({meta['num_loss_tokens']} assistant) -> {out}")
-    return {"output": str(out), "num_samples": len(samples), "num_tokens": meta["num_tokens"],
-            "samples_sha256": meta["samples_sha256"], "per_source_kept": {k: v["kept"] for k, v in counts.items()}}
+    name = cfg.target.tokenizer or cfg.target.path
+    tokenizer = samples_file.TokenizerRecord(name_or_path=name, revision=cfg.target.revision,
+                                             **tokenizer_hashes(name, cfg.target.revision), vocab_size=len(tok))
+    sources = [samples_file.SourceRecord(name=s.name, path=s.path, hub_id=s.hub_id, revision=s.revision,
+                                         split=s.split, format=s.format, weight=s.weight) for s in cfg.data.sources]
+    meta = samples_file.write(out, samples, counts, seed=int(cfg.seed), max_seq_len=int(cfg.data.max_seq_len),
+                              tokenizer=tokenizer, sources=sources, blend_name=cfg.data.name)
+    short = {k: v for k, v in counts.items() if v.kept < v.requested}
+    for src, c in short.items():
+        print(f"[specquant] data: source {src!r} had only {c.kept} usable of {c.requested} requested")
+    print(f"[specquant] data: {len(samples)} samples, {meta.num_tokens} tokens "
+          f"({meta.num_loss_tokens} assistant) -> {out}")
+    return {"output": str(out), "num_samples": len(samples), "num_tokens": meta.num_tokens,
+            "samples_sha256": meta.samples_sha256, "per_source_kept": {k: v.kept for k, v in counts.items()}}
 
 
-def load_samples(data_dir: str | Path) -> list[dict]:
-    """Read the data stage's output, refusing it if samples.jsonl does not match meta.json's hash."""
-    data_dir = Path(data_dir)
-    meta = read_json(data_dir / "meta.json", "data/meta.json")
-    path = data_dir / "samples.jsonl"
-    if not path.is_file():
-        raise bad_value("data/samples.jsonl", str(path), "the file does not exist", "run `make data` first")
-    actual = sha256_file(path)
-    if actual != meta.get("samples_sha256"):
-        raise SpecquantError(f"`data/samples.jsonl` = {str(path)!r}: its sha256 {actual[:12]}... does not match "
-                             f"meta.json ({str(meta.get('samples_sha256'))[:12]}...); re-run `make data`.")
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-__all__ = ["run", "load_samples", "build_blend", "to_messages", "tokenize_conversation", "load_tokenizer",
+__all__ = ["run", "build_blend", "to_messages", "tokenize_conversation", "load_tokenizer",
            "dumps_json"]

@@ -16,7 +16,6 @@ import torch
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core import distributed
 from pipeline.core.errors import bad_value
-from pipeline.core.io import sha256_file
 from pipeline.core.loading import checkpoint_sha256
 from pipeline.core.seeding import seed_everything
 from pipeline.quant import calibrate, checks, export, recipes
@@ -80,10 +79,11 @@ def run(cfg) -> dict:
     samples_sha = None
     batches = None
     if recipes.needs_data(q):
-        from pipeline.stages.data import load_samples
+        from pipeline.artifacts import samples as samples_file
 
-        samples = load_samples(rd.data)
-        samples_sha = sha256_file(rd.data / "samples.jsonl")
+        meta = samples_file.load_meta(rd.data)
+        samples = samples_file.load_samples(rd.data, meta)
+        samples_sha = meta.samples_sha256  # load_samples checked the file against it
         batches = calibration_batches(samples, int(q.num_samples), int(q.max_seq_len), int(cfg.seed))
         if len(batches) < world:
             raise bad_value(f"{FIELD}.num_samples", len(batches), f"{world} processes need at least one sample each",
