@@ -34,9 +34,10 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     write_data(run_dir, n=10)
     marker, pause_after = tmp_path / "paused", 5  # shard 0 done, shard 1 (samples 3-5) in flight
     one_lane = "cache.shards_in_flight=1"
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "cache", *stage_overrides(run_dir, one_lane)],
-                            cwd=REPO, env={**ENV, "SPECQUANT_CACHE_TEST_PAUSE": f"{pause_after}:{marker}"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the pause is patched in by tests/faults.py: the shipped writer has no test hook
+    proc = subprocess.Popen([sys.executable, "-m", "tests.faults", f"pause={pause_after}:{marker}", "--",
+                             "-m", "pipeline", "cache", *stage_overrides(run_dir, one_lane)],
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not marker.exists():
         assert proc.poll() is None, proc.stderr.read()

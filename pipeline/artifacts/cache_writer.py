@@ -13,7 +13,6 @@ import json
 import queue
 import struct
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -201,12 +200,6 @@ class _Lane:
         for g, n in zip(gs, lens, strict=True):
             self.shard.add(g, hs[off:off + n], None if scale is None else scale[off:off + n])
             off += n
-            with o.lock:
-                o.written += 1
-                pause = o.pause is not None and o.written == o.pause[0]
-            if pause:
-                self.shard.drain()
-                o.pause_forever()
         if done is not None:
             self.shard.drain()  # the io and digest threads read the pinned buffer too: drained before reuse
             o.free.put(slot)
@@ -239,7 +232,6 @@ class BackgroundWriter:
         self.error: BaseException | None = None
         self.records: list[dict] = []
         self.lock = threading.Lock()
-        self.pause, self.written = _test_pause(), 0
         self.lanes = [_Lane(self, k, slots) for k in range(lanes)]
 
     # ---- producer side (main thread)
@@ -306,23 +298,6 @@ class BackgroundWriter:
         for lane in self.lanes:
             lane.thread.join(timeout=60)
         self.pool.shutdown()
-
-    def pause_forever(self) -> None:
-        """Test hook: signal, then hang mid-shard so a test can SIGKILL the process at this point."""
-        Path(self.pause[1]).write_text(str(self.written))
-        while True:
-            time.sleep(60)
-
-
-def _test_pause() -> tuple[int, str] | None:
-    """SPECQUANT_CACHE_TEST_PAUSE="<samples written>:<marker file>" (tests only)."""
-    import os
-
-    spec = os.environ.get("SPECQUANT_CACHE_TEST_PAUSE")
-    if not spec:
-        return None
-    n, marker = spec.split(":", 1)
-    return int(n), marker
 
 
 __all__ = ["BackgroundWriter", "ShardWriter"]
