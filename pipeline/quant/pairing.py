@@ -26,9 +26,9 @@ def calibration_record(cfg, index: dict, used: bool) -> dict[str, Any]:
     """What quantize-drafter writes into its record: the target behind the cache it read."""
     variant = str(index.get("target_variant") or REFERENCE)
     target = (index.get("inputs") or {}).get("target") or {}
-    from pipeline.stages.publish import _hub_id  # the one rule for "this names a Hub repo"
+    from pipeline.core.hub import hub_id  # the one rule for "this names a Hub repo"
 
-    hub = (cfg.publish.target_model or _hub_id(cfg.target.path)) if variant == REFERENCE else None
+    hub = (cfg.publish.target_model or hub_id(cfg.target.path)) if variant == REFERENCE else None
     return {"variant": variant, "used": bool(used), "files_sha256": target.get("files_sha256"),
             "path": index.get("target_path"), "hub_id": hub, "shape": index.get("target_shape"),
             "cache_content_hash": index.get("content_hash")}

@@ -34,13 +34,13 @@ from pipeline.artifacts import eval_results
 from pipeline.artifacts.rundir import RunDir
 from pipeline.artifacts.stage_record import load_record
 from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.hub import REPO_ID, hub_id
 from pipeline.core.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine, sha256_file
 from pipeline.core.secrets import remember, scrub, scrub_obj
 from pipeline.provenance import modelcard, signing
 from pipeline.provenance import record as prov
 from pipeline.stages import serve_check
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")  # weights only from safetensors
 EVAL_FILES = ("report.md", "results.json", "vllm_commands.sh", "serve_check.json")
@@ -67,7 +67,7 @@ def repo_id_for(cfg, variant: str, n_variants: int) -> str:
         repo = f"{pc.namespace or 'your-namespace'}/{cfg.drafter.name}-{variant}"
         field = "publish.namespace"
     name = repo.split("/")[-1]
-    if not _REPO_ID.match(repo) or len(name) > 96 or "--" in repo or ".." in repo or name.endswith((".", ".git")):
+    if not REPO_ID.match(repo) or len(name) > 96 or "--" in repo or ".." in repo or name.endswith((".", ".git")):
         raise bad_value(field, repo, "a Hub repo id is `<namespace>/<name>` using only letters, digits, '-', '_' "
                         "and '.' (no '--' or '..', name at most 96 characters)", "rename it, e.g. my-org/tiny-dflash-nvfp4")
     return repo
@@ -147,7 +147,7 @@ def _refuse_unserved(cfg, rd: RunDir, variant: str) -> None:
     if not cfg.publish.dry_run:
         conf = _read_json(rd.drafter(variant) / "config.json") or {}
         verifier = ((conf.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        if not _hub_id(verifier):
+        if not hub_id(verifier):
             raise bad_value(f"drafter/{variant}/config.json", verifier, "a published drafter must name its target "
                             "by Hub id (vLLM resolves a path against the user's working directory)",
                             "set publish.target_model=<target Hub id> and re-run quantize-drafter")
@@ -176,13 +176,6 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def _hub_id(value: str | None) -> str | None:
-    """`value` if it names a Hub repo (not a local directory), else None."""
-    if value and _REPO_ID.match(str(value)) and not Path(str(value)).exists():
-        return str(value)
-    return None
-
-
 def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
               signer: signing.Signer | None = None) -> dict[str, Any]:
     ckpt = _read_json(folder / "config.json") or {}
@@ -197,11 +190,11 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
     sources = [s.get("name") for s in data.get("sources") or [] if isinstance(s, dict)]
     verifier = (ckpt.get("speculators_config") or {}).get("verifier") or {}
     pc = cfg.publish
-    target = pc.target_model or _hub_id(cfg.target.path) or verifier.get("name_or_path") or cfg.target.path
+    target = pc.target_model or hub_id(cfg.target.path) or verifier.get("name_or_path") or cfg.target.path
     return {
         "repo_id": repo_id, "variant": variant, "run_name": cfg.run_name,
         "scheme": entry.get("scheme") or q.get("scheme") or variant,
-        "base_model": pc.base_model or _hub_id(cfg.drafter.path), "source_drafter": pc.base_model or cfg.drafter.path,
+        "base_model": pc.base_model or hub_id(cfg.drafter.path), "source_drafter": pc.base_model or cfg.drafter.path,
         "license": cfg.drafter.license, "library_name": pc.library_name,
         "target": target, "target_revision": cfg.target.revision,
         "block_size": ckpt.get("block_size"),
