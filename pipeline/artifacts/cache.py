@@ -23,14 +23,15 @@ from typing import Any
 
 import torch
 
+from pipeline.core.dtypes import TORCH_DTYPES
 from pipeline.core.errors import SpecquantError, bad_value
-from pipeline.core.io import atomic_write_json, dumps_json, read_json, sha256_file, sha256_text
+from pipeline.core.io import atomic_write_json, read_json, sha256_file, sha256_text
 
 FORMAT = "specquant-cache"
 FORMAT_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                  "fp8": torch.float8_e4m3fn}
+# cache.storage_dtype: the model dtypes, and fp8 (E4M3 with a per-row scale)
+STORAGE_DTYPES = {**{n: TORCH_DTYPES[n] for n in ("bfloat16", "float16", "float32")}, "fp8": torch.float8_e4m3fn}
 _SHARD_RE = re.compile(r"^shard-(\d{5})\.(safetensors|json)$")
 
 
@@ -354,5 +355,5 @@ class CacheReader:
 
 __all__ = ["CacheReader", "check_index", "Layout", "ShardPlan", "plan_shards", "pack_batches", "encode_hidden",
            "decode_hidden", "content_hash", "build_index", "read_index", "clear_stale", "read_sidecar", "finished_index",
-           "check_storage_dtype", "dumps_json", "FORMAT", "FORMAT_VERSION", "STORAGE_DTYPES", "shard_file"]
+           "check_storage_dtype", "FORMAT", "FORMAT_VERSION", "STORAGE_DTYPES", "shard_file"]
 

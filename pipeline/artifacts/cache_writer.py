@@ -21,10 +21,8 @@ from typing import Any
 import torch
 
 from pipeline.artifacts.cache import FORMAT, FORMAT_VERSION, Layout, ShardPlan, shard_file, sidecar_file
+from pipeline.core.dtypes import SAFETENSORS_DTYPES
 from pipeline.core.io import HashingWriter, atomic_open, atomic_write_json
-
-_ST_DTYPE = {torch.int64: "I64", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",
-             torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -83,7 +81,7 @@ class ShardWriter:
 
         def put(name, dtype, shape, nbytes):
             nonlocal off
-            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
             off += nbytes
 
         # int64 first, then (float32 scales, storage dtype) per sample, uint8 last: every offset stays aligned

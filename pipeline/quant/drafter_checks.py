@@ -110,11 +110,6 @@ def _set_scales(modules: dict, kept: dict, factor: float) -> None:
         m.input_global_scale.data.copy_(kept[n] * factor)
 
 
-def rounding_band(reference, quantized, batches, block_size: int, factors) -> dict:
-    """Only the rounding band of `compare` ({} when there is nothing to draw)."""
-    return compare(reference, quantized, batches, block_size, factors).get("served_rounding_band", {})
-
-
 @torch.no_grad()
 def layer_output_errors(reference, quantized, batches) -> dict[str, float]:
     """Per quantized Linear, on the held-apart batches: ||x W_q^T - x W^T|| / ||x W^T||, x = the layer's real

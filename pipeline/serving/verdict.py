@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-MIN_TAU_DEFAULT = 1.05  # below this a drafter accepts (almost) nothing: the silent failure users report
-
 
 def kernel_words(kernel: str | None) -> str:
     """What a vLLM linear kernel class means for the numbers measured with it."""

@@ -22,7 +22,6 @@ from pipeline.quant import pairing
 
 REFERENCE = "bf16"
 SOURCE = "source"
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _drafter_dirs(cfg, rd: RunDir) -> dict[str, Path]:
@@ -174,7 +173,7 @@ def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: in
 
 def rounding_noise(report: dict | None) -> dict | None:
     """A variant's served top-1 over its rounding-band draws (its scales times non-power-of-two
-    factors, pipeline.quant.drafter_checks.rounding_band) and at its own scales."""
+    factors, the served_rounding_band of pipeline.quant.drafter_checks.compare) and at its own scales."""
     band = (report or {}).get("served_rounding_band")
     if not band:
         return None
@@ -336,9 +335,9 @@ def _write_outputs(out: Path, doc: eval_results.EvalResults, timings: dict, subs
 
 
 def run(cfg) -> dict:
-    import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    from pipeline.core.dtypes import TORCH_DTYPES
     from pipeline.core.seeding import seed_everything
     from pipeline.evaluation.fakequant import load_drafter_variant, load_target
     from pipeline.evaluation.prompts import load_prompt_sets
@@ -346,8 +345,8 @@ def run(cfg) -> dict:
     from pipeline.models.formats import load_drafter_config
 
     rd = RunDir.from_cfg(cfg)
-    if cfg.target.dtype not in _DTYPES:
-        raise bad_value("target.dtype", cfg.target.dtype, "unknown dtype", f"use one of {', '.join(_DTYPES)}")
+    if cfg.target.dtype not in TORCH_DTYPES:
+        raise bad_value("target.dtype", cfg.target.dtype, "unknown dtype", f"use one of {', '.join(TORCH_DTYPES)}")
     if int(cfg.eval.max_new_tokens) < 1:
         raise bad_value("eval.max_new_tokens", cfg.eval.max_new_tokens, "it must be positive", "use a value >= 1")
     drafters = _drafter_dirs(cfg, rd)
@@ -379,7 +378,7 @@ def run(cfg) -> dict:
     warnings = {t: pairing.check_pairs(rd, _matrix_drafters(drafters), served[t], "evaluate") for t in pair_targets}
 
     seed_everything(int(cfg.seed))
-    dtype, device = getattr(torch, cfg.target.dtype), str(cfg.target.device)
+    dtype, device = TORCH_DTYPES[cfg.target.dtype], str(cfg.target.device)
     target = load_target(target_path, dtype, device, revision, bool(cfg.target.trust_remote_code),
                          cfg.target.attn_implementation)
     stop, max_new = _stop_ids(tokenizer, target), int(cfg.eval.max_new_tokens)
