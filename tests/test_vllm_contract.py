@@ -19,6 +19,7 @@ import torch
 
 from pipeline.core.errors import SpecquantError
 from pipeline.core.io import read_json
+from pipeline.quant import recipes
 from pipeline.serving import contract
 from pipeline.stages import quantize_drafter
 from tests._support import DRAFTER, REPO, TARGET, copy_world, run_cli, w4a16_group, world_cfg
@@ -54,7 +55,7 @@ def test_vllm_builds_every_layer_as_the_checkpoint_stores_it(world, written, var
 @pytest.mark.parametrize("variant", ["nvfp4", "w4a16"])
 def test_the_default_patterns_hold_for_any_number_of_target_layers(world, written, variant):
     config = read_json(_dir(world, variant) / "config.json", "config")
-    assert contract.QKV_DENSE in config["transformer_layer_config"]["quantization_config"]["ignore"]
+    assert recipes.QKV_IGNORE in config["transformer_layer_config"]["quantization_config"]["ignore"]
     for n_target in (0, T, 36, 80):
         assert contract.check_dir(_dir(world, variant), n_target) == [], n_target
 

@@ -28,8 +28,6 @@ from typing import Any
 
 from pipeline.core.errors import bad_value
 
-# q/k/v under HF names (what llm-compressor sees) and vLLM's fused name
-QKV_DENSE = r"re:.*self_attn\.(q|k|v|qkv)_proj$"
 # vLLM fuses these shards into one layer (packed_modules_mapping of its Qwen3 / DFlash models)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
