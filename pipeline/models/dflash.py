@@ -11,6 +11,10 @@ One model, two entry points sharing every layer:
 `embed_tokens` and `lm_head` belong to the target: they are attached at load time and never
 saved (see `_keys_to_ignore_on_save`). Every projection is a plain `nn.Linear`, because
 compressed-tensors compresses only exact `nn.Linear` modules.
+
+The layers are transformers' Qwen3 pieces where the computation is the same (RMSNorm, MLP, the
+attention's projections and norms, the rotary embedding, `rotate_half`, weight init); only the
+KV-injection attention forward and the decoder layer around it are DFlash's own.
 """
 
 from __future__ import annotations
@@ -21,6 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
 from transformers.utils import ModelOutput
 
 from pipeline.models.layout import MODEL_TYPE
@@ -93,40 +105,17 @@ class DFlashConfig(PretrainedConfig):
 AutoConfig.register(MODEL_TYPE, DFlashConfig)
 
 
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm, computed in fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
-    params = config.rope_parameters or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    """RoPE inverse frequencies and attention scaling of `config`, as `Qwen3RotaryEmbedding` computes them."""
+    rope_type = config.rope_parameters["rope_type"]
     if rope_type == "default":
-        dim = config.head_dim
-        base = float(params.get("rope_theta", 1e6))
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    return ROPE_INIT_FUNCTIONS[rope_type](config, None)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return Qwen3RotaryEmbedding.compute_default_rope_parameters(config)
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, S, D]; cos/sin [B, S, D]."""
+    # not apply_rotary_pos_emb: it rotates q and k with one cos/sin, but the queries here are the block rows only
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
@@ -154,22 +143,15 @@ class DraftKVCache:
                 self.values[i] = self.values[i][:, :, :length]
 
 
-class DFlashAttention(nn.Module):
-    """Queries from the block only; keys/values from [context rows | block rows] (KV injection)."""
+class DFlashAttention(Qwen3Attention):
+    """Qwen3's attention modules (q/k/v/o_proj, per-head q_norm/k_norm); DFlash's forward: queries from the
+    block only, keys/values from [context rows | block rows] (KV injection), no causal mask."""
 
-    def __init__(self, config: DFlashConfig):
-        super().__init__()
-        h, hd = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=bias)
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.is_causal = False
 
-    def forward(self, x, ctx, rope_q, rope_kv, mask=None, cache=None, layer_idx=0):
+    def forward(self, x, ctx, rope_q, rope_kv, mask=None, cache=None):
         b, q_len, _ = x.shape
         hd = self.head_dim
         q = self.q_norm(self.q_proj(x).view(b, q_len, -1, hd)).transpose(1, 2)
@@ -180,36 +162,27 @@ class DFlashAttention(nn.Module):
         k = apply_rope(k, *rope_kv)
         v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, hd).transpose(1, 2)
         if cache is not None:
-            k, v = cache.update(layer_idx, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+            k, v = cache.update(self.layer_idx, k, v)
+        # SDPA itself, not transformers' sdpa_attention_forward: that one repeats K/V whenever a mask is given
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=self.num_key_value_groups > 1)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, config: DFlashConfig):
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashDecoderLayer(nn.Module):
+    """Qwen3DecoderLayer's modules, but its attention is DFlashAttention (which also takes the fused context)."""
+
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = DFlashAttention(config)
-        self.mlp = DFlashMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, ctx, rope_q, rope_kv, mask=None, cache=None):
         # the fused context is shared by all layers and is not normed again (z-lab semantics)
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask, cache, self.layer_idx)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -234,27 +207,27 @@ class DFlashDrafter(PreTrainedModel):
         super().__init__(config)
         h = config.hidden_size
         self.fc = nn.Linear(config.num_aux_layers * config.aux_hidden_size, h, bias=False)
-        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = Qwen3RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(h, config.rms_norm_eps)
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
-        inv_freq, self.rope_scaling = rope_inv_freq(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        # weights are initialised by PreTrainedModel._init_weights (normal Linear/Embedding, ones for norms, RoPE)
         self.post_init()
 
-    def _init_weights(self, module):
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
-        if module is self and hasattr(self, "inv_freq"):
-            self.inv_freq.copy_(rope_inv_freq(self.config)[0])
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.rotary_emb.inv_freq
+
+    def __setattr__(self, name, value):
+        # `model.inv_freq = ...` (after a meta-device build or a dtype cast) sets the rotary embedding's
+        # frequencies, `original_inv_freq` too (a property setter is bypassed when the value is a buffer)
+        if name == "inv_freq" and "rotary_emb" in self.__dict__.get("_modules", {}):
+            self.rotary_emb.inv_freq = value
+            self.rotary_emb.original_inv_freq = value.clone()
+        else:
+            super().__setattr__(name, value)
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -267,11 +240,6 @@ class DFlashDrafter(PreTrainedModel):
         dev, dt = self.fc.weight.device, self.fc.weight.dtype
         self.embed_tokens.weight = nn.Parameter(embed_weight.detach().to(dev, dt), requires_grad=False)
         self.lm_head.weight = nn.Parameter(lm_head_weight.detach().to(dev, dt), requires_grad=False)
-
-    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        angle = position_ids[..., None].float() * self.inv_freq.float().to(position_ids.device)
-        emb = torch.cat([angle, angle], dim=-1)
-        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
 
     def fuse_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, S, n_aux*H] or [B, S, n_aux, H] target hidden states -> fused context [B, S, H]."""
@@ -296,7 +264,7 @@ class DFlashDrafter(PreTrainedModel):
         ctx = self.fuse_context(aux_hidden)
         x = self.embed_tokens(block_ids)
         n_ctx = ctx.shape[1]
-        cos, sin = self.rope(position_ids, x.dtype)
+        cos, sin = self.rotary_emb(x, position_ids)
         rope_q = (cos[:, n_ctx:], sin[:, n_ctx:])
         start = (len(cache) if cache is not None else 0) + n_ctx
         hidden = self._run_layers(x, ctx, rope_q, (cos, sin), None, cache)
@@ -322,8 +290,8 @@ class DFlashDrafter(PreTrainedModel):
         block_ids, block_pos = block_layout(input_ids[0], position_ids[0], anchors, bs, self.config.mask_token_id)
         ctx = self.fuse_context(hidden_states)
         x = self.embed_tokens(block_ids[None])
-        cos_c, sin_c = self.rope(position_ids, x.dtype)
-        cos_q, sin_q = self.rope(block_pos[None], x.dtype)
+        cos_c, sin_c = self.rotary_emb(x, position_ids)
+        cos_q, sin_q = self.rotary_emb(x, block_pos[None])
         rope_kv = (torch.cat([cos_c, cos_q], 1), torch.cat([sin_c, sin_q], 1))
         mask = block_attention_mask(document_ids[0], anchors, bs)
         hidden = self._run_layers(x, ctx, (cos_q, sin_q), rope_kv, mask[None, None].to(x.device))
