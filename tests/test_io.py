@@ -93,7 +93,6 @@ def test_hf_local_cache_rule():
 
 
 def test_atomic_dir_swaps_whole_directories(tmp_path):
-    from pipeline.quant import export
 
     final = tmp_path / "ckpt"
     with atomic_dir(final) as d:
@@ -108,4 +107,3 @@ def test_atomic_dir_swaps_whole_directories(tmp_path):
     with atomic_dir(final) as d:
         (d / "c").write_bytes(b"3")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"] and [p.name for p in final.iterdir()] == ["c"]
-    assert export.atomic_dir is atomic_dir and export.remove_partials.__module__ == "pipeline.core.io"

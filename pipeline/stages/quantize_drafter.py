@@ -20,7 +20,7 @@ import torch
 
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core.errors import bad_value
-from pipeline.core.io import atomic_write_json, read_json
+from pipeline.core.io import PARTIAL_PREFIX, atomic_dir, atomic_write_json, read_json, remove_partials
 from pipeline.core.loading import checkpoint_sha256
 from pipeline.core.seeding import seed_everything
 from pipeline.quant import cache_batches, calibrate, drafter_checks, export, pairing, recipes
@@ -159,11 +159,11 @@ def write_reference(rd: RunDir, model) -> Path:
     state = {k: v for k, v in model.state_dict().items() if k not in TARGET_KEYS and k != "inv_freq"}
     config = copy.deepcopy(model.config)
     config.dtype = torch.bfloat16
-    with tempfile.TemporaryDirectory(prefix=export.PARTIAL_PREFIX + "bf16-", dir=work_root(rd)) as fresh:
+    with tempfile.TemporaryDirectory(prefix=PARTIAL_PREFIX + "bf16-", dir=work_root(rd)) as fresh:
         export.save_safetensors(state, Path(fresh) / "model.safetensors", {"format": "pt"}, dtype=torch.bfloat16)
         atomic_write_json(Path(fresh) / "config.json", speculators_config_dict(config))
         if export.output_hashes(Path(fresh)) != (export.output_hashes(out) if out.is_dir() else None):
-            with export.atomic_dir(out) as tmp:
+            with atomic_dir(out) as tmp:
                 for f in sorted(Path(fresh).iterdir()):
                     os.replace(f, tmp / f.name)  # both inside the run directory: moved, not copied
     return out
@@ -192,7 +192,7 @@ def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str],
     from pipeline.models.formats import TARGET_KEYS, speculators_config_dict
     from pipeline.serving import contract
 
-    with export.atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp:
         written = export.save_compressed(model, tmp)
         with safe_open(str(tmp / "model.safetensors"), framework="pt") as fh:  # the body only, never a target key
             kept = {k: fh.get_tensor(k) for k in fh.keys() if not k.endswith(TARGET_KEYS) and k != "inv_freq"}
@@ -225,7 +225,7 @@ def run(cfg) -> dict:
     variants.refuse_overwrite(rd.stages / f"quantize-drafter-{q.name}.json", rd.drafter(q.name), FIELD, q, cfg.seed)
     cache_dir = calibration_cache(cfg, rd)
     index = check_cache(rd, dconf, cache_dir)
-    export.remove_partials(rd.root / ".work")  # scratch left by a killed run
+    remove_partials(rd.root / ".work")  # scratch left by a killed run
     need_data = recipes.needs_data(q)
     seed = int(cfg.seed)
     calib_idx, held_idx = cache_batches.split_indices(int(index["num_samples"]), int(q.num_samples),
@@ -251,7 +251,7 @@ def run(cfg) -> dict:
                                               int(dconf.mask_token_id), int(q.max_seq_len), seed),
                 next(model.parameters()).device, verifier)
         out = rd.drafter(q.name)
-        with tempfile.TemporaryDirectory(prefix=export.PARTIAL_PREFIX + "drafter-", dir=work_root(rd)) as work:
+        with tempfile.TemporaryDirectory(prefix=PARTIAL_PREFIX + "drafter-", dir=work_root(rd)) as work:
             _write_native_config(model, Path(work))
             calibrate.run_oneshot(model, q, ignore, batches, seed, skip_head=True)
             clock.lap("oneshot_s")
