@@ -85,12 +85,26 @@ def target_config(target_cfg):
     return load_config(target_cfg.path, target_cfg.revision, target_cfg.trust_remote_code, "target.path")
 
 
-def from_pretrained_safe(auto_cls, target_cfg, **kwargs):
-    """`auto_cls.from_pretrained` on the configured target, refusing pickles and unreadable files first."""
-    target_config(target_cfg)  # one-sentence errors for config / trust_remote_code before any weight I/O
-    check_safetensors_dir(target_cfg.path, "target.path")
-    return auto_cls.from_pretrained(target_cfg.path, revision=target_cfg.revision, use_safetensors=True,
-                                    trust_remote_code=bool(target_cfg.trust_remote_code), **kwargs)
+def load_target(path: str | Path, *, dtype, revision: str | None = None, trust_remote_code: bool = False,
+                attn_implementation: str | None = None, device=None, auto_cls=None, field: str = "target.path",
+                **kwargs):
+    """The one way a target's weights are loaded: `auto_cls.from_pretrained` (default
+    `AutoModelForCausalLM`; the cache stage takes the base `AutoModel`) with safetensors only, after its
+    config (`trust_remote_code` named when needed) and every local safetensors header and shard index
+    are checked, so a bad checkpoint is one sentence naming `field` before any weight is read.
+
+    `dtype`, `attn_implementation` (None: transformers' default) and the rest of `kwargs` (`device_map`,
+    `max_memory`, `quantization_config`, ...) go to `from_pretrained`; with `device` the model is moved
+    there. Returned in eval mode."""
+    if auto_cls is None:
+        from transformers import AutoModelForCausalLM as auto_cls
+    load_config(str(path), revision, trust_remote_code, field)  # config / trust_remote_code errors first
+    check_safetensors_dir(path, field)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = auto_cls.from_pretrained(str(path), revision=revision, use_safetensors=True, dtype=dtype,
+                                     trust_remote_code=bool(trust_remote_code), **kwargs)
+    return (model if device is None else model.to(device)).eval()
 
 
 # ---------------------------------------------------------------- input hashes

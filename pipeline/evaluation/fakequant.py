@@ -1,13 +1,9 @@
 """Run a quantized checkpoint as exactly what its `quantization_config` says, on any device.
 
-The evaluated drafter must behave like the served one, so this uses compressed-tensors' own
-lifecycle, the same one transformers runs for `CompressedTensorsConfig(dequantize=True)`:
-
-1. `apply_quantization_config` attaches each Linear's scheme (targets minus `ignore`) and wraps its
-   forward with `set_forward_quantized`;
-2. `ModelCompressor.compress_model` gives those modules the packed layout (`weight_packed`,
-   `weight_scale`, `weight_global_scale`, `input_global_scale`, ...) so the checkpoint loads into it;
-3. `decompress_model` turns the packed weights back into dense ones (status DECOMPRESSED).
+The evaluated drafter must behave like the served one, so its checkpoint is read back with
+compressed-tensors' own lifecycle, the one transformers runs for `CompressedTensorsConfig(dequantize=True)`
+(`pipeline.artifacts.checkpoint.load_into`, the reloader the quantize checks use too: apply the
+scheme, compress to the packed layout, load the tensors, decompress).
 
 In that state compressed-tensors' forward skips weight QDQ (the weights already are the dequantized
 checkpoint values) but still quantizes every input activation its scheme lists. For NVFP4 W4A4
@@ -21,23 +17,14 @@ never stores (the target's `embed_tokens`, `lm_head`) are kept dense as well.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.artifacts.checkpoint import BORROWED, load_into, read_quantization_config
 from pipeline.core import quiet
 from pipeline.core.errors import bad_value
-
-# submodules a drafter takes from its target; never in a drafter checkpoint, never quantized
-BORROWED = ("embed_tokens", "lm_head")
-
-
-def read_quantization_config(ckpt_dir: str | Path) -> dict | None:
-    """The raw `quantization_config` of a checkpoint's config.json, or None for a dense one."""
-    cfg = json.loads((Path(ckpt_dir) / "config.json").read_text(encoding="utf-8"))
-    return cfg.get("quantization_config")
 
 
 def _args_summary(args) -> dict | None:
@@ -81,19 +68,6 @@ def _validated(qconfig: dict, where: str):
     return q
 
 
-def _load_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(ckpt_dir.glob("*.safetensors"))
-    if not files:
-        raise bad_value("checkpoint", str(ckpt_dir), "it holds no .safetensors file",
-                        "re-run the stage that writes this checkpoint")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
 def quantized_modules(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """{module name: {"weights": bool, "input_activations": bool}} for every module with a scheme."""
     out = {}
@@ -105,56 +79,19 @@ def quantized_modules(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
-@torch.no_grad()
 def load_checkpoint_into(model: torch.nn.Module, ckpt_dir: str | Path, allow_missing: tuple[str, ...] = BORROWED
                          ) -> dict[str, Any]:
     """Load a (possibly compressed-tensors) checkpoint into a dense `model` of the same architecture.
 
     The model's dense Linear weights are replaced by the checkpoint's dequantized ones and its
-    quantized Linears quantize their inputs at run time as the checkpoint specifies. Returns a
-    summary: which modules are quantized, which input activations are fake-quantized.
+    quantized Linears quantize their inputs at run time as the checkpoint specifies
+    (`pipeline.artifacts.checkpoint.load_into`, with `_validated` refusing what this stage cannot
+    emulate). Returns a summary: which modules are quantized, which input activations are fake-quantized.
     """
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import apply_quantization_config
-
-    ckpt_dir = Path(ckpt_dir)
-    raw = read_quantization_config(ckpt_dir)
-    state = _load_state_dict(ckpt_dir)
-    dtypes = {n: p.dtype for n, p in model.named_parameters()}
-    q = None
-    if raw is not None:
-        q = _validated(raw, str(ckpt_dir / "config.json"))
-        apply_quantization_config(model, q, show_progress=False)
-        ModelCompressor(quantization_config=q).compress_model(model)  # packed layout to receive the tensors
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if k.split(".")[0] not in allow_missing]
-    if result.unexpected_keys or missing:
-        raise bad_value("checkpoint", str(ckpt_dir),
-                        f"its tensors do not fit the model (unexpected {result.unexpected_keys[:4]}, "
-                        f"missing {missing[:4]})", "check that the checkpoint belongs to this drafter/target")
-    if q is not None:
-        from compressed_tensors.offload import remove_dispatch
-
-        ModelCompressor(quantization_config=q).decompress_model(model)
-        # decompress_model dispatches the model through compressed-tensors' offload cache; evaluation
-        # holds the whole drafter on one device, so return plain modules (the QDQ forward stays)
-        remove_dispatch(model, onload_tensors=True)
-        _restore_dtypes(model, dtypes)
+    raw = load_into(model, ckpt_dir, prepare=_validated, allow_missing=allow_missing)
     modules = quantized_modules(model)
     return {"quantization": describe(raw), "quantized_modules": sorted(modules),
             "activation_quantized_modules": sorted(n for n, v in modules.items() if v["input_activations"])}
-
-
-def _restore_dtypes(model: torch.nn.Module, dtypes: dict[str, torch.dtype]) -> None:
-    """compressed-tensors' NVFP4 decompressor returns bf16 weights; run them in the model's dtype.
-
-    Only `weight` is cast: the fp32 global scales must stay fp32, as vLLM keeps them.
-    """
-    for name, module in model.named_modules():
-        w = getattr(module, "weight", None)
-        key = f"{name}.weight" if name else "weight"
-        if isinstance(w, torch.nn.Parameter) and key in dtypes and w.dtype != dtypes[key]:
-            module.weight = torch.nn.Parameter(w.data.to(dtypes[key]), requires_grad=False)
 
 
 def set_activation_quantization(model: torch.nn.Module, enabled: bool) -> None:
@@ -179,23 +116,21 @@ def _cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def load_target(path: str, dtype: torch.dtype, device: str, revision: str | None = None,
                 trust_remote_code: bool = False, attn_implementation: str | None = None):
-    """The target as served: dense, or a compressed-tensors checkpoint dequantized (with W4A4 inputs QDQ'd)."""
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    """The target as served: dense, or a compressed-tensors checkpoint dequantized (with W4A4 inputs QDQ'd).
+    Loaded through `pipeline.core.loading.load_target` (config, pickles, truncated files, missing shards:
+    one sentence first; a quantized one is named as the run's target/<variant>)."""
+    from transformers import CompressedTensorsConfig
 
-    kwargs = {"dtype": dtype, "revision": revision, "trust_remote_code": trust_remote_code}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    from pipeline.core.loading import check_safetensors_dir
+    from pipeline.core.loading import load_target as load_checkpoint
 
     quantized = Path(path).is_dir() and read_quantization_config(path) is not None
-    # pickles, truncated files, missing shards: one sentence first (a quantized one is the run's target/<variant>)
-    check_safetensors_dir(path, f"target/{Path(path).name}" if quantized else "target.path")
-    if quantized:
-        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    extra = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if quantized else {}
     # transformers warns that the checkpoint's own quantization_config wins over the one passed; only its
     # `dequantize` flag is wanted here (weights decompressed at load), so the warning describes the intent
     with quiet.warnings_ignored("You passed `quantization_config` or equivalent parameters"):
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = load_checkpoint(path, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code,
+                                attn_implementation=attn_implementation,
+                                field=f"target/{Path(path).name}" if quantized else "target.path", **extra)
     if quantized:
         from compressed_tensors.offload import remove_dispatch
 

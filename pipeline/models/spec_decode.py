@@ -197,13 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 reproduces the shipped tau.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from pipeline.core.loading import load_target
     from pipeline.models.compat import check_compatible
     from pipeline.models.formats import load_drafter, load_drafter_config
 
     tok = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    target = load_target(args.target, dtype=torch.float32, field="--target")
     check_compatible(load_drafter_config(args.drafter), target.config, tok)
     drafter = load_drafter(args.drafter, target=target)
     stop = [t for t in [tok.eos_token_id] if t is not None]

@@ -1,48 +1,31 @@
 """Reload a written compressed-tensors checkpoint, dequantize it and measure what quantization cost.
 
 Dequantization goes through compressed-tensors' own per-module decompressors (the loader
-transformers uses), applied to a dense copy of the model: apply the checkpoint's
-quantization_config, compress to get the on-disk parameter layout, load the file's tensors,
-decompress. The module keeps its quantization scheme, so a forward with quantization enabled
+transformers uses), applied to a dense copy of the model by `pipeline.artifacts.checkpoint.load_into`:
+apply the checkpoint's quantization_config, compress to get the on-disk parameter layout, load the
+file's tensors, decompress. The module keeps its quantization scheme, so a forward with quantization enabled
 emulates the served numerics (NVFP4 activations quantized with the stored input_global_scale);
 with it disabled the forward is weight-only dequantized.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json
 
 
 def load_dequantized(model: torch.nn.Module, ckpt_dir: str | Path) -> torch.nn.Module:
-    """Turn a dense `model` (same architecture) into the checkpoint's dequantized weights, in place."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from safetensors.torch import load_file
+    """Turn a dense `model` (same architecture) into the checkpoint's dequantized weights, in place
+    (`pipeline.artifacts.checkpoint.load_into`, the reloader evaluate uses too)."""
+    from pipeline.artifacts.checkpoint import load_into
 
-    ckpt_dir = Path(ckpt_dir)
-    config = json.loads((ckpt_dir / "config.json").read_text(encoding="utf-8"))
-    qconfig = QuantizationConfig.model_validate(config["quantization_config"])
-    dtype = next(model.parameters()).dtype
-    apply_quantization_config(model, qconfig, show_progress=False)
-    compressor = ModelCompressor(quantization_config=qconfig)
-    compressor.compress_model(model)
-    # straight to the model's device (the same bytes; the host holds no copy of the checkpoint)
-    device = next(model.parameters()).device
-    state = load_file(str(ckpt_dir / "model.safetensors"), device=str(device))
-    result = model.load_state_dict(state, strict=False)
-    stray = [k for k in result.unexpected_keys]
-    missing = [k for k in result.missing_keys if not k.endswith(("embed_tokens.weight", "lm_head.weight"))]
-    if stray or missing:
-        raise RuntimeError(f"checkpoint {ckpt_dir} does not match the model: missing {missing[:3]}, "
-                           f"unexpected {stray[:3]}")
-    compressor.decompress_model(model)
-    for module in quantized_modules(model).values():
-        module.weight.data = module.weight.data.to(dtype)
+    if load_into(model, ckpt_dir) is None:
+        raise bad_value("checkpoint", str(ckpt_dir), "its config.json has no quantization_config",
+                        "check a checkpoint written by quantize-drafter / quantize-target")
     return model
 
 

@@ -196,7 +196,7 @@ def target_for_cache(cfg, rd: RunDir):
 
 def load_target(cfg, device: torch.device, target_cfg=None):
     target_cfg = target_cfg if target_cfg is not None else cfg.target
-    from pipeline.evaluation.fakequant import read_quantization_config
+    from pipeline.artifacts.checkpoint import read_quantization_config
 
     if Path(str(target_cfg.path)).is_dir() and read_quantization_config(target_cfg.path) is not None:
         from pipeline.evaluation.fakequant import load_target as load_served
@@ -207,18 +207,18 @@ def load_target(cfg, device: torch.device, target_cfg=None):
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
-    from pipeline.core.loading import from_pretrained_safe
+    from pipeline.core.loading import load_target as load_checkpoint
 
     # the base model is loaded without lm_head on purpose: silence the "UNEXPECTED lm_head" report
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model = from_pretrained_safe(
-            AutoModel, target_cfg, dtype=_DTYPES[target_cfg.dtype], attn_implementation=target_cfg.attn_implementation,
-            **({"device_map": str(device)} if device.type == "cuda" else {}))
+        return load_checkpoint(
+            target_cfg.path, revision=target_cfg.revision, trust_remote_code=bool(target_cfg.trust_remote_code),
+            dtype=_DTYPES[target_cfg.dtype], attn_implementation=target_cfg.attn_implementation, device=device,
+            auto_cls=AutoModel, **({"device_map": str(device)} if device.type == "cuda" else {}))
     finally:
         hf_logging.set_verbosity(level)
-    return model.to(device).eval()
 
 
 def forward_batch(capture: LayerCapture, batch: list[list[int]], layout: Layout, device: torch.device):

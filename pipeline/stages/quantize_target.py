@@ -143,27 +143,27 @@ def _write(cfg, model, tmp: Path, main: bool = True) -> None:
 
 
 def _load_dense(cfg, device: str | torch.device = "cpu"):
-    from transformers import AutoModelForCausalLM
+    from pipeline.core.loading import load_target
 
-    return AutoModelForCausalLM.from_pretrained(cfg.target.path, revision=cfg.target.revision,
-                                                dtype=DTYPES.get(cfg.target.dtype, torch.float32),
-                                                trust_remote_code=bool(cfg.target.trust_remote_code)).to(device).eval()
+    t = cfg.target
+    return load_target(t.path, revision=t.revision, trust_remote_code=bool(t.trust_remote_code),
+                       dtype=DTYPES.get(t.dtype, torch.float32), device=device)
 
 
 def _load_shared(cfg, device: torch.device):
     """Under torchrun: rank 0 reads the weights once into shared CPU memory, the other ranks map them
     (compressed-tensors' offloading); calibration onloads one layer at a time to each rank's GPU."""
     from compressed_tensors.offload import load_offloaded_model
-    from transformers import AutoModelForCausalLM
+
+    from pipeline.core.loading import load_target
 
     # on a CPU-only host the loader's memory probe asks for an accelerator: name the CPU budget
     placement = {"device_map": "auto_offload"} if device.type == "cuda" else {
         "device_map": "cpu", "max_memory": {"cpu": _shared_memory_bytes()}}
+    t = cfg.target
     with load_offloaded_model():
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.target.path, revision=cfg.target.revision, dtype=DTYPES.get(cfg.target.dtype, torch.float32),
-            trust_remote_code=bool(cfg.target.trust_remote_code), **placement)
-    return model.eval()
+        return load_target(t.path, revision=t.revision, trust_remote_code=bool(t.trust_remote_code),
+                           dtype=DTYPES.get(t.dtype, torch.float32), **placement)
 
 
 def _shared_memory_bytes() -> int:
