@@ -12,16 +12,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.core import quiet
-
-# the directory swap lives in pipeline.core.io (publish uses it too); re-exported for existing imports
-from pipeline.core.io import (  # noqa: F401
-    PARTIAL_PREFIX,
-    _fsync_tree,
-    atomic_dir,
-    atomic_write_json,
-    hash_tree,
-    remove_partials,
-)
+from pipeline.core.io import atomic_write_json, hash_tree
 
 # files a tokenizer directory may hold; copied beside a quantized target so `vllm serve <dir>` works
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -32,11 +32,10 @@ from pipeline.artifacts.cache import (
 from pipeline.artifacts.cache_writer import BackgroundWriter
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core import distributed
+from pipeline.core.dtypes import TORCH_DTYPES
 from pipeline.core.errors import bad_value
 from pipeline.core.io import confine, dumps_json, read_json, remove_stale_temps, sha256_text
 from pipeline.core.loading import check_safetensors_dir, checkpoint_hashes, local_snapshot, target_config
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _StopForward(Exception):
@@ -107,26 +106,16 @@ def resolve_aux_layer_ids(cfg) -> list[int]:
     """cache.aux_layer_ids if set, else the drafter config's (HF index convention)."""
     if cfg.cache.get("aux_layer_ids"):
         return [int(m) for m in cfg.cache.aux_layer_ids]
-    try:
-        from pipeline.models.formats import load_drafter_config
-    except ImportError:  # helper module not there yet: read the two known config layouts directly
-        conf = read_json(Path(cfg.drafter.path) / "config.json", "drafter.path")
-        if "aux_hidden_state_layer_ids" in conf:
-            return list(conf["aux_hidden_state_layer_ids"])
-        if "target_layer_ids" in conf.get("dflash_config", {}):
-            return [m + 1 for m in conf["dflash_config"]["target_layer_ids"]]
-        raise bad_value("drafter.path", cfg.drafter.path, "its config.json names no aux layers",
-                        "point it at a DFlash drafter in speculators or z-lab format") from None
+    from pipeline.models.formats import load_drafter_config
+
     return list(load_drafter_config(cfg.drafter.path, cfg.drafter.format).aux_layer_ids)
 
 
 def _check_drafter(cfg, target_config) -> None:
     """The drafter's own shape checks against the target (hidden size, layers), from configs only."""
-    try:
-        from pipeline.models.compat import check_compatible
-        from pipeline.models.formats import load_drafter_config
-    except ImportError:
-        return
+    from pipeline.models.compat import check_compatible
+    from pipeline.models.formats import load_drafter_config
+
     check_compatible(load_drafter_config(cfg.drafter.path, cfg.drafter.format), target_config)
 
 
@@ -158,8 +147,8 @@ def _check_cfg(cfg) -> None:
     if c.distributed_backend not in ("auto", "gloo", "nccl"):
         raise bad_value("cache.distributed_backend", c.distributed_backend, "it is not a known backend",
                         "use auto, gloo or nccl")
-    if cfg.target.dtype not in _DTYPES:
-        raise bad_value("target.dtype", cfg.target.dtype, "it is not supported", f"use one of {', '.join(_DTYPES)}")
+    if cfg.target.dtype not in TORCH_DTYPES:
+        raise bad_value("target.dtype", cfg.target.dtype, "it is not supported", f"use one of {', '.join(TORCH_DTYPES)}")
 
 
 def _device(cfg) -> torch.device:
@@ -202,7 +191,7 @@ def load_target(cfg, device: torch.device, target_cfg=None):
         from pipeline.evaluation.fakequant import load_target as load_served
 
         # a compressed-tensors target, dequantized (W4A4 inputs QDQ'd): the states its drafter reads
-        return load_served(str(target_cfg.path), _DTYPES[target_cfg.dtype], str(device), None,
+        return load_served(str(target_cfg.path), TORCH_DTYPES[target_cfg.dtype], str(device), None,
                            bool(target_cfg.trust_remote_code), target_cfg.attn_implementation)
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
@@ -215,7 +204,7 @@ def load_target(cfg, device: torch.device, target_cfg=None):
     try:
         return load_checkpoint(
             target_cfg.path, revision=target_cfg.revision, trust_remote_code=bool(target_cfg.trust_remote_code),
-            dtype=_DTYPES[target_cfg.dtype], attn_implementation=target_cfg.attn_implementation, device=device,
+            dtype=TORCH_DTYPES[target_cfg.dtype], attn_implementation=target_cfg.attn_implementation, device=device,
             auto_cls=AutoModel, **({"device_map": str(device)} if device.type == "cuda" else {}))
     finally:
         hf_logging.set_verbosity(level)
@@ -392,9 +381,5 @@ def _summary(out: Path, index: dict, written: int, seconds: float, reused: bool,
             "tokens_written": tokens, "tokens_per_s": round(tokens / seconds, 1) if tokens and seconds else None}
 
 
-def content_hash_of(cache_dir: str | Path) -> str:
-    return read_json(Path(cache_dir) / "index.json", "cache/index.json")["content_hash"]
-
-
 __all__ = ["run", "CacheReader", "LayerCapture", "check_aux_layer_ids", "resolve_aux_layer_ids", "forward_batch",
-           "cache_shards", "load_target", "content_hash_of"]
+           "cache_shards", "load_target"]

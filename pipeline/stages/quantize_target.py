@@ -15,13 +15,14 @@ import torch
 
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core import distributed
+from pipeline.core.dtypes import TORCH_DTYPES
 from pipeline.core.errors import bad_value
+from pipeline.core.io import atomic_dir
 from pipeline.core.loading import checkpoint_sha256
 from pipeline.core.seeding import seed_everything
 from pipeline.quant import calibrate, checks, export, recipes
 
 FIELD = "target_quant"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def target_config(cfg):
@@ -109,7 +110,7 @@ def run(cfg) -> dict:
     # under torchrun compressing is collective (every rank compresses its share of modules) and rank 0
     # writes; for one process the group calls are no-ops
     with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(export.atomic_dir(out)) if group.is_main else None
+        tmp = stack.enter_context(atomic_dir(out)) if group.is_main else None
         tmp = Path(group.broadcast(str(tmp) if tmp else None))
         _write(cfg, model, tmp, main=group.is_main)
         group.barrier()
@@ -147,7 +148,7 @@ def _load_dense(cfg, device: str | torch.device = "cpu"):
 
     t = cfg.target
     return load_target(t.path, revision=t.revision, trust_remote_code=bool(t.trust_remote_code),
-                       dtype=DTYPES.get(t.dtype, torch.float32), device=device)
+                       dtype=TORCH_DTYPES.get(t.dtype, torch.float32), device=device)
 
 
 def _load_shared(cfg, device: torch.device):
@@ -163,7 +164,7 @@ def _load_shared(cfg, device: torch.device):
     t = cfg.target
     with load_offloaded_model():
         return load_target(t.path, revision=t.revision, trust_remote_code=bool(t.trust_remote_code),
-                           dtype=DTYPES.get(t.dtype, torch.float32), **placement)
+                           dtype=TORCH_DTYPES.get(t.dtype, torch.float32), **placement)
 
 
 def _shared_memory_bytes() -> int:
