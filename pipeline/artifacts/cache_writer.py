@@ -249,6 +249,16 @@ class BackgroundWriter:
     def open_shard(self, plan: ShardPlan, order: list[int], lane: int = 0) -> None:
         self._put(lane, ("open", plan, order))
 
+    def check(self) -> None:
+        """Raise a writer thread's error now (a producer that polls instead of putting)."""
+        if self.error is not None:
+            raise self.error
+
+    def lane_has_room(self, lane: int) -> bool:
+        """Whether a put to `lane` would not wait (its queue is not full); a producer feeding several
+        lanes in the order their data arrives uses it to never block on a slow lane."""
+        return not self.lanes[lane].q.full()
+
     def put_batch(self, gs: list[int], lens: list[int], hs: torch.Tensor, scale: torch.Tensor | None,
                   lane: int = 0) -> None:
         if not self.cuda:

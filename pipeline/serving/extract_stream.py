@@ -187,7 +187,7 @@ def cache_shards_vllm(cfg, plans, samples, layout: Layout, out: Path, resume_key
                mininterval=1.0)
     ok = False
     try:
-        with ThreadPoolExecutor(max(4, lanes), thread_name_prefix="cache-vllm-read") as pool:
+        with ThreadPoolExecutor(2 * lanes, thread_name_prefix="cache-vllm-read") as pool:
             _stream(worker, writer, pool, plans, samples, layout, lanes, bar)
         writer.finish()
         report = worker.finish()
@@ -201,36 +201,57 @@ def cache_shards_vllm(cfg, plans, samples, layout: Layout, out: Path, resume_key
     return len(plans), sum(p.num_tokens for p in plans), report
 
 
+READ_AHEAD = 2  # samples per open shard read ahead of the writer
+
+
 def _stream(worker: _Worker, writer: BackgroundWriter, pool, plans, samples, layout: Layout, lanes: int, bar) -> None:
-    """Each shard goes to a writer lane as soon as the lane has closed its last one, before vLLM has
-    computed it; the open shards' samples are read on `pool` as vLLM writes them (ahead, interleaved
-    over the lanes, in the shards' order) and handed to the writer in that order."""
-    free, active = list(range(lanes)), {}  # lane -> deque of samples still to read
-    ahead: collections.deque = collections.deque()  # (lane, sample or None = close, future)
-    depth, k, n = 2 * max(4, lanes), 0, len(plans)
-    while k < n or active or ahead:
+    """Samples go to the writer in the order vLLM writes them, not in a fixed interleave.
+
+    Each shard goes to a writer lane as soon as the lane has closed its last one, before vLLM has
+    computed it. A shard's samples must reach its lane in the shard's order, but the lanes are
+    independent: each pass reads the next samples of every open shard whose files have appeared
+    (a read then waits only for the file's write to finish, never for vLLM to compute it, so the
+    read threads are never all parked on samples of a later chunk) and hands over every finished
+    read whose lane has room. A slow lane or a chunk vLLM has not reached holds up nobody else."""
+    free = list(range(lanes))
+    todo: dict[int, collections.deque] = {}  # lane -> samples of its open shard not yet submitted
+    reads: dict[int, collections.deque] = {}  # lane -> (sample, future) submitted, in the shard's order
+    shard: dict[int, int] = {}  # lane -> the index of its open shard
+    k, n = 0, len(plans)
+    while k < n or todo:
+        progressed = False
         while free and k < n:
             lane, order = free.pop(0), list(range(plans[k].first, plans[k].first + plans[k].count))
             writer.open_shard(plans[k], order, lane)
-            active[lane] = collections.deque(order)
-            k += 1
-        while len(ahead) < depth and active:
-            for lane in list(active):
-                g = active[lane].popleft()
-                ahead.append((lane, g, pool.submit(read_sample, sample_path(worker.scratch, g), samples[g]["input_ids"],
-                                                   layout, f"sample {samples[g]['id']}", worker)))
-                if not active[lane]:
-                    del active[lane]
-                    ahead.append((lane, None, None))
-        lane, g, fut = ahead.popleft()
-        if g is None:
-            writer.close_shard(lane)
-            free.append(lane)
-        else:
-            hs, scale = fut.result()  # waits for vLLM when it is behind
-            t = len(samples[g]["input_ids"])
-            writer.put_batch([g], [t], hs, scale, lane)
-            bar.update(t)
+            todo[lane], reads[lane], shard[lane] = collections.deque(order), collections.deque(), k
+            k, progressed = k + 1, True
+        for lane in sorted(todo, key=shard.get):  # the oldest shard first
+            q, r = todo[lane], reads[lane]
+            while q and len(r) < READ_AHEAD and os.path.exists(sample_path(worker.scratch, q[0])):
+                g = q.popleft()
+                r.append((g, pool.submit(read_sample, sample_path(worker.scratch, g), samples[g]["input_ids"],
+                                         layout, f"sample {samples[g]['id']}", worker)))
+                progressed = True
+            while r and r[0][1].done() and writer.lane_has_room(lane):
+                g, fut = r.popleft()
+                hs, scale = fut.result()
+                t = len(samples[g]["input_ids"])
+                writer.put_batch([g], [t], hs, scale, lane)
+                bar.update(t)
+                progressed = True
+            if not q and not r:
+                writer.close_shard(lane)
+                del todo[lane], reads[lane], shard[lane]
+                free.append(lane)
+                progressed = True
+        if not progressed:
+            writer.check()
+            waiting = [q[0] for q in todo.values() if q]
+            if worker.stopped() and waiting and not any(os.path.exists(sample_path(worker.scratch, g)) for g in waiting):
+                g = min(waiting)
+                raise bad_value(FIELD, "vllm", f"vLLM's extraction stopped before sample {samples[g]['id']}: "
+                                f"{worker.failure()}", f"read {worker.log_path} for vLLM's log, or use cache.engine=hf")
+            time.sleep(0.002)
 
 
 __all__ = ["check_vllm_engine", "cache_shards_vllm", "read_sample"]
