@@ -128,6 +128,21 @@ def test_a_written_file_is_never_read_back_and_a_rewrite_is(tmp_path):
     assert sha256_file(p, reuse=False) == sha256_bytes(b"y" * 1000) and hashes.bytes_hashed() == 2000
 
 
+def test_a_file_moved_by_hashes_move_keeps_its_digest_and_a_plain_rename_is_read_again(tmp_path):
+    """A rename moves the file's ctime, which the memo checks: `hashes.move` (the quantize-drafter's move
+    of its bf16 reference into place) carries the digest over; a plain os.replace costs one read."""
+    import os
+
+    a, b, c = tmp_path / "a.bin", tmp_path / "sub" / "b.bin", tmp_path / "c.bin"
+    b.parent.mkdir()
+    atomic_write_bytes(a, b"z" * 4096)
+    hashes.reset_counters()
+    hashes.move(a, b)
+    assert not a.exists() and sha256_file(b) == sha256_bytes(b"z" * 4096) and hashes.bytes_hashed() == 0
+    os.replace(b, c)
+    assert sha256_file(c) == sha256_bytes(b"z" * 4096) and hashes.bytes_hashed() == 4096
+
+
 _WORKER = """
 import sys
 from pathlib import Path

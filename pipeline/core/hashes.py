@@ -105,6 +105,21 @@ def record_written(path: str | os.PathLike, sha256: str, nbytes: int) -> None:
             record(path, sha256, st)
 
 
+def move(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """`os.replace(src, dst)` keeping src's remembered digest: a rename moves the file's ctime (which the
+    memo checks), not its bytes. Carried over only if the digest was valid just before the move and the
+    file at dst is the same inode with the same size and mtime."""
+    st = os.stat(src)
+    digest = lookup(src, st)
+    os.replace(src, dst)
+    if digest is not None:
+        with contextlib.suppress(OSError):
+            st2 = os.stat(dst)
+            if (st2.st_dev, st2.st_ino, st2.st_size, st2.st_mtime_ns) == (st.st_dev, st.st_ino, st.st_size,
+                                                                           st.st_mtime_ns):
+                record(dst, digest, st2)
+
+
 def count_read(nbytes: int, path: str | os.PathLike | None = None) -> None:
     """Count bytes read for hashing outside `sha256_file` (e.g. a file read whole for a copy and hashed)."""
     with _lock:

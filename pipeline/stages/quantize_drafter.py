@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 
 from pipeline.artifacts.rundir import RunDir
+from pipeline.core import hashes
 from pipeline.core.errors import bad_value
 from pipeline.core.io import PARTIAL_PREFIX, atomic_dir, atomic_write_json, read_json, remove_partials
 from pipeline.core.loading import checkpoint_sha256
@@ -165,7 +165,7 @@ def write_reference(rd: RunDir, model) -> Path:
         if export.output_hashes(Path(fresh)) != (export.output_hashes(out) if out.is_dir() else None):
             with atomic_dir(out) as tmp:
                 for f in sorted(Path(fresh).iterdir()):
-                    os.replace(f, tmp / f.name)  # both inside the run directory: moved, not copied
+                    hashes.move(f, tmp / f.name)  # both inside the run directory: moved, not copied (digest kept)
     return out
 
 
@@ -295,9 +295,9 @@ def run(cfg) -> dict:
         "inputs": {"drafter": hashed["drafter"], "cache_content_hash": index.get("content_hash"),
                    "target_head": hashed["target_head"]},
         "outputs": export.output_hashes(out),
-        "check": {k: report[k] for k in ("weight_error_summary", "layer_output_error_summary", "served", "weights_only", "served_rounding_band",
-                                         "activation_error_summary")
-                  if k in report},
+        "check": {k: v for k, v in report.to_json().items()
+                  if k in ("weight_error_summary", "layer_output_error_summary", "served", "weights_only",
+                           "served_rounding_band", "activation_error_summary")},
         "timings": clock.finish(),
         "device": str(recipes.resolve_device(q.device)),
     }
