@@ -8,8 +8,10 @@ import shutil
 
 import pytest
 
+from pipeline.core.config import compose
+from pipeline.stages import manifest
 from tests import repro
-from tests._support import build_run, run_manifest
+from tests._support import overrides, quantize_cli
 
 
 def _state(rd):
@@ -18,19 +20,23 @@ def _state(rd):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        for attempt in range(3):  # others may edit or commit the shared checkout meanwhile; CI's tree is still
-            base = tmp_path_factory.mktemp(f"repro{attempt}")
-            runs = [build_run(base / side, mp) for side in ("a", "b")]
-            for rd, ov in runs:
-                run_manifest(rd, ov, mp)
-            if _state(runs[0][0]) == _state(runs[1][0]):
-                break
-    finally:
-        mp.undo()
-    return [rd for rd, _ in runs]
+def built(tiny_run, tmp_path_factory):
+    """Two runs of the same inputs in different run roots: the session's data + cache (tiny_run's template,
+    copied), then in each root the real quantize-drafter stage (the CLI, as tiny_run runs it) and the manifest."""
+    for attempt in range(3):  # others may edit or commit the shared checkout meanwhile; CI's tree is still
+        base = tmp_path_factory.mktemp(f"repro{attempt}")
+        roots = [base / side for side in ("a", "b")]
+        for root in roots:
+            shutil.copytree(tiny_run["template"], root / "qw")
+        procs = [quantize_cli(root, base / f"tmp-{root.name}") for root in roots]
+        for proc in procs:
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-3000:]
+        for root in roots:
+            manifest.run(compose(overrides(root)))
+        if _state(roots[0] / "qw") == _state(roots[1] / "qw"):
+            break
+    return [root / "qw" for root in roots]
 
 
 @pytest.fixture
@@ -51,7 +57,7 @@ def test_same_inputs_compare_equal(two_runs):
     db, _ = repro.digests(b, rb)
     assert repro.compare(da, db) == []
     assert sorted(skipped) == [".work/hashes.json", ".work/hashes.lock",  # the hash memo (pipeline/core/hashes.py)
-                               "stages/cache.json", "stages/data.json", "stages/quantize-drafter-nvfp4.json"]
+                               "stages/cache.json", "stages/quantize-drafter-nvfp4.json"]
     assert {"quant_run_manifest.json", "provenance/attestation.intoto.json", "provenance/files.sha256.json",
             "drafter/nvfp4/model.safetensors", "cache/shard-00000.safetensors"} <= set(da)
 
