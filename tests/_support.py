@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 import yaml
 
 from pipeline.core.config import compose
-from pipeline.core.io import atomic_write_json, atomic_write_text, sha256_file
+from pipeline.core.io import sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -287,102 +286,6 @@ def tiny_run(root: Path) -> dict:
     return run
 
 
-# ---------------------------------------------------------------- a small run for the manifest and verify tests
-# The stage bodies run through the real pipeline.stages.runner (genuine records); their outputs are written here by
-# hand and tests/test_manifest.py pins these values.
-
-# not shaped like an HF token (those are scrubbed by pattern wherever they appear): this one must be
-# caught as a known value (HF_TOKEN), the path a token of any shape takes
-MANIFEST_TOKEN = "sq_PlantedSecretToken1234567890abcdef"
-MANIFEST_RECIPE = """quant_stage:
-  quant_modifiers:
-    QuantizationModifier:
-      targets: [Linear]
-      scheme: NVFP4
-      ignore: ['re:.*q_proj', 're:.*k_proj', 're:.*v_proj']
-"""
-
-
-def manifest_overrides(runs_root: Path) -> list[str]:
-    return [f"runs_root={runs_root}", "run_name=fake", "seed=3",
-            f"target.path={TARGET}", f"drafter.path={DRAFTER}",
-            "+quant.observer_kwargs.averaging_constant=0.01", "quant.ignore=[re:.*q_proj,re:.*k_proj,re:.*v_proj]"]
-
-
-def fake_stage(monkeypatch, stage: str, overrides: list[str], body) -> None:
-    """Run `body(cfg)` as stage `stage` through the real pipeline.stages.runner so its record is genuine."""
-    from pipeline.stages.runner import run_stage
-
-    mod = types.ModuleType(f"_fake_{stage.replace('-', '_')}")
-    mod.run = body
-    monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setattr(sys, "argv", [str(REPO / "pipeline" / "__main__.py"), stage, *overrides])
-    run_stage(stage, mod.__name__, compose(overrides), overrides)
-
-
-def _data(cfg) -> dict:
-    d = Path(cfg.run_dir) / "data"
-    rows = [{"id": f"chat/{i}", "source": "chat", "input_ids": [5, 6, 7 + i], "loss_mask": [0, 1, 1]} for i in range(3)]
-    atomic_write_text(d / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    atomic_write_json(d / "counts.json", {"chat": {"requested": 4, "available": 5, "kept": 3,
-                                                   "dropped": {"no_assistant_turn": 1, "too_long": 0}}})
-    atomic_write_json(d / "meta.json", {
-        "seed": int(cfg.seed), "max_seq_len": int(cfg.data.max_seq_len), "num_samples": 3, "num_tokens": 9,
-        "samples_sha256": sha256_file(d / "samples.jsonl"),
-        "tokenizer": {"path": "assets/tiny/target", "sha256": "a" * 64},
-        "sources": [{"name": "chat", "path": "assets/tiny/corpus/chat.jsonl", "revision": None,
-                     "note": f"token {MANIFEST_TOKEN} leaked here"}]})
-    return {"output": str(d)}
-
-
-def _cache(cfg) -> dict:
-    d = Path(cfg.run_dir) / "cache"
-    d.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(0)
-    save_file({"input_ids": torch.arange(9), "hidden_states": torch.randn(9, 2, 8, generator=g)},
-              str(d / "shard-00000.safetensors"))
-    atomic_write_json(d / "index.json", {
-        "aux_layer_ids": [2, 4], "storage_dtype": "bfloat16", "num_samples": 3, "content_sha256": "c" * 64,
-        "shards": [{"file": "shard-00000.safetensors", "sha256": sha256_file(d / "shard-00000.safetensors")}]})
-    return {"output": str(d)}
-
-
-def _quantize(cfg) -> dict:
-    root = Path(cfg.run_dir)
-    src = DRAFTER
-    for variant in ("bf16", cfg.quant.name):
-        shutil.copytree(src, root / "drafter" / variant, dirs_exist_ok=True)
-    out = root / "drafter" / cfg.quant.name
-    conf = json.loads((out / "config.json").read_text())
-    conf["quantization_config"] = {"format": "nvfp4-pack-quantized", "quant_method": "compressed-tensors"}
-    atomic_write_json(out / "config.json", conf)
-    atomic_write_text(out / "recipe.yaml", MANIFEST_RECIPE)
-    atomic_write_json(root / "checks" / f"drafter-{cfg.quant.name}.json", {"kl_vs_bf16": 0.01})
-    return {"output": str(out), "reference": str(root / "drafter" / "bf16"), "scheme": cfg.quant.scheme, "calibration_seed": 7, "group_size": 16,
-            "ignore": ["lm_head", *cfg.quant.ignore], "seeds": {"anchors": 11},
-            "timings": {"oneshot_s": 1.5}, "load_s": 0.25}
-
-
-def build_run(tmp_path: Path, monkeypatch, stages=("data", "cache", "quantize-drafter")) -> tuple[Path, list[str]]:
-    """A run dir with data/, cache/, drafter/{bf16,nvfp4}/, checks/ and genuine stage records."""
-    monkeypatch.delenv("HF_TOKEN", raising=False)  # records are written before the token is known
-    ov = manifest_overrides(tmp_path / "runs")
-    bodies = {"data": _data, "cache": _cache, "quantize-drafter": _quantize}
-    for s in stages:
-        fake_stage(monkeypatch, s, ov + ([f"publish.namespace={MANIFEST_TOKEN}"] if s == "data" else []), bodies[s])
-    eval_dir = tmp_path / "runs" / "fake" / "eval"
-    atomic_write_text(eval_dir / "vllm_commands.sh", "vllm bench serve --dataset-name custom  # chat\n")
-    return tmp_path / "runs" / "fake", ov
-
-
-def run_manifest(run: Path, ov: list[str], monkeypatch) -> dict:
-    from pipeline.stages import manifest
-    monkeypatch.setenv("HF_TOKEN", MANIFEST_TOKEN)
-    return manifest.run(compose(ov))
-
-
 # ---------------------------------------------------------------- a small real run for the publish tests
 PUBLISH_TOKEN = "hf_plantedTOKENpublish0123456789abcd"
 HUB_BASE = "z-lab/Qwen3-8B-DFlash-b16"
@@ -420,28 +323,49 @@ def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
     save_file(tensors, q / "model.safetensors")
     (q / "recipe.yaml").write_text("default_stage:\n  default_modifiers:\n    QuantizationModifier:\n"
                                    "      scheme: NVFP4\n      ignore: [lm_head]\n")
-    (rd / "checks").mkdir()
-    (rd / "checks" / "drafter-nvfp4.json").write_text('{"max_rel_error": 0.1}\n')
+    write_drafter_check(rd, "nvfp4", "nvfp4", load_file(DRAFTER / "model.safetensors"), tensors)
     (rd / "eval").mkdir()
     write_eval_results(rd / "eval", {("bf16", "chat"): 2.5, ("nvfp4", "chat"): 2.4, ("bf16", "code"): 3.0,
                                      ("nvfp4", "code"): 2.7})
     (rd / "eval" / "report.md").write_text("# Acceptance\n\n| subset | bf16 | nvfp4 |\n")
     (rd / "eval" / "tau.png").write_bytes(_png())
-    cfg = compose([f"runs_root={runs_root}", f"run_name={name}", f"seed={seed}"])
+    write_stage_record(rd, "quantize-drafter", compose([f"runs_root={runs_root}", f"run_name={name}", f"seed={seed}"]),
+                       ["quant=nvfp4"])
+    remanifest(runs_root, name)
+    return rd
+
+
+def write_stage_record(run_dir: Path, stage: str, cfg, overrides: list[str], result: dict | None = None) -> Path:
+    """`stages/<stage>[-<variant>].json` through the stage record's writer (`pipeline.artifacts.stage_record`),
+    for a stage a test stands in for (its outputs built by the test): `cfg` (composed on the real tree) as the
+    resolved config, `overrides` as its command line, this checkout's versions, git state and device."""
     from omegaconf import OmegaConf
 
     from pipeline.artifacts.stage_record import StageRecord, write_record
-    from pipeline.stages.runner import device_info, git_state, package_versions
+    from pipeline.stages.runner import device_info, git_state, package_versions, stage_record_name
 
-    write_record(rd, "quantize-drafter-nvfp4", StageRecord(
-        stage="quantize-drafter", command="python -m pipeline quantize-drafter quant=nvfp4",
-        argv=["python", "-m", "pipeline", "quantize-drafter", "quant=nvfp4"], overrides=["quant=nvfp4"],
+    argv = ["python", "-m", "pipeline", stage, *overrides]
+    return write_record(run_dir, stage_record_name(stage, cfg), StageRecord(
+        stage=stage, command=" ".join(argv), argv=argv, overrides=list(overrides),
         launcher={"torchrun": False, "world_size": 1}, resolved_config=OmegaConf.to_container(cfg, resolve=True),
-        seed=seed, started_utc="2026-01-01T00:00:00+00:00", wall_time_s=1.0, versions=package_versions(),
+        seed=int(cfg.seed), started_utc="2026-01-01T00:00:00+00:00", wall_time_s=1.0, versions=package_versions(),
         git=git_state(), source_sha256=None, device=device_info(), bytes_hashed=0, files_hashed=0,
-        hash_reused={"files": 0, "bytes": 0}, hashed_files={}, result={}))
-    remanifest(runs_root, name)
-    return rd
+        hash_reused={"files": 0, "bytes": 0}, hashed_files={}, result=result or {}))
+
+
+def write_drafter_check(run_dir: Path, variant: str, scheme: str, reference: dict, quantized: dict) -> Path:
+    """`checks/drafter-<variant>.json` through the check report's writer (`pipeline.quant.checks.write_report`):
+    the relative weight error of every 2-D weight of `quantized` against `reference`; no held-apart rows."""
+    from pipeline.artifacts.check_report import DrafterCheck
+    from pipeline.quant import checks
+
+    errors = {k[:-len(".weight")]: float((quantized[k].float() - w.float()).norm() / w.float().norm())
+              for k, w in sorted(reference.items()) if k.endswith(".weight") and w.dim() == 2}
+    return checks.write_report(run_dir / "checks", DrafterCheck(
+        kind="drafter", variant=variant, checkpoint=f"drafter/{variant}", reference="drafter/bf16", scheme=scheme,
+        observer="minmax", calibration="none", reloaded=True, heldout_samples=0, heldout_anchors=0,
+        heldout_sample_ids=[], weight_error=errors, weight_error_summary=checks.summarize(errors),
+        layer_output_error_heldout={}, layer_output_error_summary={}))
 
 
 def write_eval_results(eval_dir: Path, tau: dict[tuple[str, str], float]) -> None:

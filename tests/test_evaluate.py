@@ -10,12 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._support import build_chat_tokenizer, nvfp4_qdq_reference
+from tests._support import build_chat_tokenizer, nvfp4_qdq_reference, write_stage_record
 
 H, INTER, HEADS, KV, HEAD_DIM = 128, 256, 8, 2, 16  # in_features divisible by 16 (NVFP4) and 128 (W4A16)
 BLOCK = 4
 QKV_IGNORE = r"re:.*self_attn\.[qkv]_proj$"
 SCHEMES = {"nvfp4": "NVFP4", "nvfp4-nocalib": "NVFP4", "nvfp4a16": "NVFP4A16", "w4a16": "W4A16"}
+# what each variant's stage record says (the quant preset and the settings _quantize uses: llm-compressor's
+# minmax observer; nvfp4's activation global scales from minmax over the calibration batches, nvfp4-nocalib's
+# the preset's fixed one, 1.0)
+RECORDED = {"nvfp4": ["quant=nvfp4", "quant.observer=minmax", "quant.activation_scale=minmax"],
+            "nvfp4-nocalib": ["quant=nvfp4-nocalib", "quant.observer=minmax"],
+            "nvfp4a16": ["quant=nvfp4a16", "quant.observer=minmax"],
+            "w4a16": ["quant=w4a16", "quant.observer=minmax"]}
 PROMPTS = {
     "chat": ["Hello, how are you?", "Tell me about your day.", "What is your name?"],
     "math": ["What is 2 + 3?", "Add 7 and 5.", "Is 9 larger than 4?"],
@@ -151,6 +158,17 @@ def _copy_drafter(drafter, native_dir: Path):
     return model.eval()
 
 
+def _record(root: Path, target_dir: Path, variant: str) -> None:
+    """The variant's quantize-drafter stage record, through the record's writer: the drafter is quantized
+    here (in this test's own geometry, without a cache), so no stage ran to record it."""
+    from pipeline.core.config import compose
+
+    ov = [f"runs_root={root / 'runs'}", "run_name=tiny-eval", f"target.path={target_dir}",
+          f"target.tokenizer={target_dir}", f"drafter.path={root / 'runs' / 'tiny-eval' / 'drafter' / 'bf16'}",
+          *RECORDED[variant]]
+    write_stage_record(root / "runs" / "tiny-eval", "quantize-drafter", compose(ov), ov)
+
+
 def build_world(root: Path) -> dict:
     """target/, runs/tiny-eval/drafter/{bf16,nvfp4,nvfp4-nocalib,nvfp4a16,w4a16}/, eval/*.jsonl."""
     from pipeline.models.formats import save_speculators
@@ -166,6 +184,7 @@ def build_world(root: Path) -> dict:
     batches = _calibration_batches(target, tok, drafter, texts[::3])
     for variant in SCHEMES:
         _quantize(drafter, variant, batches, root / "native", run / "drafter" / variant)
+        _record(root, target_dir, variant)
     _quantize_target(target_dir, run / "target" / "w4a16")
     prompts = {}
     for name, texts in PROMPTS.items():
@@ -283,6 +302,11 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     assert res["variants"]["nvfp4"]["quantization"]["activations_quantized"] is True
     assert res["variants"]["w4a16"]["quantization"]["activations_quantized"] is False
     assert res["variants"]["bf16"]["files"]["model.safetensors"]  # checkpoint hashes recorded
+    # scheme and calibration come from each variant's stage record
+    assert {v: (res["variants"][v]["scheme"], res["variants"][v]["calibration"]) for v in SCHEMES} == {
+        "nvfp4": ("nvfp4", "cache"), "nvfp4-nocalib": ("nvfp4", "none"), "nvfp4a16": ("nvfp4a16", "none"),
+        "w4a16": ("w4a16", "none")}
+    assert res["variants"]["nvfp4"]["what_is_calibrated"] == "activation scale (minmax)"
     for v in res["variant_order"]:
         for s in ("chat", "math", "code"):
             st = res["variants"][v]["subsets"][s]
@@ -299,9 +323,10 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     for s in ("chat", "math", "code"):
         assert res["variants"]["bf16"]["subsets"][s]["tau"] == pytest.approx(ref["sets"][s]["mean_tau"], abs=1e-4)
         assert res["variants"]["bf16"]["subsets"][s]["steps"] == ref["sets"][s]["steps"]
+    from pipeline.artifacts.eval_results import read_results
     from pipeline.provenance.modelcard import acceptance_table
 
-    table = acceptance_table(res, "nvfp4")  # the model card reads the flat rows of results.json
+    table = acceptance_table(read_results(ev), "nvfp4")  # the model card reads the flat rows of results.json
     assert table and "| chat |" in table and f"{res['variants']['nvfp4']['subsets']['chat']['tau']:.3f}" in table
     report = (ev / "report.md").read_text()
     assert "| subset | `bf16` | `nvfp4` | `nvfp4-nocalib` | `nvfp4a16` | `w4a16` |" in report
@@ -363,6 +388,9 @@ def test_quantized_target_is_dequantized_and_still_lossless(world):
     res = json.loads((world["root"] / "runs-qt" / "tiny-eval" / "eval" / "results.json").read_text())
     assert out["lossless"] and res["target"]["variant"] == "w4a16"
     assert res["variant_order"] == ["source", "bf16", "nvfp4"] and res["variants"]["source"]["path"] == str(source)
+    # this run has no stage records (drafter/ copied alone): the scheme is read off the checkpoint, and no
+    # calibration setting is guessed from the variant's name
+    assert (res["variants"]["nvfp4"]["scheme"], res["variants"]["nvfp4"]["calibration"]) == ("nvfp4", None)
     assert out["tau"]["source"] == out["tau"]["bf16"]  # identical weights, identical acceptance
     assert res["target"]["path"].endswith("target/w4a16") and "model.safetensors" in res["target"]["files"]
     # the pair matrix: the main table's target first, then every other target of the run, each with every

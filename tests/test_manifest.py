@@ -17,6 +17,7 @@ import yaml
 
 from pipeline.artifacts import samples as samples_file
 from pipeline.artifacts.cache import read_index
+from pipeline.artifacts.check_report import load_report
 from pipeline.artifacts.stage_record import read_record
 from pipeline.core.config import compose
 from pipeline.core.errors import SpecquantError
@@ -147,7 +148,7 @@ def test_quant_run_manifest_fields(run):
     assert ck["inputs"]["calibration_cache"]["content_sha256"] == read_index(run / "cache")["content_hash"]
     assert ck["files"] == {f: {"sha256": sha256_file(out / f), "bytes": (out / f).stat().st_size}
                            for f in sorted(p.name for p in out.iterdir())}
-    assert ck["checks"]["report"] == json.loads((run / "checks" / "drafter-nvfp4.json").read_text())
+    assert ck["checks"]["report"] == load_report(run / "checks", "drafter", "nvfp4").to_json()
     bf16 = by[("drafter", "bf16")]
     assert bf16["scheme"] == "unquantized" and bf16["quant_config"] is None and bf16["ignore"] is None
     assert bf16["stage"]["record"] == "stages/quantize-drafter-nvfp4.json"  # the stage that wrote it
@@ -309,6 +310,25 @@ def test_unknown_format_versions_are_one_sentence(tiny_run, tmp_path):
     index = read_json(rd / "cache" / "index.json")
     atomic_write_json(rd / "cache" / "index.json", {**index, "format_version": 2})
     with pytest.raises(SpecquantError, match=r"`cache/index.json` = .*specquant-cache v1 index"):
+        manifest.run(compose(overrides(rd.parent)))
+
+
+@pytest.mark.faults("bad_input")
+def test_check_report_of_another_format_is_one_sentence(run, tmp_path):
+    """A check report whose field set is not the writer's (pipeline.artifacts.check_report) is refused, naming
+    the file and the field; the report as written reads back to the same bytes."""
+    from pipeline.core.io import atomic_write_json, dumps_json, read_json
+
+    rd = tmp_path / "runs" / "qw"
+    shutil.copytree(run, rd)
+    path = rd / "checks" / "drafter-nvfp4.json"
+    assert dumps_json(load_report(rd / "checks", "drafter", "nvfp4").to_json()).encode() == path.read_bytes()
+    doc = read_json(path)
+    atomic_write_json(path, {**doc, "max_rel_error": 0.1})
+    with pytest.raises(SpecquantError, match=r"`checks/drafter-nvfp4.json max_rel_error` = 0.1: .*does not know"):
+        manifest.run(compose(overrides(rd.parent)))
+    atomic_write_json(path, {k: v for k, v in doc.items() if k != "weight_error"})
+    with pytest.raises(SpecquantError, match=r"`checks/drafter-nvfp4.json weight_error` = None: .*has no such field"):
         manifest.run(compose(overrides(rd.parent)))
 
 

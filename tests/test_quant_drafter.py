@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from pipeline.artifacts.check_report import load_report
 from pipeline.core.io import hash_tree, read_json
 from pipeline.quant import act_scale, cache_batches
 from pipeline.stages import quantize_drafter
@@ -54,10 +55,10 @@ def test_nvfp4_drafter_is_a_speculators_compressed_tensors_checkpoint(world, nvf
     # the bf16 reference sits beside it, and the check reloaded and compared the checkpoint
     ref = read_json(world / "qw" / "drafter" / "bf16" / "config.json")
     assert ref["dtype"] == "bfloat16" and "quantization_config" not in ref
-    report = read_json(world / "qw" / "checks" / "drafter-nvfp4.json")
-    assert report["reloaded"] and len(report["weight_error"]) == 1 + 4 * g["layers"]  # fc + (o, gate, up, down) each
-    assert 0.0 < report["weight_error_summary"]["max"] < 0.2
-    assert report["served"]["rows"] > 0 and 0.5 < report["served"]["top1_agreement"] <= 1.0
+    report = load_report(world / "qw" / "checks", "drafter", "nvfp4")
+    assert report.reloaded and len(report.weight_error) == 1 + 4 * g["layers"]  # fc + (o, gate, up, down) each
+    assert 0.0 < report.weight_error_summary["max"] < 0.2
+    assert report.served.rows > 0 and 0.5 < report.served.top1_agreement <= 1.0
     assert (world / "qw" / "checks" / "drafter-nvfp4-weight-error.png").stat().st_size > 1000
     assert nvfp4["num_calibration_samples"] == 12 and nvfp4["num_calibration_anchors"] == 12 * 8
 
@@ -115,12 +116,12 @@ def test_calibrated_nvfp4_is_not_worse_than_calibration_free(world, nvfp4):
     assert free["calibration_free"]["input_global_scale"] == 1.0
     assert set(free["input_global_scales"].values()) == {1.0}
     assert free["num_calibration_samples"] == 0
-    calibrated = read_json(world / "qw" / "checks" / "drafter-nvfp4.json")
-    baseline = read_json(world / "qw" / "checks" / "drafter-nvfp4-nocalib.json")
+    calibrated = load_report(world / "qw" / "checks", "drafter", "nvfp4")
+    baseline = load_report(world / "qw" / "checks", "drafter", "nvfp4-nocalib")
     # same weights (same observer), so the weight-only numbers agree and only activations differ
-    assert calibrated["weights_only"] == baseline["weights_only"]
-    assert calibrated["served"]["top1_agreement"] >= baseline["served"]["top1_agreement"]
-    print("\ncalibrated", json.dumps(calibrated["served"]), "\ncalibration-free", json.dumps(baseline["served"]))
+    assert calibrated.weights_only == baseline.weights_only
+    assert calibrated.served.top1_agreement >= baseline.served.top1_agreement
+    print("\ncalibrated", calibrated.served, "\ncalibration-free", baseline.served)
 
 
 def test_calibration_pays_where_activations_leave_the_fixed_range(tmp_path):
@@ -133,8 +134,8 @@ def test_calibration_pays_where_activations_leave_the_fixed_range(tmp_path):
     reports, served = {}, {}
     for q in ("nvfp4", "nvfp4-nocalib"):
         quantize_drafter.run(world_cfg(tmp_path, f"quant={q}", "quant.observer=minmax", target=target))
-        reports[q] = read_json(tmp_path / "qw" / "checks" / f"drafter-{q}.json")
-        served[q] = {k: reports[q]["served"][k] for k in ("kl", "top1_agreement", "rows")}
+        reports[q] = load_report(tmp_path / "qw" / "checks", "drafter", q)
+        served[q] = {k: getattr(reports[q].served, k) for k in ("kl", "top1_agreement", "rows")}
     assert served["nvfp4"]["kl"] < 0.5 * served["nvfp4-nocalib"]["kl"]
     assert served["nvfp4"]["top1_agreement"] > served["nvfp4-nocalib"]["top1_agreement"]
     # the same judgement the evaluation report makes: significant, and beyond the rounding lottery
@@ -160,8 +161,8 @@ def test_weight_only_drafters_are_produced_and_reload(world, nvfp4, overrides, f
     assert config["quantization_config"]["format"] == fmt
     assert config["quantization_config"]["config_groups"]["group_0"]["input_activations"] is None
     assert result["input_global_scales"] == {} and result["num_calibration_samples"] == 0
-    report = read_json(world / "qw" / "checks" / f"drafter-{name}.json")
-    assert report["served"] == report["weights_only"] and report["served"]["top1_agreement"] > 0.5
+    report = load_report(world / "qw" / "checks", "drafter", name)
+    assert report.served == report.weights_only and report.served.top1_agreement > 0.5
 
 
 @pytest.mark.parametrize("cast", [None, torch.bfloat16])

@@ -3,6 +3,8 @@ real cache, real oneshot, real compressed-tensors QDQ, real checkpoints."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -178,6 +180,18 @@ def test_search_leaves_the_fixed_scale_where_activations_exceed_it(tmp_path):
     assert held["relative_error"]["calibrated"] < 0.5 * held["relative_error"]["fixed"]
 
 
+def _report(ids: list[str], bits: str, ref: str):
+    """A drafter check report (`pipeline.artifacts.check_report`) with 8 held-apart rows and only `served` set."""
+    from pipeline.artifacts.check_report import Agreement, DrafterCheck
+
+    return DrafterCheck(kind="drafter", variant="v", checkpoint="drafter/v", reference="drafter/bf16", scheme="nvfp4",
+                        observer="minmax", calibration="cache", reloaded=True, heldout_samples=len(ids),
+                        heldout_anchors=8, heldout_sample_ids=ids, weight_error={}, weight_error_summary={},
+                        layer_output_error_heldout={}, layer_output_error_summary={},
+                        served=Agreement(kl=0.0, top1_agreement=0.0, rows=8, agreement_length=1.0, blocks=8,
+                                         top1_match_bits=bits, reference_top1_sha256=ref))
+
+
 def test_paired_statistics():
     from pipeline.quant import paired
 
@@ -188,12 +202,11 @@ def test_paired_statistics():
     hexbits = paired.pack_bits(bits)
     assert paired.unpack_bits(hexbits, 8) == [True, False, True, True, True, False, False, True]
     ref = paired.ids_sha256([torch.arange(8)])
-    a = {"heldout_sample_ids": ["s/1"], "served": {"rows": 8, "top1_match_bits": hexbits, "reference_top1_sha256": ref}}
-    b = {"heldout_sample_ids": ["s/1"], "served": {"rows": 8, "top1_match_bits": paired.pack_bits(
-        [torch.tensor([True] * 8)]), "reference_top1_sha256": ref}}
+    a = _report(["s/1"], hexbits, ref)
+    b = _report(["s/1"], paired.pack_bits([torch.tensor([True] * 8)]), ref)
     cmp = paired.paired_top1(a, b)
     assert (cmp["only_a"], cmp["only_b"], cmp["both"]) == (0, 3, 5) and cmp["mcnemar_p"] == pytest.approx(0.25)
-    assert paired.paired_top1(a, {**b, "heldout_sample_ids": ["s/2"]}) is None  # other rows: no pairing
+    assert paired.paired_top1(a, dataclasses.replace(b, heldout_sample_ids=["s/2"])) is None  # other rows: no pairing
     units_a, units_b = [(10.0, 4), (6.0, 3), (9.0, 2)], [(8.0, 4), (6.0, 3), (9.0, 3)]
     boot = paired.bootstrap_ratio_difference(units_a, units_b, seed=0, resamples=500)
     assert boot["difference"] == pytest.approx(25 / 9 - 23 / 10)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.artifacts import check_report
 from pipeline.core.errors import bad_value
-from pipeline.core.io import atomic_write_json
 
 
 def load_dequantized(model: torch.nn.Module, ckpt_dir: str | Path) -> torch.nn.Module:
@@ -60,13 +60,13 @@ def plot_errors(errors: dict[str, float], title: str, path: Path) -> None:
     save_png(fig, path, dpi=100)
 
 
-def write_report(checks_dir: Path, kind: str, variant: str, report: dict) -> Path:
-    checks_dir = Path(checks_dir)
-    path = checks_dir / f"{kind}-{variant}.json"
-    atomic_write_json(path, report)
-    if report.get("weight_error"):
-        plot_errors(report["weight_error"], f"{kind} {variant}: per-layer relative weight error",
-                    checks_dir / f"{kind}-{variant}-weight-error.png")
+def write_report(checks_dir: Path, report: check_report.Report) -> Path:
+    """The report (`pipeline.artifacts.check_report`, its format) and, when it has layers, its weight-error plot."""
+    path = check_report.write(checks_dir, report)
+    if report.weight_error:
+        kind, variant = report.kind, report.variant
+        plot_errors(report.weight_error, f"{kind} {variant}: per-layer relative weight error",
+                    Path(checks_dir) / f"{kind}-{variant}-weight-error.png")
     return path
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.artifacts import check_report
 from pipeline.quant import act_scale, cache_batches, checks, paired, recipes
 
 
@@ -162,7 +163,7 @@ def activation_error_report(reference, quantized, held, q, search: dict | None) 
 
 
 def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict | None = None,
-                  verifier: cache_batches.ShardVerifier | None = None) -> dict:
+                  verifier: cache_batches.ShardVerifier | None = None) -> check_report.DrafterCheck:
     import copy
 
     from pipeline.models.formats import load_drafter
@@ -184,19 +185,27 @@ def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict |
         held.close()
 
 
-def _check(cfg, rd, q, reader, held_idx, reference, quantized, errors, held, dconf, search, out) -> dict:
+def _check(cfg, rd, q, reader, held_idx, reference, quantized, errors, held, dconf, search,
+           out) -> check_report.DrafterCheck:
     metrics = compare(reference, quantized, held, dconf.block_size, q.rounding_band_factors) if len(held) else {}
     act = activation_error_report(reference, quantized, held, q, search)
     out_err = layer_output_errors(reference, quantized, held) if len(held) else {}
     # paths relative to the run directory, so the report is byte-identical wherever the run lives
-    report = {"kind": "drafter", "variant": q.name, "checkpoint": f"drafter/{q.name}", "reference": "drafter/bf16",
-              "scheme": q.scheme, "observer": q.observer, "calibration": q.calibration, "reloaded": True,
-              "heldout_samples": len(held_idx), "heldout_anchors": cache_batches.count_anchors(held),
-              "heldout_sample_ids": [reader.index["samples"][i]["id"] for i in held_idx],
-              "weight_error": errors, "weight_error_summary": checks.summarize(errors),
-              "layer_output_error_heldout": out_err, "layer_output_error_summary": checks.summarize(out_err),
-              **metrics, **act}
-    checks.write_report(rd.checks, "drafter", q.name, report)
+    served, weights_only, band = (metrics.get(k) for k in ("served", "weights_only", "served_rounding_band"))
+    report = check_report.DrafterCheck(
+        kind="drafter", variant=q.name, checkpoint=f"drafter/{q.name}", reference="drafter/bf16", scheme=q.scheme,
+        observer=q.observer, calibration=q.calibration, reloaded=True, heldout_samples=len(held_idx),
+        heldout_anchors=cache_batches.count_anchors(held),
+        heldout_sample_ids=[reader.index["samples"][i]["id"] for i in held_idx],
+        weight_error=errors, weight_error_summary=checks.summarize(errors),
+        layer_output_error_heldout=out_err, layer_output_error_summary=checks.summarize(out_err),
+        served=check_report.Agreement(**served) if served else None,
+        weights_only=check_report.Agreement(**weights_only) if weights_only else None,
+        served_rounding_band=check_report.RoundingBand(**band) if band else None,
+        activation_error_heldout=act.get("activation_error_heldout"),
+        activation_error_summary=act.get("activation_error_summary"),
+        activation_scale_search=act.get("activation_scale_search"))
+    checks.write_report(rd.checks, report)
     if act:
         act_scale.plot(search, act["activation_error_heldout"],
                        f"drafter {q.name}: per-layer activation-QDQ error vs the calibration-free scale",

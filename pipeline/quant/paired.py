@@ -12,8 +12,12 @@ from __future__ import annotations
 import hashlib
 from fractions import Fraction
 from math import comb
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pipeline.artifacts.check_report import DrafterCheck
 
 BOOTSTRAP_RESAMPLES = 2000
 
@@ -46,18 +50,19 @@ def mcnemar_exact(only_a: int, only_b: int) -> float:
     return float(min(Fraction(1), Fraction(2 * tail, 2 ** n)))
 
 
-def paired_top1(a: dict, b: dict, key: str = "served") -> dict | None:
-    """McNemar comparison of two drafter check reports; None when they do not share their rows."""
-    ra, rb = a.get(key) or {}, b.get(key) or {}
-    if not ra.get("top1_match_bits") or not rb.get("top1_match_bits"):
+def paired_top1(a: DrafterCheck, b: DrafterCheck, key: str = "served") -> dict | None:
+    """McNemar comparison of two drafter check reports (`pipeline.artifacts.check_report`) on their `key`
+    agreement (`served` or `weights_only`); None when they do not share their rows."""
+    ra, rb = getattr(a, key), getattr(b, key)
+    if ra is None or rb is None or not ra.top1_match_bits or not rb.top1_match_bits:
         return None
-    if (ra["rows"] != rb["rows"] or ra.get("reference_top1_sha256") != rb.get("reference_top1_sha256")
-            or a.get("heldout_sample_ids") != b.get("heldout_sample_ids")):
+    if (ra.rows != rb.rows or ra.reference_top1_sha256 != rb.reference_top1_sha256
+            or a.heldout_sample_ids != b.heldout_sample_ids):
         return None
-    ma, mb = unpack_bits(ra["top1_match_bits"], ra["rows"]), unpack_bits(rb["top1_match_bits"], rb["rows"])
+    ma, mb = unpack_bits(ra.top1_match_bits, ra.rows), unpack_bits(rb.top1_match_bits, rb.rows)
     only_a = sum(x and not y for x, y in zip(ma, mb))
     only_b = sum(y and not x for x, y in zip(ma, mb))
-    n = ra["rows"]
+    n = ra.rows
     return {"rows": n, "top1_a": sum(ma) / n, "top1_b": sum(mb) / n, "both": sum(x and y for x, y in zip(ma, mb)),
             "only_a": only_a, "only_b": only_b, "difference": (only_a - only_b) / n,
             "mcnemar_p": mcnemar_exact(only_a, only_b)}

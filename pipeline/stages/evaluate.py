@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import eval_results
+from pipeline.artifacts import check_report, eval_results
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, hash_tree, sha256_text
@@ -57,7 +57,7 @@ def _target_path(cfg, rd: RunDir) -> str:
 
 
 def _scheme_of(quantization: dict) -> str | None:
-    """The scheme name a checkpoint's quantization_config amounts to (for runs without stage records)."""
+    """The scheme name a checkpoint's quantization_config amounts to (for drafters without a stage record)."""
     group = next(iter(quantization.get("groups", {}).values()), None)
     w = (group or {}).get("weights") or {}
     if w.get("type") == "float" and w.get("num_bits") == 4:
@@ -68,7 +68,9 @@ def _scheme_of(quantization: dict) -> str | None:
 
 
 def _variant_meta(rd: RunDir, variant: str, summary: dict) -> dict[str, Any]:
-    """Scheme and calibration: from the quantize-drafter stage record, else read off the checkpoint."""
+    """Scheme and calibration from the quantize-drafter stage record (`pipeline.artifacts.stage_record`); a
+    quantized drafter without one (not made by this run's quantize-drafter) has its scheme read off the
+    checkpoint and no calibration setting: nothing records one, so it is in no calibrated vs calibration-free pair."""
     q = summary["quantization"]
     if not q.get("quantized"):
         return {"scheme": None, "calibration": None}
@@ -89,8 +91,7 @@ def _variant_meta(rd: RunDir, variant: str, summary: dict) -> dict[str, Any]:
             ([f"activation scale ({method})"] if method else [])
         return {"scheme": quant.get("scheme"), "calibration": cal, "activation_scale": method,
                 "algorithm": algo, "what_is_calibrated": " + ".join(parts) or "nothing (data-free)"}
-    calibration = "none" if "nocalib" in variant else ("cache" if q.get("activations_quantized") else None)
-    return {"scheme": _scheme_of(q), "calibration": calibration, "activation_scale": None}
+    return {"scheme": _scheme_of(q), "calibration": None, "activation_scale": None}
 
 
 def _stop_ids(tokenizer, target) -> list[int]:
@@ -147,8 +148,8 @@ def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: in
 
     out = []
     for cal, free in calibration_pairs(results):
-        checks = {v: rd.checks / f"drafter-{v}.json" for v in (cal, free)}
-        reports = {v: json.loads(p.read_text(encoding="utf-8")) for v, p in checks.items() if p.is_file()}
+        loaded = {v: check_report.load_report(rd.checks, "drafter", v) for v in (cal, free)}
+        reports = {v: r for v, r in loaded.items() if r is not None}
         top1 = paired.paired_top1(reports[cal], reports[free]) if len(reports) == 2 else None
         tau = paired.bootstrap_ratio_difference(per_prompt[cal], per_prompt[free], seed)
         # the same interval for each against the bf16 drafter: how far pure quantization noise moves tau
@@ -156,12 +157,12 @@ def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: in
                   for v in (cal, free)} if REFERENCE in per_prompt else {}
         band = rounding_noise(reports.get(free))
         band_cal = rounding_noise(reports.get(cal))  # shown beside it: the calibrated scales' own lottery
-        out_err = {v: (r.get("layer_output_error_summary") or None) for v, r in reports.items()}
+        out_err = {v: (r.layer_output_error_summary or None) for v, r in reports.items()}
         out.append({"calibrated": cal, "calibration_free": free, "scheme": results["variants"][cal]["scheme"],
                     "what_is_calibrated": results["variants"][cal].get("what_is_calibrated"),
                     "layer_output_error_heldout": out_err,
                     "activation_scale": results["variants"][cal].get("activation_scale"),
-                    "top1_heldout": top1, "kl_heldout": {v: (r.get("served") or {}).get("kl")
+                    "top1_heldout": top1, "kl_heldout": {v: r.served.kl if r.served else None
                                                          for v, r in reports.items()},
                     "top1_rounding_band": band, "top1_rounding_band_calibrated": band_cal,
                     "verdict": verdict(top1, band),
@@ -171,14 +172,14 @@ def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: in
     return out
 
 
-def rounding_noise(report: dict | None) -> dict | None:
+def rounding_noise(report: check_report.DrafterCheck | None) -> dict | None:
     """A variant's served top-1 over its rounding-band draws (its scales times non-power-of-two
     factors, the served_rounding_band of pipeline.quant.drafter_checks.compare) and at its own scales."""
-    band = (report or {}).get("served_rounding_band")
-    if not band:
+    band = report.served_rounding_band if report is not None else None
+    if band is None or report.served is None:
         return None
-    draws = [*band["top1_agreement"], report["served"]["top1_agreement"]]
-    return {"factors": [*band["factors"], 1.0], "top1": draws, "min": min(draws), "max": max(draws),
+    draws = [*band.top1_agreement, report.served.top1_agreement]
+    return {"factors": [*band.factors, 1.0], "top1": draws, "min": min(draws), "max": max(draws),
             "width": max(draws) - min(draws)}
 
 

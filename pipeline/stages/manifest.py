@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import eval_results
+from pipeline.artifacts import check_report, eval_results
 from pipeline.artifacts import samples as samples_file
 from pipeline.artifacts.cache import read_index
 from pipeline.artifacts.rundir import RunDir
@@ -236,7 +236,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
                                                        else "unquantized")
     seeds = {"seed": rec.seed if rec else None, **{k: v for k, v in res.items() if "seed" in k and isinstance(v, int)},
              **(res.get("seeds") if isinstance(res.get("seeds"), dict) else {})}
-    check_rel = f"checks/{kind}-{variant}.json"
+    check_rel = f"{check_report.FOLDER}/{check_report.name(kind, variant)}"
     cal_target = res.get("calibration_target") if kind == "drafter" else None
     cal_variant = (cal_target or {}).get("variant") or "bf16"
     cache = (calib.get("cache") if cal_variant == "bf16" else (calib.get("target_caches") or {}).get(cal_variant)) or {}
@@ -255,8 +255,8 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
         # the target whose cached hidden states calibrated this drafter (pipeline.quant.pairing)
         "calibration_target": cal_target,
         "files": {r[len(rel) + 1:]: e for r, e in tree.items() if r.startswith(rel + "/")},
-        "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"], "report": _read(rd.root / check_rel)}
-                   if check_rel in tree else None),
+        "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"],
+                    "report": check_report.read_report(rd.root / check_rel).to_json()} if check_rel in tree else None),
         "stage": ({**_stage_summary(name, rec), "result": _untimed(rec.result)} if rec else None),
         "serving": serve_check.status_for(rd, variant) if kind == "drafter" else None,
     }

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from pipeline.artifacts import eval_results
+from pipeline.artifacts import check_report, eval_results
 from pipeline.artifacts.rundir import RunDir
 from pipeline.artifacts.stage_record import load_record
 from pipeline.core.errors import SpecquantError, bad_value
@@ -130,7 +130,8 @@ def _sources(rd: RunDir, variant: str) -> dict[str, Path]:
         out[f"eval/{p.name}"] = p
     for p in sorted((rd.eval / "prompts").glob("*.jsonl")):  # read by eval/vllm_commands.sh
         out[f"eval/prompts/{p.name}"] = p
-    out[f"checks/drafter-{variant}.json"] = rd.checks / f"drafter-{variant}.json"
+    report = check_report.path_of(rd.checks, "drafter", variant)  # the file as written, copied
+    out[f"{check_report.FOLDER}/{report.name}"] = report
     kept = {}
     for rel, p in out.items():
         if p.is_file() or p.is_symlink():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.artifacts import check_report
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core import distributed
 from pipeline.core.dtypes import TORCH_DTYPES
@@ -120,7 +121,7 @@ def run(cfg) -> dict:
     del model
     timings["write_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
     report = check_target(cfg, out, q, device)
-    checks.write_report(rd.checks, "target", q.name, report)
+    checks.write_report(rd.checks, report)
     timings["check_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
     return {
         "output": str(out), "scheme": q.scheme, "observer": q.observer, "algorithm": q.algorithm,
@@ -131,7 +132,7 @@ def run(cfg) -> dict:
         "calibration_free": baseline, "input_global_scales": scales,
         "inputs": {"target": checkpoint_sha256(cfg.target.path, cfg.target.revision), "samples_sha256": samples_sha},
         "outputs": export.output_hashes(out),
-        "check": {"weight_error": checks.summarize(report["weight_error"])},
+        "check": {"weight_error": checks.summarize(report.weight_error)},
         "timings": timings, "device": str(device),
     }
 
@@ -174,11 +175,11 @@ def _shared_memory_bytes() -> int:
     return shutil.disk_usage(shm).free if shm.is_dir() else 8 * 2**30
 
 
-def check_target(cfg, out: Path, q, device: str | torch.device = "cpu") -> dict:
+def check_target(cfg, out: Path, q, device: str | torch.device = "cpu") -> check_report.TargetCheck:
     """Reload the written checkpoint, dequantize it, and compare every quantized layer to the original."""
     model = checks.load_dequantized(_load_dense(cfg, device), out)
     reference = _load_dense(cfg, device)
     errors = checks.weight_errors(model, reference)
-    return {"kind": "target", "variant": q.name, "checkpoint": f"target/{q.name}", "scheme": q.scheme,
-            "reloaded": True, "weight_error": errors, "weight_error_summary": checks.summarize(errors)}
+    return check_report.TargetCheck(kind="target", variant=q.name, checkpoint=f"target/{q.name}", scheme=q.scheme,
+                                    reloaded=True, weight_error=errors, weight_error_summary=checks.summarize(errors))
 
