@@ -301,6 +301,9 @@ class Bench:
                     secs = ((rec.get("stage_record") or {}).get("result") or {}).get("seconds")
                     rec["tok_s_steady"] = round(rec["tokens"] / (secs - eng["load_s"])) if secs else None
                     rec["engine_load_s"], rec["engine_extract_s"] = eng["load_s"], eng.get("extract_s")
+                    if secs and eng.get("stop_s") is not None:  # without vLLM's start-up and teardown
+                        rec["engine_stop_s"] = eng["stop_s"]
+                        rec["tok_s_running"] = round(rec["tokens"] / (secs - eng["load_s"] - eng["stop_s"]))
                 self.record(f"peer[{v}]", rec)
                 shutil.rmtree(self.runs / run / "cache", ignore_errors=True)  # memory for the next one (tmpfs)
             else:

@@ -122,6 +122,9 @@ def run_job(job: dict) -> dict:
         result["error"] = f"{type(exc).__name__}: {msg[0] if msg else ''}"
         result["traceback"] = traceback.format_exc()[-4000:]
     result["wall_s"] = round(time.perf_counter() - t0, 3)
+    # written while the engine is still alive: the reader's clock stops here, vLLM's teardown (the
+    # engine core's shutdown when `llm` goes) is timed by the reader as the process's exit
+    _write(out_dir / "result.json", result)
     return result
 
 
@@ -130,8 +133,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pipeline.serving.extract JOB.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    result = run_job(job)
-    _write(Path(job["out_dir"]) / "result.json", result)
+    result = run_job(job)  # writes result.json
     return 0 if result["ok"] else 1
 
 

@@ -100,13 +100,18 @@ class _Worker:
         return self.proc.poll() is not None
 
     def finish(self) -> dict:
-        rc = self.proc.wait()
+        """The worker's report once it has written it (before vLLM's teardown), with `stop_s`: how long
+        the process then took to exit (the engine's shutdown, a fixed cost per run like `load_s`)."""
         res = self.scratch / "result.json"
+        while not res.is_file() and self.proc.poll() is None:
+            time.sleep(0.01)
+        t0 = time.perf_counter()
+        rc = self.proc.wait()
         r = json.loads(res.read_text(encoding="utf-8")) if res.is_file() else {}
         if rc != 0 or not r.get("ok"):
             raise bad_value(FIELD, "vllm", f"vLLM's extraction failed: {self.failure()}",
                             f"read {self.log_path} for vLLM's log, or use cache.engine=hf")
-        return r
+        return {**r, "stop_s": round(time.perf_counter() - t0, 3)}
 
     def close(self, ok: bool) -> None:
         if self.proc.poll() is None:

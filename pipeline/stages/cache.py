@@ -369,7 +369,7 @@ def run(cfg) -> dict:
     summary = _summary(out, index, written=sum(r[0] for r in per_rank), tokens=sum(r[1] for r in per_rank),
                        seconds=max(r[2] for r in per_rank), reused=False)
     if engine != "hf":
-        summary["engine"] = {"name": engine, **{k: engine_report.get(k) for k in ("load_s", "extract_s", "versions")}}
+        summary["engine"] = {"name": engine, **{k: engine_report.get(k) for k in ("load_s", "extract_s", "stop_s", "versions")}}
     return summary
 
 
