@@ -287,7 +287,7 @@ def read_index(cache_dir: str | Path) -> dict:
     """`<cache_dir>/index.json`, refused unless it is a specquant-cache index of this format version and
     agrees with itself and its shard files (`check_index`); the one reader of the index."""
     cache_dir = Path(cache_dir)
-    return check_index(cache_dir, read_json(cache_dir / "index.json", "cache/index.json"))
+    return check_index(cache_dir, read_json(cache_dir / "index.json", f"{cache_dir.name}/index.json"))
 
 
 class CacheReader:

@@ -209,12 +209,28 @@ def _still_there(key: str, entry: dict[str, Any]) -> bool:
     return _key(st) == key and _valid(entry, st)
 
 
+def _replace(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all (temp file beside it, fsync, rename). Not `core.io.atomic_open`:
+    io records digests here, so this module does not import it back; and the store is never recorded."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def flush() -> Path | None:
     """Merge the digests learnt since the last flush into the run's store; entries whose file is gone or
     changed are dropped. Returns the store's path, or None when there was nothing to write."""
     import fcntl
-
-    from pipeline.core.io import atomic_open, dumps_json
 
     with _lock:
         store, new = _store, dict(_new)
@@ -226,8 +242,8 @@ def flush() -> Path | None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             merged = {**_read_store(store), **new}
             kept = {k: e for k, e in sorted(merged.items()) if _still_there(k, e)}
-            with atomic_open(store) as fh:  # a plain handle: the store itself is never recorded
-                fh.write(dumps_json({"schema": SCHEMA, "entries": kept}).encode("utf-8"))
+            _replace(store, json.dumps({"schema": SCHEMA, "entries": kept}, sort_keys=True,
+                                       separators=(",", ":")).encode("utf-8"))
     except OSError:  # a memo that cannot be saved (read-only run dir, full disk) costs re-reads, never the stage
         return None
     with _lock:

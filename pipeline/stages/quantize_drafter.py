@@ -79,10 +79,10 @@ def calibration_cache(cfg, rd: RunDir) -> Path:
         raise bad_value(f"{FIELD}.calibration_target", target, f"no cache of that target's hidden states in {where}",
                         f"run `make cache ARGS=\"cache.target={target}{run}\"` first")
     if target != "bf16":  # the cache must hold the states of the target variant as it is now
+        from pipeline.artifacts.cache import read_index
         from pipeline.quant import pairing
 
-        cached = ((read_json(where / "index.json", f"{where.name}/index.json").get("inputs") or {}).get("target")
-                  or {}).get("files_sha256")
+        cached = read_index(where)["inputs"]["target"]["files_sha256"]
         now = pairing.target_identity(rd.target(target), target).get("files_sha256")
         if cached != now:
             raise bad_value(f"{FIELD}.calibration_target", target, f"{where} holds the hidden states of other "
@@ -93,10 +93,10 @@ def calibration_cache(cfg, rd: RunDir) -> Path:
 
 def check_cache(rd: RunDir, dconf, cache_dir: Path | None = None) -> dict:
     cache_dir = cache_dir or rd.cache
-    from pipeline.artifacts.cache import check_index
+    from pipeline.artifacts.cache import read_index
 
     # the index against its shards (files, sizes, counts, sample -> shard), before any weight is read
-    index = check_index(cache_dir, read_json(cache_dir / "index.json", f"{cache_dir.name}/index.json"))
+    index = read_index(cache_dir)
     if list(index.get("aux_layer_ids") or []) != list(dconf.aux_layer_ids or []):
         raise bad_value("cache/index.json", str(cache_dir), f"it holds aux layers {index.get('aux_layer_ids')} but "
                         f"the drafter reads {dconf.aux_layer_ids}", "re-run the cache stage for this drafter")

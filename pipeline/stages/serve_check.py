@@ -207,17 +207,18 @@ def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int) -> list
 def _reference_tau(rd: RunDir) -> tuple[str | None, dict, dict]:
     """{variant: {subset|all: tau}} of the reference loop (evaluate), which target it ran with, and the
     same for every target of its pair matrix ({target: {variant: ...}})."""
-    p = rd.eval / "results.json"
-    if not p.is_file():
+    from pipeline.artifacts.eval_results import read_results
+
+    res = read_results(rd.eval)
+    if res is None:
         return None, {}, {}
-    res = json.loads(p.read_text(encoding="utf-8"))
 
     def taus(d):
         return {**{s: d["subsets"][s]["tau"] for s in d["subsets"]}, "all": d["overall"]["tau"]}
 
-    out = {v: taus(d) for v, d in res.get("variants", {}).items()}
-    matrix = {t: {v: taus(d) for v, d in row.items()} for t, row in ((res.get("pairs") or {}).get("matrix") or {}).items()}
-    return (res.get("target") or {}).get("variant"), out, matrix
+    out = {v: taus(d) for v, d in res.variants.items()}
+    matrix = {t: {v: taus(d) for v, d in row.items()} for t, row in (res.pairs.get("matrix") or {}).items()}
+    return res.target.get("variant"), out, matrix
 
 
 def check_pairing(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str, Path]) -> tuple[list[str], dict]:
