@@ -226,19 +226,13 @@ def hash_files(root: str | os.PathLike, rels: list[str], desc: str = "hashing",
         return {"sha256": sha256_file(p, reuse=reuse), "bytes": p.stat().st_size}
 
     threads = max(1, min(8, os.cpu_count() or 1, sum(1 for s in sizes.values() if s >= (64 << 20))))
-    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < (64 << 20)) as bar:
-        if threads == 1:
-            entries = {}
-            for rel in rels:
-                entries[rel] = one(rel)
-                bar.update(entries[rel]["bytes"])
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="hash") as pool:
-                futures = {rel: pool.submit(one, rel) for rel in sorted(rels, key=lambda r: -sizes[r])}  # largest first
-                entries = {}
-                for rel, fut in futures.items():
-                    entries[rel] = fut.result()
-                    bar.update(entries[rel]["bytes"])
+    entries = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < (64 << 20)) as bar, \
+            ThreadPoolExecutor(threads, thread_name_prefix="hash") as pool:
+        futures = {rel: pool.submit(one, rel) for rel in sorted(rels, key=lambda r: -sizes[r])}  # largest first
+        for rel, fut in futures.items():
+            entries[rel] = fut.result()
+            bar.update(entries[rel]["bytes"])
     return {rel: entries[rel] for rel in rels}
 
 

@@ -130,26 +130,18 @@ class _Worker:
             self.log_path.unlink(missing_ok=True)
 
 
-def read_sample(path: str, ids: list[int], layout: Layout, where: str, worker: _Worker | None = None):
+def read_sample(path: str, ids: list[int], layout: Layout, where: str):
     """One file of vLLM's connector -> (storage tensor [T, n_aux, H], fp8 scales or None); deleted once read.
 
-    Waits for vLLM to write it: the connector creates `<file>.lock` under an exclusive flock when it
-    schedules the request and releases it once the file is complete, so a file that exists while we
-    hold the shared lock is whole. Raises if the worker stopped without writing it."""
+    Called once the file exists (`_stream` waits for that, and for a worker that dies first). The
+    connector creates `<file>.lock` under an exclusive flock before it starts the file and releases it
+    once the file is complete, so the shared lock waits for the end of the write."""
     from safetensors.torch import load_file
 
     lock = path + ".lock"
-    while True:
-        if os.path.exists(lock):
-            with open(lock) as fh:
-                fcntl.flock(fh, fcntl.LOCK_SH)  # sleeps until the connector's writer thread has released it
-                if os.path.exists(path):
-                    data = load_file(path, device="cpu")
-                    break
-        elif worker is not None and worker.stopped() and not os.path.exists(lock):
-            raise bad_value(FIELD, "vllm", f"vLLM's extraction stopped before {where}: {worker.failure()}",
-                            f"read {worker.log_path} for vLLM's log, or use cache.engine=hf")
-        time.sleep(0.005)
+    with open(lock) as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH)  # sleeps until the connector's writer thread has released it
+        data = load_file(path, device="cpu")
     os.remove(path)
     os.remove(lock)
     hs, tok = data["hidden_states"], data["token_ids"]
@@ -235,7 +227,7 @@ def _stream(worker: _Worker, writer: BackgroundWriter, pool, plans, samples, lay
             while q and len(r) < READ_AHEAD and os.path.exists(sample_path(worker.scratch, q[0])):
                 g = q.popleft()
                 r.append((g, pool.submit(read_sample, sample_path(worker.scratch, g), samples[g]["input_ids"],
-                                         layout, f"sample {samples[g]['id']}", worker)))
+                                         layout, f"sample {samples[g]['id']}")))
                 progressed = True
             while r and r[0][1].done() and writer.lane_has_room(lane):
                 g, fut = r.popleft()
