@@ -344,7 +344,10 @@ class Bench:
     def peersreport(self) -> None:
         """bench/results/<date>-<gpu>-cache.json's keys, from the peers phase's records."""
         ph = self.results["phases"]
-        tok = lambda k, f="tok_s_steady": (ph.get(k) or {}).get(f) or (ph.get(k) or {}).get("tok_s")  # noqa: E731
+        # the vLLM engine's rate is counted like its peer's `extract_s`: without vLLM's start-up and teardown
+        # (`tok_s_running`; the stage's own start-up and tail stay in); the HF engine's without the target load
+        tok = lambda k, f="tok_s_steady": ((ph.get(k) or {}).get("tok_s_running") if f == "tok_s_steady" else None) \
+            or (ph.get(k) or {}).get(f) or (ph.get(k) or {}).get("tok_s")  # noqa: E731
         stock = (ph.get("peer[stock]") or {}).get("tokens_per_s")
         vllm = tok("peer[vllmraw]", "tok_s")
         # the stage's best bf16-storage configuration, either engine (which one is named beside it)
@@ -368,6 +371,15 @@ class Bench:
                "cache_bf16_vs_vllm": round(bf16 / vllm, 3) if bf16 and vllm else None,
                "content_sha256": {k: (ph.get(f"peer[{k}]") or {}).get("content_sha256")
                                   for k in ("hf1", "hf4", "fp8", "vllm", "vllm1g", "vllm512m", "compile")}}
+        eng, raw = ph.get("peer[vllm]") or {}, ph.get("peer[vllmraw]") or {}
+        if eng.get("tok_s_running") and raw.get("extract_s"):  # where the vLLM engine's time goes, against its peer
+            secs = eng["stage_record"]["result"]["seconds"]
+            out["vllm_engine_profile_s"] = {
+                "stage": secs, "vllm_load": eng["engine_load_s"], "vllm_extract": eng["engine_extract_s"],
+                "vllm_teardown": eng["engine_stop_s"], "vllm_extract_alone": raw["extract_s"],
+                "stage_start_and_tail": round(secs - eng["engine_load_s"] - eng["engine_extract_s"]
+                                              - eng["engine_stop_s"], 3)}
+            out["cache_vllm_engine_steady_tok_s"] = eng.get("tok_s_steady")  # with vLLM's teardown
         h = out["content_sha256"]
         out["hf1_equals_hf4"] = bool(h["hf1"]) and h["hf1"] == h["hf4"]
         (self.out / "cache-peers.json").write_text(json.dumps(out, indent=2) + "\n")
