@@ -9,13 +9,14 @@ only steps when asked, so the last requests' writes would never start after `gen
 The job names the target, the aux layer ids (HF `output_hidden_states` numbering, which is what
 vLLM's `eagle_aux_hidden_state_layer_ids` means: id i = the input of decoder layer i), the data
 stage's samples.jsonl and the chunks to extract (lists of sample indices; one chunk = one shard of
-the cache). For each chunk, one `generate(max_tokens=1)` call: vLLM's ExampleHiddenStatesConnector
+the cache). The samples go to vLLM as one stream of `max_tokens=1` requests in chunk order (added
+through `LLM.enqueue`, the engine stepped here): vLLM's ExampleHiddenStatesConnector
 writes one safetensors file per request (`hidden_states` [T, n_aux, H], `token_ids` [T]) at
 `sample_path(out_dir, g)` (the request names it, `allow_custom_save_path`), behind an exclusive flock
 on `<file>.lock` until written, so the reader takes each sample as soon as vLLM has it, while the
-rest of its chunk is still being computed. Before starting a chunk the worker waits
-until the reader has consumed (deleted) all but `backlog` chunks' files, so the scratch space
-holds a bounded number of samples whatever the dataset size. The worker exits once every file is
+rest of its chunk is still being computed. At most a chunk's worth of requests is queued in vLLM,
+and none is added while more than `backlog` chunks' files wait for the reader (it deletes each one it
+has read), so the scratch space holds a bounded number of samples whatever the dataset size. The worker exits once every file is
 complete; `result.json` closes the run (or says why it failed).
 """
 
@@ -83,23 +84,40 @@ def run_job(job: dict) -> dict:
         def params(g: int):  # the request names its file, so the reader knows it before generate() returns
             return SamplingParams(max_tokens=1, temperature=0.0,
                                   extra_args={"kv_transfer_params": {"hidden_states_path": sample_path(out_dir, g)}})
+        # one continuous request stream in shard order (no drain at a shard's end): requests are added
+        # while fewer than a shard's worth are queued in vLLM and the reader has consumed all but
+        # `backlog` shards' files, so the scratch space stays bounded whatever the dataset size
+        order = [g for c in chunks for g in c]
         per_sample = max(1, max(len(c) for c in chunks))
-        backlog = max(1, int(job.get("backlog", 2)))
+        bound = max(1, int(job.get("backlog", 2))) * per_sample
+        stop_file = Path(job.get("stop_file", out_dir / "stop"))
+        expected = {sample_path(out_dir, g) for g in order}
+        engine = llm.llm_engine
         t1 = time.perf_counter()
         written: list[str] = []
-        for chunk in chunks:
-            while _pending(out_dir) > backlog * per_sample:  # the reader is behind: bounded scratch space
-                if Path(job.get("stop_file", out_dir / "stop")).exists():
+        nxt = 0
+        while len(written) < len(order):
+            queued = nxt - len(written)
+            if nxt < len(order) and queued < per_sample and _pending(out_dir) <= bound:
+                batch = order[nxt:nxt + per_sample - queued]
+                llm.enqueue([{"prompt_token_ids": ids[g]} for g in batch], [params(g) for g in batch],
+                            use_tqdm=False)
+                nxt += len(batch)
+                continue
+            if not engine.has_unfinished_requests():  # the reader is behind: wait for it
+                if stop_file.exists():
                     raise RuntimeError("the reader asked the worker to stop")
                 time.sleep(0.02)
-            outs = llm.generate([{"prompt_token_ids": ids[g]} for g in chunk], [params(g) for g in chunk],
-                                use_tqdm=False)
-            paths = [str((o.kv_transfer_params or {}).get("hidden_states_path") or "") for o in outs]
-            wrong = [(g, p) for g, p in zip(chunk, paths, strict=True) if p != sample_path(out_dir, g)]
-            if wrong:
-                raise RuntimeError(f"vLLM wrote sample {wrong[0][0]} to {wrong[0][1] or 'no file'}, not to the path "
-                                   "the request named (allow_custom_save_path ignored?)")
-            written.extend(paths)
+                continue
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                path = str((out.kv_transfer_params or {}).get("hidden_states_path") or "")
+                if path not in expected:
+                    raise RuntimeError(f"vLLM wrote a sample to {path or 'no file'}, not to a path a request "
+                                       "named (allow_custom_save_path ignored?)")
+                expected.discard(path)
+                written.append(path)
         import fcntl
 
         for path in written:  # every file complete before the worker exits (and the clock stops)
