@@ -6,6 +6,9 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.specquant-setup
 ARGS ?=
 NPROC ?= 1
+# pytest workers for `make test` (pytest-xdist; one module per worker, so a module's shared state stays
+# together): one per core, at most 4 (each worker builds the session's shared tiny runs once)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 # an interpreter with vLLM 0.26 on a CUDA machine; serve-check needs it (make all skips the stage without it)
 SERVE_PYTHON ?=
 # the drafter variants `make all` produces on the embedded default
@@ -101,7 +104,7 @@ else
 endif
 
 test: setup
-	$(PYTHON) -m pytest -q -x --durations=15 $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # rebuild the embedded tiny world (corpus, tokenizer, target, drafter) from its seeds
 assets: setup
@@ -136,7 +139,7 @@ help:
 	  publish          'assemble each variant as a Hub repo folder -> publish/<variant>/ (push: publish.dry_run=false)' \
 	  verify           're-hash a run or published folder against its manifests (RUN=<dir>; default: the run of ARGS)' \
 	  repro-check      'the whole tiny pipeline twice from scratch; every output'"'"'s sha256 must match' \
-	  test             'the test suite, as CI runs it (PYTEST_ARGS=... passes pytest options)' \
+	  test             'the test suite, as CI runs it (PYTEST_ARGS=... passes pytest options, TEST_WORKERS=N the workers)' \
 	  lint             'ruff over pipeline/ and tests/' \
 	  assets           'rebuild the embedded tiny world (assets/tiny/) from its seeds' \
 	  reliability      'the fault-injection suite, written to docs/reliability.md' \
