@@ -16,7 +16,7 @@ nothing is reconstructed from the current configuration.
 The file list rule (a run directory and a published repo folder carry the same thing):
 `provenance/files.sha256.json` = {"kind": "run" | "published", "files": {relative posix path:
 {"sha256", "bytes"[, "origin"]}}, "schema": "specquant.files/v1", "files_sha256": sha256 of the
-canonical JSON of the other fields}.
+canonical JSON of the other fields}; its format, writer and reader are `pipeline/artifacts/file_list.py`.
 It lists every regular file under the folder except itself and temp files. In a run directory
 it also leaves out what is written after the manifest stage: `stages/manifest.json`,
 `stages/publish*.json` and `publish/` (each `publish/<variant>/` carries its own list), and the
@@ -33,7 +33,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import stage_record
+from pipeline.artifacts import file_list, stage_record
 from pipeline.artifacts.stage_record import StageRecord
 from pipeline.core import hashes
 from pipeline.core.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFIX: the file list rule's pieces, used as prov.*
@@ -50,7 +50,7 @@ from pipeline.core.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFI
 from pipeline.core.secrets import scrub_config_text, scrub_obj, scrub_values
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FILE_LIST = "provenance/files.sha256.json"
+FILE_LIST = file_list.PATH  # its format: pipeline/artifacts/file_list.py
 ATTESTATION = "provenance/attestation.intoto.json"
 # written after the manifest stage, so never part of the run's list or attestation
 LATE_OUTPUTS = ("stages/manifest.json", "stages/publish", "publish/")
@@ -71,19 +71,10 @@ def is_late(rel: str) -> bool:
     return any(rel == p or rel.startswith(p) for p in LATE_OUTPUTS) or rel.startswith(SCRATCH)
 
 
-def files_sha256_of(doc: dict[str, Any]) -> str:
-    """sha256 of the list's canonical JSON without its own `files_sha256` field (a self-check)."""
-    return sha256_bytes(dumps_json({k: v for k, v in doc.items() if k != "files_sha256"}).encode())
-
-
-def file_list_doc(files: dict[str, dict[str, Any]], kind: str) -> dict[str, Any]:
-    doc = {"schema": "specquant.files/v1", "kind": kind, "files": files}
-    return {**doc, "files_sha256": files_sha256_of(doc)}
-
-
 def write_file_list(folder: str | Path, kind: str = "published", origins: dict[str, str] | None = None,
-                    files: dict[str, dict[str, Any]] | None = None) -> dict:
-    """Write `provenance/files.sha256.json` for `folder` (call it after the folder is complete).
+                    files: dict[str, dict[str, Any]] | None = None) -> file_list.FileList:
+    """Write `provenance/files.sha256.json` for `folder` (call it after the folder is complete) through its
+    format's one writer (`pipeline.artifacts.file_list.write`); this decides what it lists.
     `files` (already hashed, e.g. by the manifest stage) saves re-reading a large run."""
     folder = Path(folder)
     # a published folder's signature (pipeline/provenance/signing.py) signs the list, so the list cannot name it
@@ -93,9 +84,7 @@ def write_file_list(folder: str | Path, kind: str = "published", origins: dict[s
     for rel, origin in (origins or {}).items():
         if rel in files:
             files[rel]["origin"] = origin
-    doc = file_list_doc(files, kind)
-    atomic_write_json(folder / FILE_LIST, doc)
-    return doc
+    return file_list.write(folder, files, kind)
 
 
 # ---------------------------------------------------------------- stage records

@@ -13,32 +13,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import check_report, eval_results
+from pipeline.artifacts import check_report, eval_results, manifests
 from pipeline.artifacts import samples as samples_file
 from pipeline.artifacts.cache import read_index
 from pipeline.artifacts.rundir import RunDir
 from pipeline.artifacts.stage_record import StageRecord
-from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
 from pipeline.core.secrets import scrub, scrub_obj
 from pipeline.provenance import record as prov
 from pipeline.stages import serve_check
 
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / "manifests"
-OWN_OUTPUTS = ("calibration_manifest.json", "quant_run_manifest.json", "provenance/")
-
-
-def validate(doc: dict, schema_name: str) -> None:
-    """Raise SpecquantError naming the first schema violation (a manifest must never be written invalid)."""
-    import jsonschema
-
-    schema = json.loads((SCHEMA_DIR / f"{schema_name}.schema.json").read_text(encoding="utf-8"))
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
-    if errors:
-        e = errors[0]
-        where = "/".join(str(p) for p in e.path) or "(top level)"
-        raise SpecquantError(f"{schema_name}.json does not match manifests/{schema_name}.schema.json at {where}: "
-                             f"{e.message}; this is a bug in pipeline/stages/manifest.py, please report it.")
+OWN_OUTPUTS = (manifests.CALIBRATION, manifests.QUANT_RUN, "provenance/")
 
 
 def _read(path: Path) -> Any:
@@ -295,13 +281,12 @@ def run(cfg) -> dict:
     inputs, source = Inputs(), prov.source_info()
     calib = scrub_obj(calibration_manifest(rd, records, tree, str(cfg.run_name)))
     quant = scrub_obj(quant_run_manifest(rd, records, tree, inputs, calib, cfg, source))
-    validate(calib, "calibration_manifest")
-    validate(quant, "quant_run_manifest")
+    # both validated against manifests/*.schema.json before either is written (pipeline/artifacts/manifests.py)
+    texts = manifests.write(rd.root, calib, quant, scrub)
 
-    written: dict[str, str] = {"calibration_manifest.json": dumps_json(calib), "quant_run_manifest.json": dumps_json(quant)}
     commands = scrub_obj(prov.commands_doc(records))
     p = "provenance/"
-    written[p + "commands.json"] = dumps_json(commands)
+    written: dict[str, str] = {p + "commands.json": dumps_json(commands)}
     written[p + "commands.sh"] = prov.commands_sh(commands)
     for name, rec in records.items():
         written[f"{p}resolved_config/{name}.yaml"] = prov.resolved_config_yaml(rec)
@@ -316,7 +301,7 @@ def run(cfg) -> dict:
     for rel, text in written.items():
         atomic_write_text(rd.root / rel, text)
     source = prov.write_source_snapshot(rd.provenance / "source", source)
-    keep = set(written) | {f"{p}source/{r}" for r in source["files"]} | {f"{p}source/SOURCE.json"}
+    keep = set(texts) | set(written) | {f"{p}source/{r}" for r in source["files"]} | {f"{p}source/SOURCE.json"}
     if source["git"]["diff"]:
         keep.add(f"{p}source/git.diff")
     _remove_stale(rd.root, keep)
@@ -330,11 +315,11 @@ def run(cfg) -> dict:
     att = rd.root / prov.ATTESTATION
     listed = prov.write_file_list(rd.root, kind="run", files={
         **subjects, prov.ATTESTATION: {"sha256": sha256_file(att), "bytes": att.stat().st_size}})
-    return {"output": str(rd.root), "files_listed": len(listed["files"]), "checkpoints": len(quant["checkpoints"]),
+    return {"output": str(rd.root), "files_listed": len(listed.files), "checkpoints": len(quant["checkpoints"]),
             "not_run": sorted(set(calib["not_run"]) | set(quant["not_run"])),
-            "calibration_manifest_sha256": sha256_bytes(written["calibration_manifest.json"].encode()),
-            "quant_run_manifest_sha256": sha256_bytes(written["quant_run_manifest.json"].encode()),
-            "files_sha256": listed["files_sha256"]}
+            "calibration_manifest_sha256": sha256_bytes(texts[manifests.CALIBRATION].encode()),
+            "quant_run_manifest_sha256": sha256_bytes(texts[manifests.QUANT_RUN].encode()),
+            "files_sha256": listed.files_sha256}
 
 
 def _source_digest(source: dict) -> dict:

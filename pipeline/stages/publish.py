@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from pipeline.artifacts import check_report, eval_results
+from pipeline.artifacts import check_report, eval_results, file_list, manifests
 from pipeline.artifacts.rundir import RunDir
 from pipeline.artifacts.stage_record import load_record
 from pipeline.core.errors import SpecquantError, bad_value
@@ -44,7 +44,7 @@ from pipeline.stages import serve_check
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")  # weights only from safetensors
 EVAL_FILES = ("report.md", "results.json", "vllm_commands.sh", "serve_check.json")
-MANIFESTS = ("calibration_manifest.json", "quant_run_manifest.json")
+MANIFESTS = (manifests.CALIBRATION, manifests.QUANT_RUN)
 
 
 # ---------------------------------------------------------------- checks before any work
@@ -171,6 +171,7 @@ def _refuse_unless_verified(path: Path, field: str, ignore_prefix: str | None = 
 
 # ---------------------------------------------------------------- the folder
 def _read_json(path: Path) -> Any:
+    """A checkpoint's config.json (the drafter's own file, not a stage's artifact), or None."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -180,33 +181,34 @@ def _read_json(path: Path) -> Any:
 def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
               signer: signing.Signer | None = None) -> dict[str, Any]:
     ckpt = _read_json(folder / "config.json") or {}
-    qrm = _read_json(folder / "quant_run_manifest.json") or {}
-    cal = _read_json(folder / "calibration_manifest.json") or {}
-    entry = next((c for c in qrm.get("checkpoints") or [] if c.get("kind") == "drafter"
-                  and c.get("variant") == variant), {})
+    # the manifests through their reader (pipeline/artifacts/manifests.py): a malformed one is one sentence
+    qrm = manifests.read_quant_run(folder / manifests.QUANT_RUN) if (folder / manifests.QUANT_RUN).is_file() else None
+    cal = manifests.read_calibration(folder / manifests.CALIBRATION) \
+        if (folder / manifests.CALIBRATION).is_file() else None
+    entry = qrm.checkpoint("drafter", variant) if qrm else None
     record = load_record(rd.root, f"quantize-drafter-{variant}")
     results = eval_results.read_results(folder / "eval")
-    q = entry.get("quant_config") or (record.config("quant") if record else {})
-    data = cal.get("data") or {}
-    sources = [s.get("name") for s in data.get("sources") or [] if isinstance(s, dict)]
+    q = (entry.quant_config if entry else None) or (record.config("quant") if record else {})
+    sources = [s.name for s in cal.sources or []] if cal else []
     verifier = (ckpt.get("speculators_config") or {}).get("verifier") or {}
     pc = cfg.publish
     target = pc.target_model or hub_id(cfg.target.path) or verifier.get("name_or_path") or cfg.target.path
     return {
         "repo_id": repo_id, "variant": variant, "run_name": cfg.run_name,
-        "scheme": entry.get("scheme") or q.get("scheme") or variant,
+        "scheme": (entry.scheme if entry else None) or q.get("scheme") or variant,
         "base_model": pc.base_model or hub_id(cfg.drafter.path), "source_drafter": pc.base_model or cfg.drafter.path,
         "license": cfg.drafter.license, "library_name": pc.library_name,
         "target": target, "target_revision": cfg.target.revision,
         "block_size": ckpt.get("block_size"),
-        "aux_layer_ids": ckpt.get("aux_hidden_state_layer_ids") or (cal.get("cache") or {}).get("aux_layer_ids"),
+        "aux_layer_ids": ckpt.get("aux_hidden_state_layer_ids") or (cal.cache.aux_layer_ids if cal and cal.cache
+                                                                     else None),
         "calibration": {"num_samples": q.get("num_samples"), "anchors": q.get("anchors_per_sequence"),
                         "max_seq_len": q.get("max_seq_len"), "calibration": q.get("calibration"),
-                        "seed": (entry.get("seeds") or {}).get("seed", record.seed if record else None),
-                        "observer": entry.get("observer") or q.get("observer"),
-                        "observer_kwargs": entry.get("observer_kwargs") or q.get("observer_kwargs"),
+                        "seed": entry.seeds["seed"] if entry else record.seed if record else None,
+                        "observer": (entry.observer if entry else None) or q.get("observer"),
+                        "observer_kwargs": (entry.observer_kwargs if entry else None) or q.get("observer_kwargs"),
                         "algorithm": q.get("algorithm"), "group_size": q.get("group_size"),
-                        "ignore": entry.get("ignore") or q.get("ignore"),
+                        "ignore": (entry.ignore if entry else None) or q.get("ignore"),
                         "data": ", ".join(sources) if sources else None},
         "acceptance_table": modelcard.acceptance_table(results, variant),
         "calibration_comparison": modelcard.calibration_lines(results, variant),
@@ -428,18 +430,18 @@ def run(cfg) -> dict:
     for v in variants:
         folder = assemble(cfg, rd, v, repos[v], sources[v], signer)
         _refuse_unless_verified(folder, "publish", public_key=signer.trust if signer else None)
-        listing = json.loads((folder / prov.FILE_LIST).read_text(encoding="utf-8"))
-        files = {rel: {"sha256": e["sha256"], "bytes": e["bytes"]} for rel, e in listing["files"].items()}
+        listing = file_list.read(folder / prov.FILE_LIST)
+        files = {rel: {"sha256": e.sha256, "bytes": e.bytes} for rel, e in listing.files.items()}
         for rel in (prov.FILE_LIST, signing.SIGNATURE) if signer else (prov.FILE_LIST,):
             files[rel] = {"sha256": sha256_file(folder / rel), "bytes": (folder / rel).stat().st_size}
-        tag = str(pc.tag or f"specquant-{cfg.run_name}-{listing['files_sha256'][:10]}")
+        tag = str(pc.tag or f"specquant-{cfg.run_name}-{listing.files_sha256[:10]}")
         if not _TAG.match(tag):
             raise bad_value("run_name", cfg.run_name, f"the default tag {tag!r} is not a valid Hub tag",
                             "set publish.tag=<letters, digits, '-', '_', '.'>")
         record = {"schema": "specquant.publish_record/v1", "run_name": str(cfg.run_name), "variant": v,
                   "repo_id": repos[v], "endpoint": str(pc.endpoint), "dry_run": bool(pc.dry_run),
                   "folder": f"publish/{v}", "verifier": "pipeline.stages.verify", "files": files,
-                  "files_sha256": listing["files_sha256"], "tag": tag,
+                  "files_sha256": listing.files_sha256, "tag": tag,
                   # the key's path may be recorded, never its content
                   "signature": _signature_record(signer) if signer else None}
         if pc.dry_run:

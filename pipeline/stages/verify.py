@@ -3,7 +3,8 @@
 Every byte is read again: the digests `pipeline.core.hashes` remembers are never used here.
 
 What is checked (each problem names the file):
-- `provenance/files.sha256.json` (the folder's own list; rule in pipeline/provenance/record.py) is intact:
+- `provenance/files.sha256.json` (the folder's own list; rule in pipeline/provenance/record.py, format
+  pipeline/artifacts/file_list.py) is intact:
   valid JSON, canonical bytes, and its `files_sha256` matches its content;
 - every listed file exists with that sha256 and size (missing / changed), and no unlisted file
   exists (extra; temp files left by an interrupted write and symbolic links count as extra). In a run directory,
@@ -11,7 +12,7 @@ What is checked (each problem names the file):
   they are not listed, nor is the scratch `.work/` (the hash memo); each `publish/<variant>/` holding a
   file list is verified in turn;
 - the in-toto statement's subjects, the calibration manifest's cache shards and the quant run
-  manifest's checkpoint files agree with the files (a record that disagrees while the file matches
+  manifest's checkpoint files (both read through pipeline/artifacts/manifests.py) agree with the files (a record that disagrees while the file matches
   the list is reported as that record being altered); in a published folder, each file's "origin"
   digest in the run's statement equals the file's;
 - in a published folder, its OpenSSF model signing signature `model.sig` (pipeline/provenance/signing.py), when a
@@ -30,8 +31,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import file_list, manifests
 from pipeline.core.errors import SpecquantError, bad_value
-from pipeline.core.io import dumps_json, in_hf_local_cache
+from pipeline.core.io import in_hf_local_cache
 from pipeline.core.secrets import scrub
 from pipeline.provenance import record as prov
 from pipeline.provenance import signing
@@ -47,7 +49,7 @@ def _load(path: Path, rel: str, problems: list[str]) -> Any:
         return None
 
 
-def _check_list(folder: Path, problems: list[str]) -> dict | None:
+def _check_list(folder: Path, problems: list[str]) -> file_list.FileList | None:
     path = folder / prov.FILE_LIST
     if not path.is_file():
         problems.append(f"{prov.FILE_LIST}: missing; run `python -m pipeline manifest` (run dir) or "
@@ -56,18 +58,24 @@ def _check_list(folder: Path, problems: list[str]) -> dict | None:
     doc = _load(path, prov.FILE_LIST, problems)
     if doc is None:
         return None
-    files = doc.get("files") if isinstance(doc, dict) else None
-    if not isinstance(files, dict) or doc.get("kind") not in ("run", "published"):
-        problems.append(f"{prov.FILE_LIST}: not a specquant file list (no `files` or `kind`); it was altered")
+    listing, found = file_list.check(doc, path.read_bytes())
+    problems += [f"{prov.FILE_LIST}: {p}" for p in found]
+    return listing
+
+
+def _manifest(folder: Path, rel: str, parse, problems: list[str]):
+    """A manifest through its reader (`pipeline.artifacts.manifests`), or None (absent, or named in `problems`)."""
+    doc = _load(folder / rel, rel, problems)
+    if doc is None:
         return None
-    if prov.files_sha256_of(doc) != doc.get("files_sha256"):
-        problems.append(f"{prov.FILE_LIST}: its content does not match its own files_sha256; the list was altered")
-    elif path.read_bytes() != dumps_json(doc).encode():
-        problems.append(f"{prov.FILE_LIST}: its bytes are not the canonical JSON it was written as; it was altered")
-    return doc
+    try:
+        return parse(doc, rel)
+    except SpecquantError as exc:
+        problems.append(f"{rel}: {exc}")
+        return None
 
 
-def _claims(folder: Path, doc: dict, problems: list[str]) -> dict[str, dict[str, str]]:
+def _claims(folder: Path, listing: file_list.FileList, problems: list[str]) -> dict[str, dict[str, str]]:
     """{file: {record file: sha256 it claims}} from the statement and, in a run dir, the manifests."""
     claims: dict[str, dict[str, str]] = {}
 
@@ -83,28 +91,28 @@ def _claims(folder: Path, doc: dict, problems: list[str]) -> dict[str, dict[str,
     if len(subjects) != len(raw):
         problems.append(f"{prov.ATTESTATION}: {len(raw) - len(subjects)} subject(s) without a file name; "
                         "the statement was altered")
-    if doc["kind"] == "published":
-        for rel, e in doc["files"].items():
-            if e.get("origin") and subjects:
-                if e["origin"] not in subjects:
-                    problems.append(f"{rel}: its origin {e['origin']} is not a subject of {prov.ATTESTATION}")
-                add(rel, f"{prov.ATTESTATION} (as {e['origin']})", subjects.get(e["origin"]))
+    if listing.kind == "published":
+        for rel, e in listing.files.items():
+            if e.origin and subjects:
+                if e.origin not in subjects:
+                    problems.append(f"{rel}: its origin {e.origin} is not a subject of {prov.ATTESTATION}")
+                add(rel, f"{prov.ATTESTATION} (as {e.origin})", subjects.get(e.origin))
         return claims
     for rel, d in subjects.items():
         add(rel, prov.ATTESTATION, d)
     if att is not None:
-        expected = set(doc["files"]) - {prov.ATTESTATION}
+        expected = set(listing.files) - {prov.ATTESTATION}
         for rel in sorted(expected - set(subjects)):
             problems.append(f"{prov.ATTESTATION}: has no subject for {rel}; the statement was altered or is stale")
-        for rel in sorted(set(subjects) - expected - set(doc["files"])):
+        for rel in sorted(set(subjects) - expected - set(listing.files)):
             problems.append(f"{prov.ATTESTATION}: names {rel}, which {prov.FILE_LIST} does not list")
-    calib = _load(folder / "calibration_manifest.json", "calibration_manifest.json", problems)
-    for s in ((calib or {}).get("cache") or {}).get("shards", []):
-        add(s.get("file"), "calibration_manifest.json", s.get("sha256"))
-    quant = _load(folder / "quant_run_manifest.json", "quant_run_manifest.json", problems)
-    for ck in (quant or {}).get("checkpoints", []):
-        for name, e in (ck.get("files") or {}).items():
-            add(f"{ck.get('path')}/{name}", "quant_run_manifest.json", e.get("sha256"))
+    calib = _manifest(folder, manifests.CALIBRATION, manifests.parse_calibration, problems)
+    for s in (calib.cache.shards if calib and calib.cache else []):
+        add(s.file, manifests.CALIBRATION, s.sha256)
+    quant = _manifest(folder, manifests.QUANT_RUN, manifests.parse_quant_run, problems)
+    for ck in (quant.checkpoints if quant else []):
+        for name, e in ck.files.items():
+            add(f"{ck.path}/{name}", manifests.QUANT_RUN, e.sha256)
     return claims
 
 
@@ -139,11 +147,11 @@ def verify_dir(path: str | Path, public_key: str | Path | bytes | None = None, r
     if not folder.is_dir():
         return [f"{folder}: not a directory"]
     problems: list[str] = []
-    doc = _check_list(folder, problems)
-    if doc is None:
+    listing = _check_list(folder, problems)
+    if listing is None:
         return problems
-    listed: dict[str, dict] = doc["files"]
-    if doc["kind"] == "run":
+    listed = listing.files
+    if listing.kind == "run":
         def skip(rel):
             return rel == prov.FILE_LIST or prov.is_late(rel)
     else:
@@ -153,9 +161,9 @@ def verify_dir(path: str | Path, public_key: str | Path | bytes | None = None, r
             return rel in (prov.FILE_LIST, signing.SIGNATURE) or in_hf_local_cache(rel)
     present = prov.list_files(folder, skip)
     temps = [p.relative_to(folder).as_posix() for p in folder.rglob(prov.TMP_PREFIX + "*")
-             if not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
+             if not (listing.kind == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
     links = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_symlink()
-             and not (doc["kind"] == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
+             and not (listing.kind == "run" and prov.is_late(p.relative_to(folder).as_posix()))]
     actual = prov.hash_files(folder, present, desc=f"verifying {folder.name}", reuse=reuse)
     for rel in sorted(set(listed) - set(actual)):
         problems.append(f"{rel}: missing (listed in {prov.FILE_LIST})")
@@ -166,20 +174,20 @@ def verify_dir(path: str | Path, public_key: str | Path | bytes | None = None, r
     for rel in sorted(links):
         problems.append(f"{rel}: extra symbolic link (only regular files are recorded; links are never followed)")
     for rel, e in sorted(listed.items()):
-        if rel in actual and (actual[rel]["sha256"] != e.get("sha256") or actual[rel]["bytes"] != e.get("bytes")):
+        if rel in actual and (actual[rel]["sha256"] != e.sha256 or actual[rel]["bytes"] != e.bytes):
             problems.append(f"{rel}: changed (sha256 {actual[rel]['sha256'][:16]}..., {actual[rel]['bytes']} bytes; "
-                            f"{prov.FILE_LIST} records {str(e.get('sha256'))[:16]}..., {e.get('bytes')} bytes)")
-    for rel, sources in sorted(_claims(folder, doc, problems).items()):
+                            f"{prov.FILE_LIST} records {e.sha256[:16]}..., {e.bytes} bytes)")
+    for rel, sources in sorted(_claims(folder, listing, problems).items()):
         for source, digest in sorted(sources.items()):
             if rel not in actual:
                 if rel not in listed:
                     problems.append(f"{rel}: missing (recorded in {source})")
-            elif actual[rel]["sha256"] != digest and actual[rel]["sha256"] == listed.get(rel, {}).get("sha256"):
+            elif rel in listed and actual[rel]["sha256"] != digest and actual[rel]["sha256"] == listed[rel].sha256:
                 problems.append(f"{source.split(' ')[0]}: records sha256 {digest[:16]}... for {rel}, but the file "
                                 f"(and {prov.FILE_LIST}) has {actual[rel]['sha256'][:16]}...; the record was altered or is stale")
-    if doc["kind"] == "published" and public_key is not None:
+    if listing.kind == "published" and public_key is not None:
         _fold_signature(folder, public_key, problems)
-    if doc["kind"] == "run":
+    if listing.kind == "run":
         for sub in sorted((folder / "publish").glob("*/" + prov.FILE_LIST)):
             pub = sub.parent.parent
             problems += [f"publish/{pub.name}/{p}" for p in verify_dir(pub, public_key, reuse)]
@@ -254,7 +262,7 @@ def main(argv: list[str]) -> int:
             print(f"verify: {p}")
         print(f"verify: FAILED, {len(problems)} problem(s) in {args.path}")
     else:
-        doc = json.loads((Path(args.path) / prov.FILE_LIST).read_text(encoding="utf-8"))
+        listing = file_list.read(Path(args.path) / prov.FILE_LIST)
         root = Path(args.path)
         sigs = [p.relative_to(root).as_posix() for p in [root / signing.SIGNATURE,
                                                          *sorted(root.glob(f"publish/*/{signing.SIGNATURE}"))]
@@ -265,7 +273,7 @@ def main(argv: list[str]) -> int:
             certs = [signing.bundle_certificate(root / s) or {} for s in sigs]
             signed += "".join(f" (signed by {c.get('subject')}, certificate sha256 {str(c.get('sha256'))[:16]}..."
                               + (f"; {n}" if (n := signing.expiry_note(c)) else "") + ")" for c in certs)
-        print(f"verify: OK, {len(doc['files'])} files in {args.path} match their recorded sha256{signed}")
+        print(f"verify: OK, {len(listing.files)} files in {args.path} match their recorded sha256{signed}")
         if trust is None:
             for note in signature_notes(args.path):
                 print(f"verify: {note}")
