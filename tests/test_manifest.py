@@ -341,3 +341,55 @@ def test_committed_tiny_manifests_validate(name):
     _validate(doc, name)
     # the reference is made on a CPU machine: serve-check (GPU + vLLM) is the one stage it says it did not run
     assert doc["not_run"] == ([] if name == "calibration_manifest" else ["serve-check"]) and doc["run_name"] == "tiny"
+
+
+def test_readers_round_trip_what_the_stage_wrote(run, tmp_path):
+    """The manifests the real stage wrote read back through pipeline/artifacts/manifests.py, field for field,
+    and its writer gives the same bytes again from the same documents."""
+    from pipeline.artifacts import manifests
+
+    cal_doc = json.loads((run / manifests.CALIBRATION).read_text())
+    q_doc = json.loads((run / manifests.QUANT_RUN).read_text())
+    cal, q = manifests.read_calibration(run / manifests.CALIBRATION), manifests.read_quant_run(run / manifests.QUANT_RUN)
+    assert cal.schema == manifests.SCHEMAS[manifests.CALIBRATION] and cal.run_name == cal_doc["run_name"]
+    assert [s.name for s in cal.sources] == [s["name"] for s in cal_doc["data"]["sources"]]
+    assert [(s.file, s.sha256, s.bytes) for s in cal.cache.shards] == \
+        [(s["file"], s["sha256"], s["bytes"]) for s in cal_doc["cache"]["shards"]]
+    assert cal.cache.aux_layer_ids == cal_doc["cache"]["aux_layer_ids"]
+    assert q.seed == q_doc["seed"] and len(q.checkpoints) == len(q_doc["checkpoints"])
+    for entry, doc in zip(q.checkpoints, q_doc["checkpoints"], strict=True):
+        assert (entry.kind, entry.variant, entry.path, entry.scheme, entry.quant_config, entry.ignore, entry.seeds) == \
+            (doc["kind"], doc["variant"], doc["path"], doc["scheme"], doc["quant_config"], doc["ignore"], doc["seeds"])
+        assert {r: (d.sha256, d.bytes) for r, d in entry.files.items()} == \
+            {r: (e["sha256"], e["bytes"]) for r, e in doc["files"].items()}
+    assert q.checkpoint("drafter", "nvfp4").path == "drafter/nvfp4" and q.checkpoint("drafter", "nope") is None
+    texts = manifests.write(tmp_path, cal_doc, q_doc)
+    for name in (manifests.CALIBRATION, manifests.QUANT_RUN):
+        assert (tmp_path / name).read_bytes() == (run / name).read_bytes() == texts[name].encode()
+
+
+@pytest.mark.faults("bad_input")
+def test_a_manifest_of_another_schema_or_shape_is_one_sentence(run, tmp_path):
+    """Another schema version, or a field the schema requires missing: one sentence naming file, field and fix."""
+    from pipeline.artifacts import manifests
+    from pipeline.core.io import atomic_write_json, read_json
+
+    for name, read in ((manifests.QUANT_RUN, manifests.read_quant_run),
+                       (manifests.CALIBRATION, manifests.read_calibration)):
+        doc = read_json(run / name)
+        other = doc["schema"].replace("/v1", "/v2")
+        atomic_write_json(tmp_path / name, {**doc, "schema": other})
+        with pytest.raises(SpecquantError) as exc:
+            read(tmp_path / name)
+        msg = str(exc.value)
+        assert msg.startswith(f"`{name} schema` = {other!r}: this specquant reads {doc['schema']} only; re-run "
+                              "`python -m pipeline manifest`") and "\n" not in msg and msg.count(". ") == 0, msg
+    doc = read_json(run / manifests.QUANT_RUN)
+    del doc["checkpoints"][0]["files"]
+    atomic_write_json(tmp_path / manifests.QUANT_RUN, doc)
+    with pytest.raises(SpecquantError, match=r"^`quant_run_manifest.json checkpoints/0` = None: the file does not "
+                       r"match manifests/quant_run_manifest.schema.json \('files' is a required property\); re-run"):
+        manifests.read_quant_run(tmp_path / manifests.QUANT_RUN)
+    (tmp_path / manifests.CALIBRATION).write_text("{not json")
+    with pytest.raises(SpecquantError, match=r"^`calibration_manifest.json` = .*not valid JSON"):
+        manifests.read_calibration(tmp_path / manifests.CALIBRATION)

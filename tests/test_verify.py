@@ -159,3 +159,49 @@ def test_an_attestation_subject_whose_name_key_was_altered_is_named_not_a_traceb
     json.loads(att.read_text())  # still valid JSON: only the key changed
     problems = verify.verify_dir(run)
     assert any(p.startswith(f"{provenance.ATTESTATION}: 1 subject(s) without a file name") for p in problems), problems
+
+
+def test_file_list_reader_round_trips_the_writer(run, tmp_path):
+    """The run's list (written by the manifest stage through pipeline/artifacts/file_list.py) reads back field for
+    field, and the writer gives the same bytes again from the same entries."""
+    from pipeline.artifacts import file_list
+
+    raw = read_json(run / provenance.FILE_LIST)
+    listing = file_list.read(run / provenance.FILE_LIST)
+    assert (listing.kind, listing.schema, listing.files_sha256) == ("run", file_list.SCHEMA, raw["files_sha256"])
+    assert {r: (e.sha256, e.bytes, e.origin) for r, e in listing.files.items()} == \
+        {r: (e["sha256"], e["bytes"], None) for r, e in raw["files"].items()}
+    again = file_list.write(tmp_path, raw["files"], "run")
+    assert (tmp_path / provenance.FILE_LIST).read_bytes() == (run / provenance.FILE_LIST).read_bytes()
+    assert again == listing
+
+
+@pytest.mark.faults("bad_input")
+def test_a_file_list_of_another_schema_is_one_sentence(run):
+    """A list rewritten consistently (its own sha256 recomputed) under another schema: the reader refuses it in one
+    sentence, and verify reports that sentence as one problem instead of checking files against it."""
+    from pipeline.artifacts import file_list
+    from pipeline.core.errors import SpecquantError
+    from pipeline.core.io import atomic_write_json
+
+    doc = {**read_json(run / provenance.FILE_LIST), "schema": "specquant.files/v2"}
+    atomic_write_json(run / provenance.FILE_LIST, {**doc, "files_sha256": file_list.files_sha256_of(doc)})
+    with pytest.raises(SpecquantError, match=r"^`provenance/files.sha256.json schema` = 'specquant.files/v2': this "
+                       r"specquant reads file lists of schema specquant.files/v1 only; re-run"):
+        file_list.read(run / provenance.FILE_LIST)
+    problems = verify.verify_dir(run)
+    assert len(problems) == 1 and problems[0].startswith(
+        "provenance/files.sha256.json: `provenance/files.sha256.json schema` = 'specquant.files/v2'"), problems
+
+
+@pytest.mark.faults("tamper")
+def test_a_manifest_that_is_json_but_no_manifest_is_named_not_a_traceback(run):
+    """A quant run manifest whose checkpoints lost a required field (valid JSON still): verify names it twice
+    (changed, and what its reader refuses), no traceback."""
+    doc = read_json(run / "quant_run_manifest.json")
+    del doc["checkpoints"][0]["path"]
+    (run / "quant_run_manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
+    problems = verify.verify_dir(run)
+    assert any(p.startswith("quant_run_manifest.json: changed (") for p in problems), problems
+    assert any(p.startswith("quant_run_manifest.json: `quant_run_manifest.json checkpoints/0` = None: the file does "
+                            "not match manifests/quant_run_manifest.schema.json") for p in problems), problems

@@ -1,7 +1,9 @@
 """The model card (README.md with Hub front matter) of a published quantized DFlash drafter.
 
 Everything in the card is read from the run's files (manifests, stage records, checkpoint
-config, eval results); what is absent is said to be absent rather than guessed.
+config, eval results) by `pipeline.stages.publish.card_info`, each through its reader in
+`pipeline/artifacts/` (the manifests: `pipeline/artifacts/manifests.py`); this module only renders that
+dict. What is absent is said to be absent rather than guessed.
 """
 
 from __future__ import annotations
