@@ -89,6 +89,102 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: floa
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_main(*argv: str, env: dict[str, str | None] | None = None, cwd: Path = REPO) -> tuple[int, str, str]:
+    """`python -m pipeline *argv` in this process, through the same entry point (`pipeline.__main__.main`), with
+    what the interpreter adds around it: `sys.exit`'s codes (a SystemExit code of None is 0, a string is printed
+    and is 1) and an uncaught exception printed as a traceback with exit code 1. Returns (rc, stdout, stderr),
+    caught at the file descriptors as well as sys.stdout/sys.stderr, so a C-level or early-bound write counts.
+
+    Isolated from the calling test and from the next call: `env` (None removes a variable) and every change the
+    run makes to os.environ are undone, as are cwd, sys.argv, torch's thread count and deterministic mode, the
+    RNG states, warnings filters, logging (every logger's handlers, level, disabled flag, propagation), the
+    transformers verbosity and Hydra's global state."""
+    import contextlib
+    import io
+    import logging
+    import random
+    import tempfile
+    import traceback
+    import warnings
+
+    import numpy as np
+    from hydra.core.global_hydra import GlobalHydra
+
+    def loggers() -> dict:
+        found = [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
+                                        if isinstance(lg, logging.Logger))]
+        return {lg: (list(lg.handlers), lg.level, lg.disabled, lg.propagate) for lg in found}
+
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), list(sys.argv)
+    saved_threads, saved_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    saved_det_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    saved_rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    saved_filters, saved_showwarning = list(warnings.filters), warnings.showwarning
+    saved_loggers, saved_disable = loggers(), logging.root.manager.disable
+    try:
+        from transformers.utils import logging as hf_logging
+        saved_hf = hf_logging.get_verbosity()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        hf_logging = saved_hf = None
+    out_py, err_py = io.StringIO(), io.StringIO()
+    sys.stdout.flush(), sys.stderr.flush()
+    with tempfile.TemporaryFile() as out_fd, tempfile.TemporaryFile() as err_fd:
+        kept = os.dup(1), os.dup(2)
+        try:
+            for k, v in (env or {}).items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            os.chdir(cwd)
+            sys.argv = [str(REPO / "pipeline" / "__main__.py"), *argv]
+            os.dup2(out_fd.fileno(), 1)
+            os.dup2(err_fd.fileno(), 2)
+            GlobalHydra.instance().clear()
+            with contextlib.redirect_stdout(out_py), contextlib.redirect_stderr(err_py):
+                from pipeline.__main__ import main
+
+                try:
+                    code = main(list(argv))
+                except SystemExit as exc:
+                    code = exc.code
+                except BaseException:  # noqa: B036 - what the interpreter does with an uncaught one
+                    traceback.print_exc()
+                    code = 1
+                if code is not None and not isinstance(code, int):
+                    print(code, file=sys.stderr)
+                    code = 1
+                sys.stdout.flush(), sys.stderr.flush()
+        finally:
+            os.dup2(kept[0], 1)
+            os.dup2(kept[1], 2)
+            os.close(kept[0])
+            os.close(kept[1])
+            GlobalHydra.instance().clear()
+            os.chdir(saved_cwd)
+            sys.argv = saved_argv
+            os.environ.clear()
+            os.environ.update(saved_env)
+            torch.set_num_threads(saved_threads)
+            torch.use_deterministic_algorithms(saved_det, warn_only=saved_det_warn)
+            random.setstate(saved_rng[0])
+            np.random.set_state(saved_rng[1])
+            torch.set_rng_state(saved_rng[2])
+            warnings.filters[:] = saved_filters
+            warnings.showwarning = saved_showwarning
+            for lg in set(loggers()) - set(saved_loggers):
+                lg.handlers[:], lg.level, lg.disabled, lg.propagate = [], logging.NOTSET, False, True
+            for lg, (handlers, level, disabled, propagate) in saved_loggers.items():
+                lg.handlers[:], lg.level, lg.disabled, lg.propagate = handlers, level, disabled, propagate
+            logging.disable(saved_disable)
+            if hf_logging is not None:
+                hf_logging.set_verbosity(saved_hf)
+        out_fd.seek(0), err_fd.seek(0)
+        out = out_py.getvalue() + out_fd.read().decode(errors="replace")
+        err = err_py.getvalue() + err_fd.read().decode(errors="replace")
+    return (0 if code is None else code), out, err
+
+
 # ---------------------------------------------------------------- the fixture world: target, drafter, blend, cache
 def write_blend(data_dir: Path, num_samples: int = 30, seq_len: int = 40, seed: int = 0) -> Path:
     """The data stage's files (through its writer, `pipeline.artifacts.samples.write`): random ids below the

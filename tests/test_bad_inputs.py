@@ -1,8 +1,8 @@
 """Bad inputs, one table: each is a real user mistake tried through the real entry point.
 
 Every case runs `python -m pipeline <stage> ...` - in this process through `pipeline.__main__.main`
-(the same code path, without a new interpreter per case), or as a subprocess for the cases marked
-`cli` - and checks: exit code 2, exactly one `error:` line on stderr naming the field and the
+(tests/_support.run_main: the same code path, without a new interpreter per case, state restored after
+each), or as a subprocess for the cases marked `cli` (one per way an error reaches the exit code) - and checks: exit code 2, exactly one `error:` line on stderr naming the field and the
 offending value and saying a fix, no traceback, done in seconds, and nothing written to the run
 directory (a listing of names, sizes and mtimes before and after). Target and drafter weights are
 replaced by junk bytes wherever the mistake is visible from configs alone, so a stage that loaded
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import DRAFTER, REPO, TARGET, build_chat_tokenizer, geometry, run_cli, w4a16_group
+from tests._support import DRAFTER, REPO, TARGET, build_chat_tokenizer, geometry, run_cli, run_main, w4a16_group
 
 G = geometry()  # the fixture pair's sizes: every number a case names comes from it
 H, V, T, AUX = G["hidden"], G["vocab"], G["target_layers"], G["aux_layer_ids"]
@@ -247,7 +247,7 @@ LONG = "x" * 500
 CASES = [
     # ---- data: rows and sources (a source with no usable row is refused; the reasons are counted)
     data_case("malformed_jsonl_rows", raw=[b'{"conversations": [', b"{not json}"],
-              needles=("data.sources[0]", "malformed_json=2"), cli=True),
+              needles=("data.sources[0]", "malformed_json=2")),
     data_case("json_file_not_json", raw=[b"[{broken"], sources="{{name: chat, path: {rows_json}}}", name="rows.json",
               needles=("data.sources[0].path", "rows.json", "not valid UTF-8 JSON")),
     data_case("non_utf8_rows", raw=[b"\xff\xfe\x00 latin-1 caf\xe9"], needles=("data.sources[0]", "not_utf8=1")),
@@ -286,8 +286,7 @@ CASES = [
     Case("cache_before_data", "cache", lambda c, w: [f"run_dir={c / 'run'}", f"target.path={TARGET}",
                                                      f"drafter.path={DRAFTER}", "drafter.format=speculators"],
          ("data/meta.json", "does not exist")),
-    Case("symlink_escaping_run_dir", "cache", _symlink_escape, ("run_dir/data/notes.txt", "outside the run directory"),
-         cli=True),
+    Case("symlink_escaping_run_dir", "cache", _symlink_escape, ("run_dir/data/notes.txt", "outside the run directory")),
     cache_case("trust_remote_code_required_but_off", target=_remote_code_target,
                needles=("trust_remote_code",)),
     cache_case("truncated_target_safetensors", target=lambda c: _truncated(TARGET, c / "target"),
@@ -295,14 +294,14 @@ CASES = [
     cache_case("pickle_target_weights", target=lambda c: _pickle_only(TARGET, c / "target"),
                needles=("target.path", "pytorch_model.bin")),
     # ---- quantize-drafter: settings checked on a weightless drafter
-    quant_case("unknown_scheme", "quant.scheme=int3", needles=("quant.scheme", "int3", "nvfp4"), cli=True),
+    quant_case("unknown_scheme", "quant.scheme=int3", needles=("quant.scheme", "int3", "nvfp4")),
     quant_case("unknown_observer", "quant.observer=minmaxx", needles=("quant.observer", "minmaxx")),
     quant_case("group_size_not_dividing_a_layer", "quant=w4a16", f"quant.group_size={BAD_GROUP}",
                needles=("quant.group_size", str(BAD_GROUP), "does not divide the in-features")),
     quant_case("nvfp4_group_size_not_16", "quant.group_size=32", needles=("quant.group_size", "32", "16")),
     quant_case("gptq_without_calibration", "quant=w4a16", f"quant.group_size={w4a16_group()}", "quant.algorithm=gptq",
                needles=("quant.algorithm", "gptq")),
-    quant_case("quantize_drafter_before_cache", needles=("cache/index.json", "does not exist"), cli=True),
+    quant_case("quantize_drafter_before_cache", needles=("cache/index.json", "does not exist")),
     quant_case("truncated_drafter_checkpoint", cached=True, drafter=lambda c: _truncated(DRAFTER, c / "drafter"),
                needles=("drafter.path", "model.safetensors")),
     quant_case("pickle_drafter_weights", cached=True, drafter=lambda c: _pickle_only(DRAFTER, c / "drafter"),
@@ -327,7 +326,7 @@ CASES = [
 
 # what each case tries, in one sentence (the reliability report's "what is tried and checked")
 WHAT = {
-    "malformed_jsonl_rows": "data: a JSONL source whose every line is broken JSON (via the CLI).",
+    "malformed_jsonl_rows": "data: a JSONL source whose every line is broken JSON.",
     "json_file_not_json": "data: a .json source that is not valid JSON.",
     "non_utf8_rows": "data: a JSONL source in latin-1, not UTF-8.",
     "no_assistant_turn": "data: conversations with no assistant turn.",
@@ -346,16 +345,16 @@ WHAT = {
     "block_size_below_2": "cache: a drafter with block_size 1.",
     "drafter_format_mismatch": "cache: drafter.format=zlab on a speculators checkpoint.",
     "cache_before_data": "cache: run before the data stage has written data/.",
-    "symlink_escaping_run_dir": "cache: a symlink in the run directory pointing outside it (via the CLI).",
+    "symlink_escaping_run_dir": "cache: a symlink in the run directory pointing outside it.",
     "trust_remote_code_required_but_off": "cache: a target that needs custom code while trust_remote_code is off.",
     "truncated_target_safetensors": "cache: a target whose model.safetensors is truncated.",
     "pickle_target_weights": "cache: a target with only pytorch_model.bin (a pickle): refused, never unpickled.",
-    "unknown_scheme": "quantize-drafter: an unknown scheme (via the CLI).",
+    "unknown_scheme": "quantize-drafter: an unknown scheme.",
     "unknown_observer": "quantize-drafter: an observer llm-compressor does not register.",
     "group_size_not_dividing_a_layer": f"quantize-drafter: a W4A16 group size ({BAD_GROUP}) that divides no layer width.",
     "nvfp4_group_size_not_16": "quantize-drafter: NVFP4 with group size 32.",
     "gptq_without_calibration": "quantize-drafter: GPTQ with calibration=none.",
-    "quantize_drafter_before_cache": "quantize-drafter: run before the cache stage (via the CLI).",
+    "quantize_drafter_before_cache": "quantize-drafter: run before the cache stage.",
     "truncated_drafter_checkpoint": "quantize-drafter: a drafter whose model.safetensors is truncated.",
     "pickle_drafter_weights": "quantize-drafter: a drafter with only pytorch_model.bin: refused, never unpickled.",
     "mask_token_not_in_tokenizer": "evaluate: a drafter.mask_token the tokenizer does not have.",
@@ -383,35 +382,24 @@ def listing(root: Path) -> list[tuple[str, int, int]]:
     return sorted(out)
 
 
-def _run_in_process(stage: str, overrides: list[str], capsys) -> tuple[int, str]:
-    from pipeline.__main__ import main
-
-    try:
-        rc = main([stage, *overrides])
-    except SystemExit as exc:  # configuration errors exit from _compose_or_exit
-        rc = exc.code
-    return rc, capsys.readouterr().err
-
-
 @pytest.mark.faults("bad_input")
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.xfail)]
                                                if c.xfail else []) for c in CASES])
-def test_bad_input(case: Case, world: World, tmp_path: Path, capsys, monkeypatch):
+def test_bad_input(case: Case, world: World, tmp_path: Path):
     """One user mistake: exit 2 with one `error:` line naming the field, the value and a fix, fast, nothing written."""
     case_dir = tmp_path / "case"
     case_dir.mkdir()
     overrides = case.setup(case_dir, world)
     run_dir = case_dir / "run"
     before = listing(run_dir)
-    for k, v in case.env.items():
-        monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
     t0 = time.time()
     if case.cli:
+        assert not case.env, "a CLI case runs in the test's own environment"
         res = run_cli(case.stage, *overrides, env={"OMP_NUM_THREADS": "1"}, timeout=120)  # + os.environ
         rc, err = res.returncode, res.stderr
         limit = FAST_CLI_S
     else:
-        rc, err = _run_in_process(case.stage, overrides, capsys)
+        rc, _, err = run_main(case.stage, *overrides, env=case.env)
         limit = FAST_S
     elapsed = time.time() - t0
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
@@ -429,8 +417,14 @@ def test_bad_input(case: Case, world: World, tmp_path: Path, capsys, monkeypatch
 
 
 def test_table_has_every_required_mistake():
-    """The table covers the mistakes issue 10 lists (>= 25 cases, a CLI subset, every stage's entry point)."""
+    """The table covers the mistakes issue 10 lists (>= 25 cases, a CLI subset, every stage's entry point).
+
+    The CLI subset is one case per way an error reaches a real process's exit code: a configuration error
+    (SystemExit(2) from composing) and a stage's refusal (SpecquantError, main's return value through
+    sys.exit); every other case runs the same entry point in this process (tests/_support.run_main)."""
     ids = {c.id for c in CASES}
     assert len(CASES) >= 25 and len(ids) == len(CASES) and ids == set(WHAT)
-    assert sum(c.cli for c in CASES) >= 5
+    cli = [c for c in CASES if c.cli]
+    assert any(c.id.startswith("override_") for c in cli), "no CLI case fails at composition"
+    assert any(not c.id.startswith("override_") for c in cli), "no CLI case fails inside a stage"
     assert {c.stage for c in CASES} >= {"data", "cache", "quantize-drafter", "evaluate", "publish"}
