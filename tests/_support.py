@@ -98,7 +98,8 @@ def run_main(*argv: str, env: dict[str, str | None] | None = None, cwd: Path = R
     Isolated from the calling test and from the next call: `env` (None removes a variable) and every change the
     run makes to os.environ are undone, as are cwd, sys.argv, torch's thread count and deterministic mode, the
     RNG states, warnings filters, logging (every logger's handlers, level, disabled flag, propagation), the
-    transformers verbosity and Hydra's global state."""
+    transformers verbosity and Hydra's global state. What a new interpreter reads from `env` at start is read
+    here too: TMPDIR (tempfile's cached directory is reset) and OMP_NUM_THREADS (torch's thread count)."""
     import contextlib
     import io
     import logging
@@ -119,8 +120,8 @@ def run_main(*argv: str, env: dict[str, str | None] | None = None, cwd: Path = R
     saved_threads, saved_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     saved_det_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     saved_rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    saved_filters, saved_showwarning = list(warnings.filters), warnings.showwarning
     saved_loggers, saved_disable = loggers(), logging.root.manager.disable
+    saved_tempdir = tempfile.tempdir
     try:
         from transformers.utils import logging as hf_logging
         saved_hf = hf_logging.get_verbosity()
@@ -138,17 +139,21 @@ def run_main(*argv: str, env: dict[str, str | None] | None = None, cwd: Path = R
                     os.environ[k] = v
             os.chdir(cwd)
             sys.argv = [str(REPO / "pipeline" / "__main__.py"), *argv]
+            if "TMPDIR" in (env or {}):
+                tempfile.tempdir = None  # read again from the environment, as a new interpreter would
+            if (env or {}).get("OMP_NUM_THREADS"):
+                torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
             os.dup2(out_fd.fileno(), 1)
             os.dup2(err_fd.fileno(), 2)
             GlobalHydra.instance().clear()
-            with contextlib.redirect_stdout(out_py), contextlib.redirect_stderr(err_py):
+            with contextlib.redirect_stdout(out_py), contextlib.redirect_stderr(err_py), warnings.catch_warnings():
                 from pipeline.__main__ import main
 
                 try:
                     code = main(list(argv))
                 except SystemExit as exc:
                     code = exc.code
-                except BaseException:  # noqa: B036 - what the interpreter does with an uncaught one
+                except Exception:  # what the interpreter does with an uncaught one (a Ctrl-C of pytest stays one)
                     traceback.print_exc()
                     code = 1
                 if code is not None and not isinstance(code, int):
@@ -161,6 +166,7 @@ def run_main(*argv: str, env: dict[str, str | None] | None = None, cwd: Path = R
             os.close(kept[0])
             os.close(kept[1])
             GlobalHydra.instance().clear()
+            tempfile.tempdir = saved_tempdir
             os.chdir(saved_cwd)
             sys.argv = saved_argv
             os.environ.clear()
@@ -170,8 +176,6 @@ def run_main(*argv: str, env: dict[str, str | None] | None = None, cwd: Path = R
             random.setstate(saved_rng[0])
             np.random.set_state(saved_rng[1])
             torch.set_rng_state(saved_rng[2])
-            warnings.filters[:] = saved_filters
-            warnings.showwarning = saved_showwarning
             for lg in set(loggers()) - set(saved_loggers):
                 lg.handlers[:], lg.level, lg.disabled, lg.propagate = [], logging.NOTSET, False, True
             for lg, (handlers, level, disabled, propagate) in saved_loggers.items():

@@ -23,7 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import DRAFTER, REPO, TARGET, build_chat_tokenizer, geometry, run_cli, run_main, w4a16_group
+from tests._support import (
+    DRAFTER,
+    REPO,
+    TARGET,
+    build_chat_tokenizer,
+    geometry,
+    run_cli,
+    run_main,
+    w4a16_group,
+)
 
 G = geometry()  # the fixture pair's sizes: every number a case names comes from it
 H, V, T, AUX = G["hidden"], G["vocab"], G["target_layers"], G["aux_layer_ids"]
