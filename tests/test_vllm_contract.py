@@ -22,7 +22,7 @@ from pipeline.core.io import read_json
 from pipeline.quant import recipes
 from pipeline.serving import contract
 from pipeline.stages import quantize_drafter
-from tests._support import DRAFTER, REPO, TARGET, copy_world, run_cli, w4a16_group, world_cfg
+from tests._support import DRAFTER, REPO, TARGET, copy_world, run_main, w4a16_group, world_cfg
 
 T = int(read_json(TARGET / "config.json", "target")["num_hidden_layers"])
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
@@ -163,17 +163,18 @@ def test_serve_check_without_gpu_or_vllm_says_so_and_writes_nothing(world, writt
     before = sorted((p.relative_to(run_dir).as_posix(), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
     args = ["serve-check", f"runs_root={world}", "run_name=qw", f"target.path={TARGET}",
             f"target.tokenizer={TARGET}", f"drafter.path={DRAFTER}"]
-    r = run_cli(*args, env={"SPECQUANT_VLLM_PYTHON": ""})
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    assert r.stderr.startswith("error: `serve.python`")
-    r = run_cli(*args, "serve.python=/definitely/not/python")
-    assert r.returncode == 2 and "no such interpreter" in r.stderr and r.stderr.count("\n") == 1
+    # the entry point in this process (tests/_support.run_main); the probe of serve.python is a real process
+    rc, _, err = run_main(*args, env={"SPECQUANT_VLLM_PYTHON": ""})
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: `serve.python`")
+    rc, _, err = run_main(*args, "serve.python=/definitely/not/python")
+    assert rc == 2 and "no such interpreter" in err and err.count("\n") == 1, err
     import sys
 
     # an interpreter without vLLM (this one): one sentence naming the field
-    r = run_cli(*args, f"serve.python={sys.executable}")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    assert "cannot import vLLM" in r.stderr or "no CUDA GPU" in r.stderr
+    rc, _, err = run_main(*args, f"serve.python={sys.executable}")
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "cannot import vLLM" in err or "no CUDA GPU" in err
     after = sorted((p.relative_to(run_dir).as_posix(), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
     assert after == before
     assert json.dumps(after).count("serve_check") == 0
@@ -182,10 +183,10 @@ def test_serve_check_without_gpu_or_vllm_says_so_and_writes_nothing(world, writt
 def test_a_cuda_device_on_a_machine_without_one_is_one_sentence(world, written):
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    r = run_cli("quantize-drafter", f"runs_root={world}", "run_name=qw", f"target.path={TARGET}",
-                f"target.tokenizer={TARGET}", f"drafter.path={DRAFTER}", "quant=w4a16", "quant.device=cuda")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    assert r.stderr.startswith("error: `quant.device` = 'cuda': this machine has no CUDA device")
+    rc, _, err = run_main("quantize-drafter", f"runs_root={world}", "run_name=qw", f"target.path={TARGET}",
+                          f"target.tokenizer={TARGET}", f"drafter.path={DRAFTER}", "quant=w4a16", "quant.device=cuda")
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: `quant.device` = 'cuda': this machine has no CUDA device")
 
 
 def test_ctrl_c_is_one_sentence_and_exit_130(world):
