@@ -70,6 +70,16 @@ def world(tmp_path_factory) -> World:
     cfg = world_cfg(root / "runs", "cache.samples_per_shard=4")
     write_blend(Path(cfg.run_dir) / "data", num_samples=8)
     cache.run(cfg)
+    # every stage's module imported once here, so a case's time (FAST_S) is its own checks', not the first
+    # import of a stage's libraries, which would fall on whichever case of that stage happens to run first
+    import importlib
+
+    from pipeline.core.quiet import import_llmcompressor
+    from pipeline.stages import MODULES
+
+    import_llmcompressor()
+    for module in MODULES.values():
+        importlib.import_module(module)
     return World(root, tok, plain, Path(cfg.run_dir))
 
 

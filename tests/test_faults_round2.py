@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import run_cli
+from tests._support import run_main
 
 
 def _tree(root):
@@ -26,9 +26,9 @@ def test_one_sentence_and_nothing_written(args, starts, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     runs = tmp_path / "runs"
-    r = run_cli(*[a.replace("EMPTY", str(empty)) for a in args], f"runs_root={runs}")
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    line = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    rc, _, err = run_main(*[a.replace("EMPTY", str(empty)) for a in args], f"runs_root={runs}")
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    line = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(line) == 1 and line[0].startswith(starts.replace("EMPTY", str(empty)))
     assert [p for p in _tree(runs) if not p.endswith((".lock",))] in ([], ["tiny"])
 
@@ -54,14 +54,10 @@ def _cases(table: dict, what: dict[str, str]) -> list:
     return [pytest.param(Said(k, what[k]), id=k) for k in sorted(table)]
 
 
-def _main(argv: list[str], capsys) -> tuple[int, str]:
-    from pipeline.__main__ import main
-
-    try:
-        rc = main(argv)
-    except SystemExit as exc:  # configuration errors exit from _compose_or_exit
-        rc = exc.code
-    return rc, capsys.readouterr().err
+def _main(argv: list[str]) -> tuple[int, str]:
+    """`python -m pipeline *argv` in this process (tests/_support.run_main): (exit code, stderr)."""
+    rc, _, err = run_main(*argv)
+    return rc, err
 
 
 def _listing(root: Path) -> list[tuple[str, int, int]]:
@@ -150,7 +146,7 @@ INDEX_WHAT = {
 
 @pytest.mark.faults("bad_input")
 @pytest.mark.parametrize("case", _cases(INDEX_CASES, INDEX_WHAT))
-def test_hand_edited_cache_index_is_refused_before_the_drafter_loads(case, cached, tmp_path, capsys):
+def test_hand_edited_cache_index_is_refused_before_the_drafter_loads(case, cached, tmp_path):
     """quantize-drafter on a hand-edited cache/index.json: one sentence naming the inconsistency, before any load or write."""
     edit, problem = INDEX_CASES[case.key]
     run = tmp_path / "run"
@@ -159,20 +155,20 @@ def test_hand_edited_cache_index_is_refused_before_the_drafter_loads(case, cache
     t0 = index["shards"][0]["num_tokens"]
     edit(run / "cache")
     before = _listing(run)
-    line = _one_error(*_main(_quant_args(run, _junk_drafter(tmp_path / "drafter")), capsys))
+    line = _one_error(*_main(_quant_args(run, _junk_drafter(tmp_path / "drafter"))))
     where = run / "cache" / "index.json"
     assert line == f"error: `cache/index.json` = '{where}': {problem.format(t0=t0, t0p3=t0 + 3)}; {REBUILD}", line
     assert _listing(run) == before, "the run directory changed"
 
 
 @pytest.mark.faults("bad_input")
-def test_deleted_cache_shard_is_named_before_the_drafter_loads(cached, tmp_path, capsys):
+def test_deleted_cache_shard_is_named_before_the_drafter_loads(cached, tmp_path):
     """quantize-drafter on a cache with a deleted shard: the file and the fix, before the drafter load and drafter/bf16."""
     run = tmp_path / "run"
     shutil.copytree(cached, run)
     (run / "cache" / "shard-00001.safetensors").unlink()
     before = _listing(run)
-    line = _one_error(*_main(_quant_args(run, _junk_drafter(tmp_path / "drafter")), capsys))
+    line = _one_error(*_main(_quant_args(run, _junk_drafter(tmp_path / "drafter"))))
     assert line == (f"error: `cache/index.json` = '{run / 'cache' / 'index.json'}': it lists shard-00001.safetensors, "
                     f"which is missing from {run / 'cache'}; re-run the cache stage, which rewrites the missing shard.")
     assert _listing(run) == before and not (run / "drafter").exists()
@@ -228,7 +224,7 @@ def _missing_shard_sentence(target: Path) -> str:
 @pytest.mark.parametrize("stage", _cases({"cache": 0, "quantize-target": 0}, {
     "cache": "cache: a sharded target (model.safetensors.index.json) with one shard deleted: the file, its directory and the fix, before loading or writing.",
     "quantize-target": "quantize-target: a sharded target with one shard deleted: the file, its directory and the fix, before loading or writing."}))
-def test_sharded_target_with_a_missing_shard_is_named_before_loading(stage, tmp_path, capsys):
+def test_sharded_target_with_a_missing_shard_is_named_before_loading(stage, tmp_path):
     """A sharded target with one shard deleted: the missing file, its directory and the fix, before loading or writing."""
     stage = stage.key
     from tests._support import DRAFTER, write_blend
@@ -238,7 +234,7 @@ def test_sharded_target_with_a_missing_shard_is_named_before_loading(stage, tmp_
     write_blend(run / "data", num_samples=4)
     before = _listing(run)
     line = _one_error(*_main([stage, f"run_dir={run}", f"target.path={target}", f"target.tokenizer={target}",
-                              f"drafter.path={DRAFTER}", "drafter.format=speculators", "target_quant=w4a16"], capsys))
+                              f"drafter.path={DRAFTER}", "drafter.format=speculators", "target_quant=w4a16"]))
     assert line == "error: " + _missing_shard_sentence(target)
     assert _listing(run) == before
 
@@ -319,11 +315,11 @@ SETTING_WHAT = {
 
 @pytest.mark.faults("bad_input")
 @pytest.mark.parametrize("case", _cases(TINY_QUANT, SETTING_WHAT))
-def test_setting_refused_before_any_load(case, tmp_path, capsys):
+def test_setting_refused_before_any_load(case, tmp_path):
     """A count <= 0, an ignore entry matching no layer, an observer setting the observer does not read, or a list-index override: one sentence, nothing written."""
     args, sentence = TINY_QUANT[case.key]
     runs = tmp_path / "runs"
-    line = _one_error(*_main([*args, f"runs_root={runs}"], capsys))
+    line = _one_error(*_main([*args, f"runs_root={runs}"]))
     assert line.startswith("error: " + sentence), line
     assert _tree(runs) in ([], ["tiny"])
 
@@ -338,7 +334,7 @@ CHAT = [{"conversations": [{"from": "human", "value": f"What is {i} + 3?"}, {"fr
 @pytest.mark.parametrize("suffix", _cases({".jsonl": 0, ".json": 0}, {
     ".jsonl": "data: a JSONL source saved with a UTF-8 BOM: every row kept (was: the first dropped as malformed_json).",
     ".json": "data: a .json source saved with a UTF-8 BOM: read (was: refused as not valid JSON)."}))
-def test_utf8_bom_keeps_the_first_row(suffix, tmp_path, capsys):
+def test_utf8_bom_keeps_the_first_row(suffix, tmp_path):
     """A data source saved with a UTF-8 BOM (Windows editors): every row is kept, the first is not dropped as malformed_json."""
     suffix = suffix.key
     src = tmp_path / f"rows{suffix}"
@@ -346,7 +342,7 @@ def test_utf8_bom_keeps_the_first_row(suffix, tmp_path, capsys):
     src.write_bytes(BOM + body)
     run = tmp_path / "run"
     rc, err = _main(["data", f"run_dir={run}", "data.num_samples=4",
-                     f"data.sources=[{{name: chat, path: {src}, format: sharegpt}}]"], capsys)
+                     f"data.sources=[{{name: chat, path: {src}, format: sharegpt}}]"])
     assert rc == 0, err[-2000:]
     from pipeline.artifacts.samples import load_counts
 
@@ -355,25 +351,25 @@ def test_utf8_bom_keeps_the_first_row(suffix, tmp_path, capsys):
 
 
 @pytest.mark.faults("bad_input")
-def test_data_source_that_is_a_directory_says_so(tmp_path, capsys):
+def test_data_source_that_is_a_directory_says_so(tmp_path):
     """data.sources[0].path names a directory: the sentence says it is a directory (not that it does not exist)."""
     folder = tmp_path / "corpus"
     folder.mkdir()
     run = tmp_path / "run"
-    line = _one_error(*_main(["data", f"run_dir={run}", f"data.sources=[{{name: chat, path: {folder}}}]"], capsys))
+    line = _one_error(*_main(["data", f"run_dir={run}", f"data.sources=[{{name: chat, path: {folder}}}]"]))
     assert line == (f"error: `data.sources[0].path` = '{folder}': it is a directory, not a file; "
                     "point it at a .json or .jsonl file inside it.")
     assert not run.exists()
 
 
 @pytest.mark.faults("bad_input")
-def test_prompt_file_holding_only_a_bom_is_empty(tmp_path, capsys):
+def test_prompt_file_holding_only_a_bom_is_empty(tmp_path):
     """An eval prompt file with nothing but a UTF-8 BOM is reported as empty (not a datasets ValueError)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_bytes(BOM + b"\n")
     runs = tmp_path / "runs"
     line = _one_error(*_main(["evaluate", f"runs_root={runs}",
-                              f"eval.prompt_sets=[{{name: e, path: {prompts}, field: prompt}}]"], capsys))
+                              f"eval.prompt_sets=[{{name: e, path: {prompts}, field: prompt}}]"]))
     assert line == (f"error: `eval.prompt_sets[0].path` = '{prompts}': the file is empty; "
                     "put one prompt per line in it, or drop the subset.")
     assert _tree(runs) in ([], ["tiny"])
@@ -403,30 +399,29 @@ def test_convert_into_a_non_empty_directory_is_refused(tmp_path):
     dst.mkdir()
     (dst / "notes.txt").write_text("keep me\n")
     before = _listing(dst)
-    r = run_cli("convert", "--to", "zlab", str(REPO / "assets" / "tiny" / "drafter"), str(dst),
-                env={"OMP_NUM_THREADS": "1"}, timeout=120)
-    line = _one_error(r.returncode, r.stderr)
+    # in this process (a command's refusal through a real process: test_verify's test_cli_on_a_missing_path...)
+    line = _one_error(*_main(["convert", "--to", "zlab", str(REPO / "assets" / "tiny" / "drafter"), str(dst)]))
     assert line == (f"error: `DST` = '{dst}': the directory is not empty (it holds notes.txt); "
                     "convert into a new or empty directory, or empty this one first.")
     assert _listing(dst) == before
 
 
-def test_convert_into_a_file_or_under_one_is_one_sentence(tmp_path, capsys):
+def test_convert_into_a_file_or_under_one_is_one_sentence(tmp_path):
     from tests._support import REPO
 
     src = str(REPO / "assets" / "tiny" / "drafter")
     afile = tmp_path / "notes.txt"
     afile.write_text("keep me\n")
-    line = _one_error(*_main(["convert", "--to", "zlab", src, str(afile)], capsys))
+    line = _one_error(*_main(["convert", "--to", "zlab", src, str(afile)]))
     assert line == f"error: `DST` = '{afile}': it is a file, not a directory; give a new or empty directory."
-    line = _one_error(*_main(["convert", "--to", "zlab", src, str(afile / "sub")], capsys))
+    line = _one_error(*_main(["convert", "--to", "zlab", src, str(afile / "sub")]))
     assert line.startswith(f"error: `convert` could not use {afile / 'sub'}: Not a directory; ")
     assert afile.read_text() == "keep me\n"
-    assert pipeline_ok(["convert", "--to", "zlab", src, str(tmp_path / "empty")], capsys)
+    assert pipeline_ok(["convert", "--to", "zlab", src, str(tmp_path / "empty")])
 
 
-def pipeline_ok(argv: list[str], capsys) -> bool:
+def pipeline_ok(argv: list[str]) -> bool:
     """An empty (here: new) DST still converts."""
     (Path(argv[-1])).mkdir()
-    rc, err = _main(argv, capsys)
+    rc, err = _main(argv)
     return rc == 0 and (Path(argv[-1]) / "model.safetensors").is_file()
