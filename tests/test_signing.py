@@ -50,20 +50,50 @@ def _keypair(d: Path, name: str, curve=None) -> tuple[Path, Path]:
     return priv, pub
 
 
-@pytest.fixture
-def keys(tmp_path) -> dict[str, Path]:
-    d = tmp_path / "keys"  # outside the run directory, as a real key would be
-    d.mkdir()
+# Built once per module and read-only for the tests (a test that changes files works on its own copy): the keys,
+# the certificates (`pki`), and the run published once with each kind of signature, which `signed` and
+# `cert_signed` copy into the test's own `run_root`.
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("keys")  # outside the run directory, as a real key would be
     (priv, pub), (other, other_pub) = _keypair(d, "key"), _keypair(d, "other")
     return {"priv": priv, "pub": pub, "other": other, "other_pub": other_pub}
 
 
-@pytest.fixture
-def signed(run_root, keys) -> Path:
-    from pipeline.stages import publish
+def _published_once(pristine_runs: Path, dst: Path, *overrides: str) -> Path:
+    """A copy of the session's pristine run, published (the real dry run) with `overrides`, with the token
+    the run_root fixture sets."""
+    import shutil
 
-    publish.run(publish_cfg(run_root, f"publish.signing_key={keys['priv']}", f"publish.public_key={keys['pub']}"))
+    from pipeline.stages import publish
+    from tests._support import PUBLISH_TOKEN
+
+    shutil.copytree(pristine_runs, dst, symlinks=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_TOKEN", PUBLISH_TOKEN)
+        publish.run(publish_cfg(dst, *overrides))
+    return dst
+
+
+def _as_run_root(template: Path, run_root: Path) -> Path:
+    """`run_root` (the test's own copy) replaced by a copy of `template`; returns its published nvfp4 folder."""
+    import shutil
+
+    shutil.rmtree(run_root)
+    shutil.copytree(template, run_root, symlinks=True)
     return run_root / "tiny" / "publish" / "nvfp4"
+
+
+@pytest.fixture(scope="module")
+def key_signed_runs(pristine_runs, keys, tmp_path_factory) -> Path:
+    return _published_once(pristine_runs, tmp_path_factory.mktemp("key_signed") / "runs",
+                           f"publish.signing_key={keys['priv']}", f"publish.public_key={keys['pub']}")
+
+
+@pytest.fixture
+def signed(key_signed_runs, run_root) -> Path:
+    """run_root published with signing_key and public_key (a copy of `key_signed_runs`)."""
+    return _as_run_root(key_signed_runs, run_root)
 
 
 def verify_cli(capsys, *args: str) -> tuple[int, list[str]]:
@@ -376,8 +406,8 @@ def _cert(d: Path, file: str, cn: str, key, issuer_cn: str, issuer_key, *, ca: b
     return p
 
 
-@pytest.fixture
-def pki(tmp_path, keys) -> dict[str, Path]:
+@pytest.fixture(scope="module")
+def pki(keys) -> dict[str, Path]:
     """A throwaway CA (root and intermediate) and a leaf certificate for keys["priv"]; another CA beside it."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -411,12 +441,16 @@ def cert_overrides(keys, pki, leaf: str = "leaf", chain: tuple[str, ...] = ("mid
             f"publish.certificate_chain=[{','.join(str(pki[c]) for c in chain)}]"]
 
 
-@pytest.fixture
-def cert_signed(run_root, keys, pki) -> Path:
-    from pipeline.stages import publish
+@pytest.fixture(scope="module")
+def cert_signed_runs(pristine_runs, keys, pki, tmp_path_factory) -> Path:
+    return _published_once(pristine_runs, tmp_path_factory.mktemp("cert_signed") / "runs",
+                           *cert_overrides(keys, pki))
 
-    publish.run(publish_cfg(run_root, *cert_overrides(keys, pki)))
-    return run_root / "tiny" / "publish" / "nvfp4"
+
+@pytest.fixture
+def cert_signed(cert_signed_runs, run_root) -> Path:
+    """run_root published with the leaf certificate and its chain (a copy of `cert_signed_runs`)."""
+    return _as_run_root(cert_signed_runs, run_root)
 
 
 def _subject() -> str:
