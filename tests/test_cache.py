@@ -325,13 +325,12 @@ def test_vllm_engine_worker_dying_mid_shard_is_one_sentence(tmp_path, monkeypatc
 
 
 def test_vllm_engine_without_vllm_is_one_sentence(tmp_path):
-    def run_cli(*args):
-        return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True)
+    from tests._support import run_main  # the entry point in this process; the vLLM probe is a real process
 
     write_data(tmp_path, n=3)
-    proc = run_cli("cache", *stage_overrides(tmp_path, "cache.engine=vllm", f"serve.python={sys.executable}"))
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "cache.engine=vllm needs vLLM" in proc.stderr and "serve.python" in proc.stderr
+    rc, _, err = run_main("cache", *stage_overrides(tmp_path, "cache.engine=vllm", f"serve.python={sys.executable}"))
+    assert rc != 0 and "Traceback" not in err
+    assert "cache.engine=vllm needs vLLM" in err and "serve.python" in err
     assert not (tmp_path / "cache").exists()
-    proc = run_cli("cache", *stage_overrides(tmp_path, "cache.engine=sglang"))
-    assert "cache.engine" in proc.stderr and "'sglang'" in proc.stderr and "Traceback" not in proc.stderr
+    rc, _, err = run_main("cache", *stage_overrides(tmp_path, "cache.engine=sglang"))
+    assert "cache.engine" in err and "'sglang'" in err and "Traceback" not in err

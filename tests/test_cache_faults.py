@@ -15,7 +15,16 @@ import pytest
 import torch
 
 from pipeline.core.config import compose
-from tests._support import REPO, TARGET, geometry, one_thread, run_cache, stage_overrides, write_data  # noqa: F401
+from tests._support import (  # noqa: F401
+    REPO,
+    TARGET,
+    geometry,
+    one_thread,
+    run_cache,
+    run_main,
+    stage_overrides,
+    write_data,
+)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -113,12 +122,10 @@ def test_aux_id_beyond_depth_fails_before_loading_weights(tmp_path):
 @pytest.mark.faults("bad_input")
 def test_cli_reports_bad_layer_in_one_line(tmp_path):
     """Through the CLI, a bad aux layer id is one stderr line with exit code 2."""
-    write_data(tmp_path, n=3)
-    out = subprocess.run([sys.executable, "-m", "pipeline", "cache",
-                          *stage_overrides(tmp_path, "cache.aux_layer_ids=[0,7]")],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2
-    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    write_data(tmp_path, n=3)  # the entry point in this process (test_bad_inputs' CLI cases are real processes)
+    rc, _, err = run_main("cache", *stage_overrides(tmp_path, "cache.aux_layer_ids=[0,7]"))
+    assert rc == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: `cache.aux_layer_ids`") and "7" in lines[0]
 
 

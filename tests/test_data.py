@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from pipeline.artifacts import samples as samples_file
 from pipeline.core.config import DataSource, compose
 from pipeline.core.errors import SpecquantError
-from tests._support import REPO, build_chat_tokenizer, run_cli
+from tests._support import REPO, build_chat_tokenizer, run_cli, run_main
 
 CHAT = [{"conversations": [{"from": "human", "value": f"What is {i} + {i}?"},
                            {"from": "gpt", "value": f"The answer is {2 * i}."}]} for i in range(30)]
@@ -111,11 +111,11 @@ def test_cli_rejects_unusable_source_in_one_line(tmp_path, chat_tokenizer):
     """A source with no usable row: one `error:` line naming data.sources[0], no traceback, nothing written."""
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b"{broken\n\xff\xff\n")
-    res = run_cli("data", f"runs_root={tmp_path}", f"target.tokenizer={chat_tokenizer}",
-                  "data.sources=[{name: bad, path: " + str(path) + "}]")
-    assert res.returncode == 2, res.stderr
-    assert "Traceback" not in res.stderr
-    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    rc, _, err = run_main("data", f"runs_root={tmp_path}", f"target.tokenizer={chat_tokenizer}",
+                          "data.sources=[{name: bad, path: " + str(path) + "}]")  # the entry point, in this process
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "data.sources[0]" in lines[0] and "malformed_json=1" in lines[0]
     assert not (tmp_path / "tiny" / "data" / "samples.jsonl").exists()
 

@@ -359,12 +359,12 @@ def test_evaluate_refuses_unknown_variant_before_work(world, tmp_path):
 
 @pytest.mark.faults("bad_input")
 def test_cli_unknown_variant_is_one_line_exit_2(world, tmp_path):
-    from tests._support import run_cli
+    from tests._support import run_main  # the entry point, in this process
 
-    r = run_cli("evaluate", f"runs_root={tmp_path}", f"drafter.path={world['run'] / 'drafter' / 'bf16'}",
-                "eval.variants=[fp8]")
-    assert r.returncode == 2, r.stderr
-    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    rc, _, err = run_main("evaluate", f"runs_root={tmp_path}", f"drafter.path={world['run'] / 'drafter' / 'bf16'}",
+                          "eval.variants=[fp8]")
+    assert rc == 2, err
+    lines = [x for x in err.strip().splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: `eval.variants`") and "fp8" in lines[0]
     assert not (tmp_path / "tiny" / "eval").exists()
 

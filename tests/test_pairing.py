@@ -19,7 +19,7 @@ from pipeline.core.config import compose
 from pipeline.core.errors import SpecquantError
 from pipeline.core.io import read_json
 from pipeline.quant import pairing
-from tests._support import DRAFTER, TARGET, copy_world, run_cli, w4a16_group
+from tests._support import DRAFTER, TARGET, copy_world, run_main, w4a16_group
 
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
 _TC = read_json(TARGET / "config.json", "target")
@@ -146,20 +146,20 @@ def test_pairing_with_a_target_of_another_shape_is_refused_before_anything_loads
     # the serve check refuses it the same way, before it looks for vLLM or a GPU; nothing is written
     copy = tmp_path / "runs"
     shutil.copytree(world / "qw", copy / "qw")
-    r = run_cli("serve-check", *[o for o in _base(copy) if not o.startswith("target.")],
-                f"target.path={other}", f"target.tokenizer={other}", "serve.python=python3", "serve.targets=[bf16]",
-                "serve.variants=[w4a16-imatrix]")
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(
+    rc, _, err = run_main("serve-check", *[o for o in _base(copy) if not o.startswith("target.")],
+                          f"target.path={other}", f"target.tokenizer={other}", "serve.python=python3",
+                          "serve.targets=[bf16]", "serve.variants=[w4a16-imatrix]")
+    assert rc == 2, err
+    assert err.strip().splitlines()[-1].startswith(
         "error: `drafter/w4a16-imatrix` = 'w4a16-imatrix': it was calibrated against target `bf16` with "
         f"num_hidden_layers={n}, but is paired with target `bf16`")
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in err
     assert not (copy / "qw" / "eval" / "serve_check.json").exists()
     # and publish refuses to ship it as that target's drafter, before anything is assembled
-    r = run_cli("publish", *[o for o in _base(copy) if not o.startswith("target.")],
-                f"target.path={other}", f"target.tokenizer={other}", "publish.variants=[w4a16-imatrix]")
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines()[-1] == (
+    rc, _, err = run_main("publish", *[o for o in _base(copy) if not o.startswith("target.")],
+                          f"target.path={other}", f"target.tokenizer={other}", "publish.variants=[w4a16-imatrix]")
+    assert rc == 2, err
+    assert err.strip().splitlines()[-1] == (
         f"error: `drafter/w4a16-imatrix` = 'w4a16-imatrix': it was calibrated against target `bf16` with "
         f"num_hidden_layers={n}, but is paired with target `bf16` ({other}) with num_hidden_layers={n + 1}; "
         "pair it with the target it was made for, or re-run cache and quantize-drafter for this target.")

@@ -77,14 +77,16 @@ def test_planted_token_is_in_no_file_and_no_output(run, tmp_path, capfd, monkeyp
 @pytest.mark.faults("secret")
 def test_token_given_on_the_command_line_is_scrubbed(run, tmp_path):
     """A token passed as `publish.token=...` (no env): scrubbed from the captured argv, overrides and resolved config of every stage record, manifests and outputs."""
+    from tests._support import run_main  # in this process (the test above: real ones); argv as -m sets it
+
     runs = _runs(run, tmp_path)
-    env = {k: v for k, v in ENV.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "SPECQUANT_HF_TOKEN")}
+    no_token = {k: None for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "SPECQUANT_HF_TOKEN")}
     ov = overrides(runs, "publish.namespace=specquant-test", f"publish.token={ARG_TOKEN}")
     texts = []
     for stage in ("manifest", "publish"):
-        res = _cli(stage, *ov, env=env)
-        texts += [res.stdout, res.stderr]
-        assert res.returncode == 0, res.stderr[-3000:]
+        rc, out, err = run_main(stage, *ov, env={**no_token, "OMP_NUM_THREADS": ENV["OMP_NUM_THREADS"]})
+        texts += [out, err]
+        assert rc == 0, err[-3000:]
     record = (runs / "qw" / "stages" / "manifest.json").read_text()
     assert "publish.token=***" in record  # the override was captured, without its value
     assert [t for t in texts if ARG_TOKEN in t] == []
