@@ -45,6 +45,23 @@ def quantized_world(fixture_world, tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="session")
+def massive_world(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """runs root with `target/` (the fixture target with massive activations, _support.massive_activation_target)
+    and `qw/`: its blend, the real cache stage's output and quantize-drafter quant=nvfp4 quant.observer=minmax
+    (test_quant_drafter and test_quant_scale_search both start from it); returns (runs root, target, result)."""
+    import torch
+
+    from pipeline.stages import quantize_drafter
+
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("massive_world")
+    target = _support.massive_activation_target(root / "target")
+    _support.build_world(root, target=target)
+    return root, target, quantize_drafter.run(_support.world_cfg(root, "quant=nvfp4", "quant.observer=minmax",
+                                                                 target=target))
+
+
+@pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> dict:
     """One real run of the fixture world: data -> cache -> quantize-drafter nvfp4 (subprocess) -> manifest."""
     return _support.tiny_run(tmp_path_factory.mktemp("tiny_run"))

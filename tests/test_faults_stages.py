@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.io import read_json
-from tests._support import ENV, REPO, leftovers, outputs, overrides, quantize_cli
+from tests._support import ENV, REPO, leftovers, outputs, overrides, quantize_cli, run_main
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +64,11 @@ def test_quantize_drafter_sigkill_then_rerun(point, run, tmp_path):
     if point != "during_oneshot":
         assert leftovers(qw), "the kill should leave the partial checkpoint dir the next run must clean"
 
-    again = quantize_cli(runs, tmp_path / "tmp")
-    _, err = again.communicate(timeout=300)
-    assert again.returncode == 0, err[-3000:]
+    # the re-run: the same entry point in this process (the kill above is the real process), with what
+    # quantize_cli gives its process (one thread, offline, its own TMPDIR)
+    rc, _, err = run_main("quantize-drafter", *overrides(runs), env={
+        "TMPDIR": str(tmp_path / "tmp"), **{k: ENV[k] for k in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}})
+    assert rc == 0, err[-3000:]
     assert outputs(qw) == run["outputs"]
     assert leftovers(qw) == []
     assert (qw / "stages" / "quantize-drafter-nvfp4.json").is_file()
@@ -135,8 +137,10 @@ def test_cache_stage_on_a_full_disk_then_resume(tmp_path):
 
         if grow:
             grow()
-        again = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-        assert again.returncode == 0, again.stderr[-3000:]
+        # the re-run with space: the same entry point in this process, with the environment `cmd` had
+        rc, _, err = run_main(*cmd[3:], env={k: ENV[k] for k in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE",
+                                                                 "TRANSFORMERS_OFFLINE")})
+        assert rc == 0, err[-3000:]
         index = read_json(cache / "index.json")
         assert index["content_hash"] == ref["content_hash"]
         record = read_json(run_dir / "stages" / "cache.json")

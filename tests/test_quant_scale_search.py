@@ -15,9 +15,7 @@ from pipeline.stages import quantize_drafter
 from tests._support import (
     DRAFTER,
     TARGET,
-    build_world,
     copy_world,
-    massive_activation_target,
     nvfp4_qdq_reference,
     world_cfg,
 )
@@ -166,16 +164,14 @@ def test_chunked_accumulation_matches_one_pass(monkeypatch):
     assert whole.errors == pytest.approx(ref, rel=1e-6)
 
 
-def test_search_leaves_the_fixed_scale_where_activations_exceed_it(tmp_path):
+def test_search_leaves_the_fixed_scale_where_activations_exceed_it(massive_world):
     # hidden states ~3e4: the fixed scale (absmax 2688) clips fc's input; the search must move away
     # from it, and the scale it picks on calibration data must also beat it on held-apart data
-    target = massive_activation_target(tmp_path / "target")
-    build_world(tmp_path, target=target)
-    result = quantize_drafter.run(world_cfg(tmp_path, "quant=nvfp4", "quant.observer=minmax", target=target))
+    root, _, result = massive_world  # quantize-drafter quant=nvfp4 quant.observer=minmax on it (conftest)
     fc = result["activation_scale_search"]["layers"]["fc"]
     assert fc["chosen"] != "fixed" and fc["chosen_scale"] < 0.2 * FIXED
     assert fc["error"]["chosen"] < 0.5 * fc["error"]["fixed"]
-    held = read_json(tmp_path / "qw" / "checks" / "drafter-nvfp4.json")["activation_error_heldout"]["fc"]
+    held = read_json(root / "qw" / "checks" / "drafter-nvfp4.json")["activation_error_heldout"]["fc"]
     assert held["calibrated_scale"] == fc["chosen_scale"]
     assert held["relative_error"]["calibrated"] < 0.5 * held["relative_error"]["fixed"]
 
