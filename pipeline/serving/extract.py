@@ -81,7 +81,7 @@ def run_job(job: dict) -> dict:
         llm = LLM(**kwargs)
         result["load_s"] = round(time.perf_counter() - t0, 3)
 
-        def params(g: int):  # the request names its file, so the reader knows it before generate() returns
+        def params(g: int):  # the request names its file, so the reader knows it before vLLM finishes it
             return SamplingParams(max_tokens=1, temperature=0.0,
                                   extra_args={"kv_transfer_params": {"hidden_states_path": sample_path(out_dir, g)}})
         # one continuous request stream in shard order (no drain at a shard's end): requests are added
@@ -128,7 +128,7 @@ def run_job(job: dict) -> dict:
             with fh:
                 fcntl.flock(fh, fcntl.LOCK_SH)
         result["extract_s"] = round(time.perf_counter() - t1, 3)
-        result["tokens"] = sum(len(ids[g]) for c in chunks for g in c)
+        result["tokens"] = sum(len(ids[g]) for g in order)
         if torch.cuda.is_available():
             result["gpu"] = torch.cuda.get_device_name(0)
         import vllm
