@@ -168,3 +168,33 @@ def test_processes_flushing_at_once_lose_no_digest(tmp_path):
     paths = {Path(e["path"]).name: e["sha256"] for e in doc["entries"].values()}
     assert paths == {f"{t}-{i}.bin": sha256_bytes(f"{t} {i}".encode()) for t in "ab" for i in range(25)}
     assert not [p for p in (run / ".work").iterdir() if p.name not in ("hashes.json", "hashes.lock")]
+
+
+_READER = """
+import sys
+from pipeline.core import hashes
+hashes.use_run(sys.argv[1])
+hashes.reset_counters()
+digests = [hashes.sha256_file(p) for p in sys.argv[2:]]
+print(hashes.bytes_hashed(), *digests)
+"""
+
+
+def test_files_written_in_a_folder_swapped_in_keep_their_digests_for_the_next_process(tmp_path):
+    """A folder `atomic_dir` renames into place (every checkpoint, quantize-drafter's bf16 reference) keeps its
+    files' digests in the run's store: the next stage, another process, reads none of their bytes."""
+    from pipeline.core.io import atomic_dir
+
+    run = tmp_path / "run"
+    hashes.use_run(run)
+    with atomic_dir(run / "drafter" / "bf16") as tmp:
+        atomic_write_bytes(tmp / "config.json", b"{}\n")  # hashed while written
+        scratch = run / ".work" / "fresh.bin"
+        atomic_write_bytes(scratch, b"w" * 5000)
+        hashes.move(scratch, tmp / "model.safetensors")  # written elsewhere in the run, moved in
+    assert hashes.flush() is not None
+    files = [run / "drafter" / "bf16" / n for n in ("config.json", "model.safetensors")]
+    out = subprocess.run([sys.executable, "-c", _READER, str(run), *map(str, files)], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", sha256_bytes(b"{}\n"), sha256_bytes(b"w" * 5000)]

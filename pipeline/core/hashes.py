@@ -120,6 +120,20 @@ def move(src: str | os.PathLike, dst: str | os.PathLike) -> None:
                 record(dst, digest, st2)
 
 
+def moved_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """After `os.replace(src_dir, dst_dir)`: the files inside keep their inode and stamp, so their digests stay
+    valid, but the memo names them under `src`; name them under `dst`, or `flush` would find the old paths gone
+    and drop them (a checkpoint folder swapped in by `pipeline.core.io.atomic_dir` would be read again)."""
+    old, new = os.path.abspath(src) + os.sep, os.path.abspath(dst) + os.sep
+    with _lock:
+        for table in (_known, _new):
+            for key, entry in list(table.items()):
+                if entry["path"].startswith(old):
+                    table[key] = {**entry, "path": new + entry["path"][len(old):]}
+                    if table is _known:
+                        _new[key] = table[key]
+
+
 def count_read(nbytes: int, path: str | os.PathLike | None = None) -> None:
     """Count bytes read for hashing outside `sha256_file` (e.g. a file read whole for a copy and hashed)."""
     with _lock:

@@ -321,6 +321,9 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
             old = final.parent / f"{PARTIAL_PREFIX}{final.name}-old-{os.getpid()}"
             os.replace(final, old)
         os.replace(tmp, final)
+        from pipeline.core import hashes
+
+        hashes.moved_dir(tmp, final)  # the digests of files written inside stay valid under their new names
         _fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
