@@ -12,8 +12,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one thread per process: `make test` runs one pytest worker per core, and the tiny tensors here gain nothing
+# from a second thread, whose spin-waits only take CPU from the other worker (subprocesses inherit it)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests import _support  # noqa: E402  (after the offline switches above)
+
+_support.torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -26,9 +31,6 @@ def chat_tokenizer(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def fixture_world(tmp_path_factory) -> Path:
     """runs root with `qw/`: the fixture world's blend (30 samples) and the real cache stage's output."""
-    import torch
-
-    torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("fixture_world")
     _support.build_world(root)
     return root
@@ -49,11 +51,8 @@ def massive_world(tmp_path_factory) -> tuple[Path, Path, dict]:
     """runs root with `target/` (the fixture target with massive activations, _support.massive_activation_target)
     and `qw/`: its blend, the real cache stage's output and quantize-drafter quant=nvfp4 quant.observer=minmax
     (test_quant_drafter and test_quant_scale_search both start from it); returns (runs root, target, result)."""
-    import torch
-
     from pipeline.stages import quantize_drafter
 
-    torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("massive_world")
     target = _support.massive_activation_target(root / "target")
     _support.build_world(root, target=target)

@@ -30,7 +30,6 @@ GT = math.gcd(128, int(_TC["hidden_size"]), int(_TC["intermediate_size"]))
 @pytest.fixture(scope="module")
 def world(quantized_world, tmp_path_factory):
     """A private copy of the session's fixture world, its w4a16 drafter included (tests/conftest.py)."""
-    torch.set_num_threads(2)
     return copy_world(quantized_world[0], tmp_path_factory.mktemp("cworld"))
 
 

@@ -42,7 +42,6 @@ def _stage(stage: str, module: str, overrides: list[str]):
 
 @pytest.fixture(scope="module")
 def world(fixture_world, tmp_path_factory):
-    torch.set_num_threads(2)
     root = copy_world(fixture_world, tmp_path_factory.mktemp("pworld"))
     base = _base(root)
     _stage("quantize-target", "pipeline.stages.quantize_target", [*base, "target_quant=w4a16"])

@@ -18,7 +18,6 @@ from tests._support import build_world, copy_world, geometry, world_cfg
 @pytest.fixture(scope="module")
 def world(quantized_world, tmp_path_factory):
     """A private copy of the session's fixture world with its nvfp4 drafter (tests/conftest.py)."""
-    torch.set_num_threads(2)
     return copy_world(quantized_world[0], tmp_path_factory.mktemp("qworld"))
 
 

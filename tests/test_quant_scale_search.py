@@ -26,7 +26,6 @@ FIXED = act_scale.fixed_input_global_scale(2688.0)  # 1.0, the calibration-free 
 @pytest.fixture(scope="module")
 def world(fixture_world, tmp_path_factory):
     """A private copy of the session's fixture world: blend + cache (tests/conftest.py)."""
-    torch.set_num_threads(2)
     return copy_world(fixture_world, tmp_path_factory.mktemp("sworld"))
 
 

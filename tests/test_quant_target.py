@@ -12,7 +12,6 @@ from tests._support import TARGET, world_cfg, write_blend
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("qtarget")
     write_blend(root / "qw" / "data")
     return root

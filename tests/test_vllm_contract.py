@@ -33,7 +33,6 @@ W4_GROUP = w4a16_group()  # divides every quantized width of the fixture drafter
 @pytest.fixture(scope="module")
 def world(quantized_world, tmp_path_factory):
     """A private copy of the session's fixture world with every scheme quantize-drafter writes (conftest)."""
-    torch.set_num_threads(2)
     return copy_world(quantized_world[0], tmp_path_factory.mktemp("vworld"))
 
 
