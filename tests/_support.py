@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -78,6 +77,33 @@ def build_chat_tokenizer(out: Path, chat_template: str | None = CHAT_TEMPLATE) -
                                    additional_special_tokens=["<|im_start|>", "<|MASK|>"])
     if chat_template:
         fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    return out
+
+
+FIXTURE_WORDS = ("user assistant system hello how are you what is the answer def add return a b code math "
+                 "one two three four five plus minus equals please write a function that sums numbers").split()
+
+
+def build_fixture_tokenizer(out: Path) -> Path:
+    """A word-level chat tokenizer inside the fixture target's vocabulary (`geometry()["vocab"]` ids, the last
+    `mask_token_id` = <|MASK|>), so the real evaluate stage can tokenize prompts for the fixture pair."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    g = geometry()
+    specials = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<unk>"]  # 0 = bos, 1 = eos, as the target says
+    words = list(dict.fromkeys(FIXTURE_WORDS))
+    vocab = {t: i for i, t in enumerate([*specials, *words])}
+    assert len(vocab) < g["mask_token_id"] < g["vocab"], "the fixture vocabulary is too small for the test words"
+    vocab.update({f"<|reserved_{i}|>": i for i in range(len(vocab), g["mask_token_id"])})  # ids without gaps
+    vocab["<|MASK|>"] = g["mask_token_id"]
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<unk>",
+                                   additional_special_tokens=["<|im_start|>", "<|MASK|>"])
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return out
 
@@ -392,46 +418,39 @@ HUB_BASE = "z-lab/Qwen3-8B-DFlash-b16"
 HUB_TARGET = "Qwen/Qwen3-8B"
 
 
-def _png() -> bytes:
-    """A valid 2x2 grey PNG (no plotting library needed)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
-    raw = b"".join(b"\x00" + bytes([128, 128]) for _ in range(2))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", (2).to_bytes(4, "big") * 2 + bytes([8, 0, 0, 0, 0]))
-            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+def publish_overrides(runs_root: Path, name: str = "tiny", seed: int = 0) -> list[str]:
+    """The publish tests' run: the fixture world under `runs_root/name`, quantize-drafter nvfp4 (QUANT) and
+    evaluate on two prompt subsets, with the fixture tokenizer `make_run` writes beside the run."""
+    tok, prompts = runs_root / "tokenizer", runs_root / "prompts"
+    return [f"runs_root={runs_root}", f"run_name={name}", f"seed={seed}", f"target.path={TARGET}",
+            f"target.tokenizer={tok}", f"drafter.path={DRAFTER}", "drafter.format=speculators",
+            "cache.storage_dtype=float32", "cache.samples_per_shard=4", *QUANT, "eval.name=fixture",
+            "eval.max_new_tokens=12", "eval.include_source=false", f"eval.prompt_sets=[{{name: chat, path: {prompts / 'chat.jsonl'}, field: prompt}},"
+            f"{{name: code, path: {prompts / 'code.jsonl'}, field: prompt}}]"]
+
+
+PUBLISH_PROMPTS = {"chat": ["hello how are you", "what is the answer please"],
+                   "code": ["def add a b return a plus b", "write a function that sums numbers"]}
 
 
 def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
-    """A run with drafter/{bf16,nvfp4}, a stage record, checks, eval; then the real manifest stage."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    """A real run of the fixture world for the publish tests, every file from the stage that makes it: the
+    blend (the data stage's writer: the fixture target has no corpus tokenizer), the cache stage,
+    quantize-drafter nvfp4 (drafter/bf16, drafter/nvfp4, checks/), evaluate (eval/ on PUBLISH_PROMPTS, with
+    `build_fixture_tokenizer`), each through `run_stage` as the entry point runs it, then the manifest stage."""
+    from pipeline.stages.runner import run_stage
 
+    build_fixture_tokenizer(runs_root / "tokenizer")
+    for subset, prompts in PUBLISH_PROMPTS.items():
+        (runs_root / "prompts").mkdir(parents=True, exist_ok=True)
+        (runs_root / "prompts" / f"{subset}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                                                      for p in prompts))
+    ov = publish_overrides(runs_root, name, seed)
     rd = runs_root / name
-    (rd / "drafter" / "bf16").mkdir(parents=True)
-    for f in ("config.json", "model.safetensors"):
-        shutil.copyfile(DRAFTER / f, rd / "drafter" / "bf16" / f)
-    q = rd / "drafter" / "nvfp4"
-    q.mkdir()
-    conf = json.loads((DRAFTER / "config.json").read_text())
-    conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
-    # what quantize-drafter writes with publish.target_model set: the target's Hub id (a push refuses a path)
-    conf["speculators_config"]["verifier"]["name_or_path"] = HUB_TARGET
-    (q / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-    g = torch.Generator().manual_seed(seed)
-    tensors = {k: (v + 0.01 * torch.randn(v.shape, generator=g)).contiguous()
-               for k, v in load_file(DRAFTER / "model.safetensors").items()}
-    save_file(tensors, q / "model.safetensors")
-    (q / "recipe.yaml").write_text("default_stage:\n  default_modifiers:\n    QuantizationModifier:\n"
-                                   "      scheme: NVFP4\n      ignore: [lm_head]\n")
-    write_drafter_check(rd, "nvfp4", "nvfp4", load_file(DRAFTER / "model.safetensors"), tensors)
-    (rd / "eval").mkdir()
-    write_eval_results(rd / "eval", {("bf16", "chat"): 2.5, ("nvfp4", "chat"): 2.4, ("bf16", "code"): 3.0,
-                                     ("nvfp4", "code"): 2.7})
-    (rd / "eval" / "report.md").write_text("# Acceptance\n\n| subset | bf16 | nvfp4 |\n")
-    (rd / "eval" / "tau.png").write_bytes(_png())
-    write_stage_record(rd, "quantize-drafter", compose([f"runs_root={runs_root}", f"run_name={name}", f"seed={seed}"]),
-                       ["quant=nvfp4"])
-    remanifest(runs_root, name)
+    write_blend(rd / "data", num_samples=16)
+    for stage in ("cache", "quantize-drafter", "evaluate"):
+        run_stage(stage, f"pipeline.stages.{stage.replace('-', '_')}", compose(ov), ov)
+    remanifest(runs_root, name, seed)
     return rd
 
 
@@ -453,46 +472,14 @@ def write_stage_record(run_dir: Path, stage: str, cfg, overrides: list[str], res
         hash_reused={"files": 0, "bytes": 0}, hashed_files={}, result=result or {}))
 
 
-def write_drafter_check(run_dir: Path, variant: str, scheme: str, reference: dict, quantized: dict) -> Path:
-    """`checks/drafter-<variant>.json` through the check report's writer (`pipeline.quant.checks.write_report`):
-    the relative weight error of every 2-D weight of `quantized` against `reference`; no held-apart rows."""
-    from pipeline.artifacts.check_report import DrafterCheck
-    from pipeline.quant import checks
-
-    errors = {k[:-len(".weight")]: float((quantized[k].float() - w.float()).norm() / w.float().norm())
-              for k, w in sorted(reference.items()) if k.endswith(".weight") and w.dim() == 2}
-    return checks.write_report(run_dir / "checks", DrafterCheck(
-        kind="drafter", variant=variant, checkpoint=f"drafter/{variant}", reference="drafter/bf16", scheme=scheme,
-        observer="minmax", calibration="none", reloaded=True, heldout_samples=0, heldout_anchors=0,
-        heldout_sample_ids=[], weight_error=errors, weight_error_summary=checks.summarize(errors),
-        layer_output_error_heldout={}, layer_output_error_summary={}))
-
-
-def write_eval_results(eval_dir: Path, tau: dict[tuple[str, str], float]) -> None:
-    """eval/results.json through evaluate's writer (`pipeline.artifacts.eval_results`), holding the
-    acceptance table {(variant, subset): tau} and nothing measured beyond it."""
-    from pipeline.artifacts import eval_results
-
-    order = list(dict.fromkeys(v for v, _ in tau))
-    subsets = list(dict.fromkeys(s for _, s in tau))
-    rows = [eval_results.TauRow(variant=v, subset=s, tau=t, relative_to_bf16=None if v == "bf16" else
-                                round(t / tau[("bf16", s)] - 1, 6)) for (v, s), t in tau.items()]
-    eval_results.write_results(eval_dir, eval_results.EvalResults(
-        stage="evaluate", config={}, block_size=geometry()["block_size"], max_new_tokens=8, stop_token_ids=[],
-        reference_variant="bf16", variant_order=order,
-        variants={v: {"subsets": {s: {"tau": tau[(v, s)]} for s in subsets}} for v in order},
-        drafter={}, target={"variant": "bf16"}, subsets=[{"name": s} for s in subsets], table=rows,
-        calibration_comparison=[], pairs={"targets": [], "served": {}, "matrix": {}, "warnings": {}, "comparison": []}))
-
-
-def remanifest(runs_root: Path, name: str = "tiny") -> None:
+def remanifest(runs_root: Path, name: str = "tiny", seed: int = 0) -> None:
     from pipeline.stages import manifest
 
-    manifest.run(compose([f"runs_root={runs_root}", f"run_name={name}"]))
+    manifest.run(compose(publish_overrides(runs_root, name, seed)))
 
 
 def publish_cfg(runs_root: Path, *extra: str, name: str = "tiny"):
-    return compose([f"runs_root={runs_root}", f"run_name={name}", f"publish.base_model={HUB_BASE}",
+    return compose([*publish_overrides(runs_root, name), f"publish.base_model={HUB_BASE}",
                     f"publish.target_model={HUB_TARGET}", "publish.namespace=specquant-test", *extra])
 
 

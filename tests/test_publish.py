@@ -1,8 +1,8 @@
 """The publish stage against the project's Hub server on 127.0.0.1 (tests.hubserver).
 
-The run folder (tests/_support.make_run; conftest's `pristine_runs`, `run_root`) is small but real: a safetensors drafter checkpoint (the golden speculators
-fixture for bf16, a re-saved tiny one for nvfp4), a captured stage record, eval results, and
-the real manifest stage on top (manifests, provenance, in-toto statement, file list).
+The run folder (tests/_support.make_run; conftest's `pristine_runs`, `run_root`) is small but real: the fixture
+world's cache, quantize-drafter nvfp4 (drafter/bf16, drafter/nvfp4, its check and stage record), eval/ through
+evaluate's writers, and the real manifest stage on top (manifests, provenance, in-toto statement, file list).
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.artifacts.eval_results import read_results
 from pipeline.core.config import compose
 from pipeline.core.errors import SpecquantError
 from tests._support import (
     DRAFTER,
     download,
     front_matter,
+    geometry,
     publish_cfg,
+    publish_overrides,
     push_cfg,
     remanifest,
     sha256,
@@ -63,7 +66,7 @@ def test_dry_run_assembles_verified_folder_with_card(run_root, tmp_path, capsys)
     names = set(rec["files"])
     for f in ("README.md", "config.json", "model.safetensors", "recipe.yaml", "calibration_manifest.json",
               "quant_run_manifest.json", "provenance/attestation.intoto.json", "provenance/files.sha256.json",
-              "eval/report.md", "eval/results.json", "eval/tau.png", "checks/drafter-nvfp4.json"):
+              "eval/report.md", "eval/results.json", "eval/tau_per_subset.png", "checks/drafter-nvfp4.json"):
         assert f in names, f
     assert not any(n.startswith(("tokenizer", "vocab", "merges", "special_tokens")) for n in names)
     assert sha256(folder / "model.safetensors") == sha256(run_root / "tiny" / "drafter" / "nvfp4" / "model.safetensors")
@@ -77,11 +80,18 @@ def test_dry_run_assembles_verified_folder_with_card(run_root, tmp_path, capsys)
     assert meta["license"] == "apache-2.0" and meta["library_name"] and meta["pipeline_tag"] == "text-generation"
     for t in ("speculative-decoding", "dflash", "speculators", "vllm", "nvfp4"):
         assert t in meta["tags"]
-    q = compose([]).quant
+    q = compose(publish_overrides(run_root)).quant  # what quantize-drafter ran with (its stage record)
+    speculative = f'"num_speculative_tokens":{geometry()["block_size"] - 1}'
     for text in ("not** a chat", TARGET, f"`{q.num_samples}`", f"`{q.max_seq_len}`", f"`{q.observer}`",
-                 "vllm serve Qwen/Qwen3-8B --attention-backend FLASH_ATTN --speculative-config", '"num_speculative_tokens":3',
-                 "python -m pipeline verify", "Not measured", "![eval/tau.png](eval/tau.png)", "-4.0%", "-10.0%"):
+                 "vllm serve Qwen/Qwen3-8B --attention-backend FLASH_ATTN --speculative-config", speculative,
+                 "python -m pipeline verify", "Not measured", "![eval/tau_per_subset.png](eval/tau_per_subset.png)"):
         assert text in readme, text
+    # the card's tau table is evaluate's: every quantized row with its change against bf16
+    rows = read_results(run_root / "tiny" / "eval").table
+    assert {r.variant for r in rows} == {"bf16", "nvfp4"}
+    for r in rows:
+        if r.variant == "nvfp4" and r.subset != "all":
+            assert f"{r.tau:.3f} ({r.relative_to_bf16 * 100:+.1f}%)" in readme, r
 
     # same run, same config: byte-identical folder and record; a killed assemble's partial folder is cleared
     before = {p: sha256(p) for p in sorted((run_root / "tiny" / "publish").rglob("*")) if p.is_file()}
@@ -205,7 +215,7 @@ def test_planted_token_never_written_or_printed(run_root, hub, tmp_path, capfd, 
 
     caplog.set_level("DEBUG")
     monkeypatch.setenv("HF_HUB_VERBOSITY", "debug")
-    overrides = [f"runs_root={run_root}", "run_name=tiny", "publish.dry_run=false", f"publish.endpoint={hub.url}",
+    overrides = [*publish_overrides(run_root), "publish.dry_run=false", f"publish.endpoint={hub.url}",
                  "publish.namespace=specquant-test"]
     run_stage("publish", "pipeline.stages.publish", compose(overrides), overrides)
     run_stage("publish", "pipeline.stages.publish", compose([*overrides, f"publish.token={TOKEN}x"]),

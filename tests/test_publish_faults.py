@@ -20,7 +20,7 @@ import pytest
 
 from pipeline.core.errors import SpecquantError
 from tests._support import PUBLISH_TOKEN as TOKEN
-from tests._support import REPO, download, publish_cfg, push_cfg
+from tests._support import REPO, download, publish_cfg, publish_overrides, push_cfg
 
 REPO_ID = "specquant-test/tiny-dflash-b8-nvfp4"
 
@@ -137,7 +137,7 @@ def test_publish_process_killed_mid_upload_then_rerun_completes(run_root, pristi
 
     store = tmp_path / "hub"
     with HubServer(store, slow_put=0.3) as srv:
-        overrides = [f"runs_root={run_root}", "run_name=tiny", "publish.dry_run=false",
+        overrides = [*publish_overrides(run_root), "publish.dry_run=false",
                      f"publish.endpoint={srv.url}", "publish.namespace=specquant-test"]
         proc = subprocess.Popen([sys.executable, "-m", "pipeline", "publish", *overrides], cwd=REPO,
                                 env={**os.environ, "HF_TOKEN": TOKEN}, stdout=subprocess.PIPE,

@@ -1,6 +1,6 @@
 """OpenSSF model signing of published folders, and the card's Hub front matter against validate-yaml.
 
-The run is test_publish's small real one (tests/_support.make_run) (safetensors checkpoints, the real manifest stage); publish is
+The run is test_publish's small real one (tests/_support.make_run: the cache, quantize-drafter, evaluate and manifest stages on the fixture world); publish is
 the real dry run with an elliptic-curve key generated here; verification is `python -m pipeline verify`
 (in process, through `pipeline.__main__.main`, so what is printed is what a user sees).
 """
