@@ -183,17 +183,18 @@ def test_bad_publish_inputs_one_sentence_nothing_pushed(case, run_root, hub, tmp
     """Bad publish settings: one sentence naming the field, before anything is written or pushed."""
     from pipeline.stages import publish
 
-    cfgs = {
-        "missing token": (push_cfg(run_root, hub.url), "publish.token_env"),
-        "unreachable endpoint": (push_cfg(run_root, f"http://127.0.0.1:{free_port()}"), "publish.endpoint"),
-        "invalid repo id": (push_cfg(run_root, hub.url, "publish.repo_id='me/bad name!'"), "publish.repo_id"),
-        "no repo id": (push_cfg(run_root, hub.url, "publish.namespace=null"), "publish.repo_id"),
-        "bad tag": (push_cfg(run_root, hub.url, "publish.tag='v 1/x'"), "publish.tag"),
-        "unknown variant": (push_cfg(run_root, hub.url, "publish.variants=[w8a8]"), "publish.variants"),
-        "symlink out of the run": (push_cfg(run_root, hub.url), "publish"),
-        "pickle weights": (push_cfg(run_root, hub.url), "publish"),
+    cfgs = {  # composed on demand: only this case's config
+        "missing token": (lambda: push_cfg(run_root, hub.url), "publish.token_env"),
+        "unreachable endpoint": (lambda: push_cfg(run_root, f"http://127.0.0.1:{free_port()}"), "publish.endpoint"),
+        "invalid repo id": (lambda: push_cfg(run_root, hub.url, "publish.repo_id='me/bad name!'"), "publish.repo_id"),
+        "no repo id": (lambda: push_cfg(run_root, hub.url, "publish.namespace=null"), "publish.repo_id"),
+        "bad tag": (lambda: push_cfg(run_root, hub.url, "publish.tag='v 1/x'"), "publish.tag"),
+        "unknown variant": (lambda: push_cfg(run_root, hub.url, "publish.variants=[w8a8]"), "publish.variants"),
+        "symlink out of the run": (lambda: push_cfg(run_root, hub.url), "publish"),
+        "pickle weights": (lambda: push_cfg(run_root, hub.url), "publish"),
     }
-    cfg, field = cfgs[case]
+    make, field = cfgs[case]
+    cfg = make()
     ckpt = run_root / "tiny" / "drafter" / "nvfp4"
     if case == "missing token":
         monkeypatch.delenv("HF_TOKEN")
