@@ -28,12 +28,37 @@ def chat_tokenizer(tmp_path_factory) -> Path:
 
 # ---------------------------------------------------------------- built once per session, shared by modules
 # Each is read-only for its users: a test that changes files works on a copy (copy_world, run_root).
+def _built_once(tmp_path_factory, name: str, build):
+    """`build(root) -> value` (JSON-able) run once per test session: under pytest-xdist the first worker to ask
+    builds it in the session's shared base temp folder, holding an exclusive lock, and every other worker waits
+    for it and reads the value back (a build that failed is redone by the next worker that asks). The value
+    always goes through JSON, so it is the same object whichever worker built it."""
+    import fcntl
+    import json
+    import shutil
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return json.loads(json.dumps(build(tmp_path_factory.mktemp(name))))
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-<n>/, above each worker's popen-gw<i>/
+    root, done = shared / f"shared-{name}", shared / f"shared-{name}.json"
+    with open(shared / f"shared-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            tmp = done.with_suffix(".tmp")
+            tmp.write_text(json.dumps(build(root)))
+            os.replace(tmp, done)
+        return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def fixture_world(tmp_path_factory) -> Path:
     """runs root with `qw/`: the fixture world's blend (30 samples) and the real cache stage's output."""
-    root = tmp_path_factory.mktemp("fixture_world")
-    _support.build_world(root)
-    return root
+    def build(root):
+        _support.build_world(root)
+        return str(root)
+    return Path(_built_once(tmp_path_factory, "fixture_world", build))
 
 
 @pytest.fixture(scope="session")
@@ -42,8 +67,12 @@ def quantized_world(fixture_world, tmp_path_factory) -> tuple[Path, dict]:
     (tests/_support.SHARED_VARIANTS); returns (runs root, {variant: the stage's result})."""
     from pipeline.stages import quantize_drafter
 
-    root = _support.copy_world(fixture_world, tmp_path_factory.mktemp("quantized_world"))
-    return root, {v: quantize_drafter.run(_support.world_cfg(root, *ov)) for v, ov in _support.SHARED_VARIANTS.items()}
+    def build(root):
+        _support.copy_world(fixture_world, root)
+        return [str(root), {v: quantize_drafter.run(_support.world_cfg(root, *ov))
+                            for v, ov in _support.SHARED_VARIANTS.items()}]
+    root, results = _built_once(tmp_path_factory, "quantized_world", build)
+    return Path(root), results
 
 
 @pytest.fixture(scope="session")
@@ -53,25 +82,32 @@ def massive_world(tmp_path_factory) -> tuple[Path, Path, dict]:
     (test_quant_drafter and test_quant_scale_search both start from it); returns (runs root, target, result)."""
     from pipeline.stages import quantize_drafter
 
-    root = tmp_path_factory.mktemp("massive_world")
-    target = _support.massive_activation_target(root / "target")
-    _support.build_world(root, target=target)
-    return root, target, quantize_drafter.run(_support.world_cfg(root, "quant=nvfp4", "quant.observer=minmax",
-                                                                 target=target))
+    def build(root):
+        target = _support.massive_activation_target(root / "target")
+        _support.build_world(root, target=target)
+        return [str(root), str(target), quantize_drafter.run(_support.world_cfg(
+            root, "quant=nvfp4", "quant.observer=minmax", target=target))]
+    root, target, result = _built_once(tmp_path_factory, "massive_world", build)
+    return Path(root), Path(target), result
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> dict:
     """One real run of the fixture world: data -> cache -> quantize-drafter nvfp4 (subprocess) -> manifest."""
-    return _support.tiny_run(tmp_path_factory.mktemp("tiny_run"))
+    def build(root):
+        run = _support.tiny_run(root)
+        return {**run, "template": str(run["template"]), "reference": str(run["reference"])}
+    run = _built_once(tmp_path_factory, "tiny_run", build)
+    return {**run, "template": Path(run["template"]), "reference": Path(run["reference"])}
 
 
 @pytest.fixture(scope="session")
 def pristine_runs(tmp_path_factory) -> Path:
-    """The publish tests' small run (the manifest stage and torch import dominate): built once."""
-    root = tmp_path_factory.mktemp("pristine") / "runs"
-    _support.make_run(root)
-    return root
+    """The publish tests' small run (tests/_support.make_run: real stages on the fixture world): built once."""
+    def build(root):
+        _support.make_run(root / "runs")
+        return str(root / "runs")
+    return Path(_built_once(tmp_path_factory, "pristine", build))
 
 
 @pytest.fixture
