@@ -441,8 +441,8 @@ def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
     from pipeline.stages.runner import run_stage
 
     build_fixture_tokenizer(runs_root / "tokenizer")
+    (runs_root / "prompts").mkdir(parents=True, exist_ok=True)
     for subset, prompts in PUBLISH_PROMPTS.items():
-        (runs_root / "prompts").mkdir(parents=True, exist_ok=True)
         (runs_root / "prompts" / f"{subset}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
                                                                       for p in prompts))
     ov = publish_overrides(runs_root, name, seed)

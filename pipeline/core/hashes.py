@@ -125,13 +125,10 @@ def moved_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     valid, but the memo names them under `src`; name them under `dst`, or `flush` would find the old paths gone
     and drop them (a checkpoint folder swapped in by `pipeline.core.io.atomic_dir` would be read again)."""
     old, new = os.path.abspath(src) + os.sep, os.path.abspath(dst) + os.sep
-    with _lock:
-        for table in (_known, _new):
-            for key, entry in list(table.items()):
-                if entry["path"].startswith(old):
-                    table[key] = {**entry, "path": new + entry["path"][len(old):]}
-                    if table is _known:
-                        _new[key] = table[key]
+    with _lock:  # every entry of _new is also in _known (record, lookup)
+        for key, entry in list(_known.items()):
+            if entry["path"].startswith(old):
+                _known[key] = _new[key] = {**entry, "path": new + entry["path"][len(old):]}
 
 
 def count_read(nbytes: int, path: str | os.PathLike | None = None) -> None:
