@@ -250,12 +250,14 @@ def write_samples(data_dir: Path, samples: list[dict], seed: int = 0, max_seq_le
         blend_name="synthetic")
 
 
-def world_cfg(runs_root: Path, *overrides: str, target: Path = TARGET):
-    return compose([f"runs_root={runs_root}", "run_name=qw", f"target.path={target}", f"target.tokenizer={target}",
-                    f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32",
-                    "quant.num_samples=12", "quant.heldout_samples=12", "quant.anchors_per_sequence=8",
-                    "quant.max_seq_len=64", "target_quant.num_samples=4", "target_quant.max_seq_len=64",
-                    *overrides])
+def world_cfg(runs_root: Path, *overrides: str, target: Path = TARGET, tokenizer: Path | None = None,
+              overrides_only: bool = False):
+    """The fixture world's config (run `qw` under runs_root), composed; or its override list (`overrides_only`)."""
+    ov = [f"runs_root={runs_root}", "run_name=qw", f"target.path={target}", f"target.tokenizer={tokenizer or target}",
+          f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32",
+          "quant.num_samples=12", "quant.heldout_samples=12", "quant.anchors_per_sequence=8",
+          "quant.max_seq_len=64", "target_quant.num_samples=4", "target_quant.max_seq_len=64", *overrides]
+    return ov if overrides_only else compose(ov)
 
 
 def build_world(runs_root: Path, blend_seed: int = 0, num_samples: int = 30, target: Path = TARGET) -> Path:
@@ -452,24 +454,6 @@ def make_run(runs_root: Path, name: str = "tiny", seed: int = 0) -> Path:
         run_stage(stage, f"pipeline.stages.{stage.replace('-', '_')}", compose(ov), ov)
     remanifest(runs_root, name, seed)
     return rd
-
-
-def write_stage_record(run_dir: Path, stage: str, cfg, overrides: list[str], result: dict | None = None) -> Path:
-    """`stages/<stage>[-<variant>].json` through the stage record's writer (`pipeline.artifacts.stage_record`),
-    for a stage a test stands in for (its outputs built by the test): `cfg` (composed on the real tree) as the
-    resolved config, `overrides` as its command line, this checkout's versions, git state and device."""
-    from omegaconf import OmegaConf
-
-    from pipeline.artifacts.stage_record import StageRecord, write_record
-    from pipeline.stages.runner import device_info, git_state, package_versions, stage_record_name
-
-    argv = ["python", "-m", "pipeline", stage, *overrides]
-    return write_record(run_dir, stage_record_name(stage, cfg), StageRecord(
-        stage=stage, command=" ".join(argv), argv=argv, overrides=list(overrides),
-        launcher={"torchrun": False, "world_size": 1}, resolved_config=OmegaConf.to_container(cfg, resolve=True),
-        seed=int(cfg.seed), started_utc="2026-01-01T00:00:00+00:00", wall_time_s=1.0, versions=package_versions(),
-        git=git_state(), source_sha256=None, device=device_info(), bytes_hashed=0, files_hashed=0,
-        hash_reused={"files": 0, "bytes": 0}, hashed_files={}, result=result or {}))
 
 
 def remanifest(runs_root: Path, name: str = "tiny", seed: int = 0) -> None:

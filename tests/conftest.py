@@ -64,13 +64,17 @@ def fixture_world(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def quantized_world(fixture_world, tmp_path_factory) -> tuple[Path, dict]:
     """A copy of `fixture_world` with quantize-drafter's nvfp4, nvfp4a16 and w4a16 variants written once
-    (tests/_support.SHARED_VARIANTS); returns (runs root, {variant: the stage's result})."""
-    from pipeline.stages import quantize_drafter
+    (tests/_support.SHARED_VARIANTS) through `run_stage`, as the entry point runs them (each with its stage
+    record); returns (runs root, {variant: the stage's result})."""
+    from pipeline.stages.runner import run_stage
 
     def build(root):
         _support.copy_world(fixture_world, root)
-        return [str(root), {v: quantize_drafter.run(_support.world_cfg(root, *ov))
-                            for v, ov in _support.SHARED_VARIANTS.items()}]
+        results = {}
+        for v, ov in _support.SHARED_VARIANTS.items():
+            full = _support.world_cfg(root, *ov, overrides_only=True)
+            results[v] = run_stage("quantize-drafter", "pipeline.stages.quantize_drafter", _support.compose(full), full)
+        return [str(root), results]
     root, results = _built_once(tmp_path_factory, "quantized_world", build)
     return Path(root), results
 

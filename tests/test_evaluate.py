@@ -1,5 +1,6 @@
-"""The evaluate stage on a tiny world built here: real target, real DFlash drafter, real llm-compressor
-checkpoints (NVFP4 W4A4, its calibration-free twin, NVFP4A16, W4A16) in speculators format."""
+"""The evaluate stage on the session's fixture world (tests/conftest.py `quantized_world`): the real cache,
+quantize-drafter (NVFP4 W4A4, its calibration-free twin, NVFP4A16, W4A16) and quantize-target (W4A16) stage
+runs, each with the stage record it writes, and the fixture tokenizer (tests/_support.build_fixture_tokenizer)."""
 
 from __future__ import annotations
 
@@ -10,204 +11,77 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._support import build_chat_tokenizer, nvfp4_qdq_reference, write_stage_record
+from tests._support import (
+    TARGET,
+    build_fixture_tokenizer,
+    copy_world,
+    geometry,
+    nvfp4_qdq_reference,
+    world_cfg,
+)
 
-H, INTER, HEADS, KV, HEAD_DIM = 128, 256, 8, 2, 16  # in_features divisible by 16 (NVFP4) and 128 (W4A16)
-BLOCK = 4
-QKV_IGNORE = r"re:.*self_attn\.[qkv]_proj$"
-SCHEMES = {"nvfp4": "NVFP4", "nvfp4-nocalib": "NVFP4", "nvfp4a16": "NVFP4A16", "w4a16": "W4A16"}
-# what each variant's stage record says (the quant preset and the settings _quantize uses: llm-compressor's
-# minmax observer; nvfp4's activation global scales from minmax over the calibration batches, nvfp4-nocalib's
-# the preset's fixed one, 1.0)
-RECORDED = {"nvfp4": ["quant=nvfp4", "quant.observer=minmax", "quant.activation_scale=minmax"],
-            "nvfp4-nocalib": ["quant=nvfp4-nocalib", "quant.observer=minmax"],
-            "nvfp4a16": ["quant=nvfp4a16", "quant.observer=minmax"],
-            "w4a16": ["quant=w4a16", "quant.observer=minmax"]}
-PROMPTS = {
-    "chat": ["Hello, how are you?", "Tell me about your day.", "What is your name?"],
-    "math": ["What is 2 + 3?", "Add 7 and 5.", "Is 9 larger than 4?"],
-    "code": ["def add(a, b):", "Write a function that returns a + b.", "print the sum"],
+SCHEMES = ("nvfp4", "nvfp4-nocalib", "nvfp4a16", "w4a16")  # the drafter variants besides bf16
+PROMPTS = {  # in the fixture tokenizer's words
+    "chat": ["hello how are you", "what is the answer please", "hello what is your answer"],
+    "math": ["what is one plus two", "two plus three equals", "four minus one equals what"],
+    "code": ["def add a b return a plus b", "write a function that sums numbers", "code that sums a b"],
 }
 
 
-class _NullProcessor:
-    def save_pretrained(self, *args, **kwargs):
-        return None
-
-
-def _target(tok_dir: Path, out: Path):
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=H, intermediate_size=INTER, num_hidden_layers=3,
-                      num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM, max_position_embeddings=512,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(cfg).eval()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return model, tok
-
-
-def _drafter(target, tok, target_dir: Path):
-    from pipeline.models.dflash import DFlashConfig, DFlashDrafter
-
-    torch.manual_seed(1)
-    cfg = DFlashConfig(vocab_size=len(tok), hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
-                       num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM, block_size=BLOCK,
-                       mask_token_id=tok.convert_tokens_to_ids("<|MASK|>"), aux_layer_ids=[1, 2], num_target_layers=3,
-                       verifier_name_or_path=str(target_dir), verifier_architectures=["Qwen3ForCausalLM"])
-    drafter = DFlashDrafter(cfg)
-    drafter.attach_target_weights(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
-    return drafter.eval()
-
-
-def _calibration_batches(target, tok, drafter, texts: list[str], new_tokens: int = 12, every: int = 3) -> list[dict]:
-    """Drafter forward batches from real target hidden states of greedy continuations."""
-    from pipeline.evaluation.prompts import render
-    from pipeline.models.spec_decode import aux_hidden, greedy_generate
-
-    batches = []
-    for text in texts:
-        ids = greedy_generate(target, render(tok, [{"role": "user", "content": text}]), new_tokens)
-        t = torch.tensor([ids])
-        with torch.no_grad():
-            hs = aux_hidden(target(t, output_hidden_states=True).hidden_states, drafter.config.aux_layer_ids)
-        anchors = torch.arange(1, len(ids) - BLOCK, every)[None]
-        batches.append({"input_ids": t, "hidden_states": hs, "position_ids": torch.arange(len(ids))[None],
-                        "document_ids": torch.zeros(1, len(ids), dtype=torch.long),
-                        "loss_mask": torch.ones(1, len(ids), dtype=torch.long),
-                        "anchor_positions": anchors, "anchor_valid": torch.ones_like(anchors, dtype=torch.bool)})
-    return batches
-
-
-def _train(drafter, batches: list[dict], steps: int = 80) -> None:
-    """A few Adam steps on the target's own greedy tokens, so acceptance lengths are not all 1."""
-    import torch.nn.functional as F
-
-    from pipeline.models.calibration import aligned_loss_mask, block_labels
-
-    torch.manual_seed(2)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=3e-3)
-    drafter.train()
-    for i in range(steps):
-        b = batches[i % len(batches)]
-        anchors = b["anchor_positions"].reshape(-1)
-        logits = drafter(**b).logits[0]
-        labels = block_labels(b["input_ids"], anchors, BLOCK)
-        mask = aligned_loss_mask(b["loss_mask"], anchors, b["anchor_valid"], BLOCK)
-        loss = (F.cross_entropy(logits, labels, reduction="none") * mask).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    drafter.eval()
-
-
-def _quantize(drafter, variant: str, batches, native_dir: Path, out: Path) -> None:
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from torch.utils.data import DataLoader
-
-    from pipeline.models.formats import speculators_config_dict
-
-    model = _copy_drafter(drafter, native_dir)
-    modifier = QuantizationModifier(targets="Linear", scheme=SCHEMES[variant],
-                                    ignore=[QKV_IGNORE, "re:(.*\\.)?lm_head$", "re:(.*\\.)?embed_tokens$"])
-    torch.manual_seed(0)
-    if variant == "nvfp4":
-        oneshot(model=model, dataset=DataLoader(batches, batch_size=None), recipe=[modifier],
-                processor=_NullProcessor(), pipeline="basic", num_calibration_samples=len(batches))
-    else:
-        oneshot(model=model, recipe=[modifier], pipeline="datafree")
-    if variant == "nvfp4-nocalib":  # data-free baseline: a fixed activation global scale (1.0)
-        for m in model.modules():
-            if isinstance(getattr(m, "input_global_scale", None), torch.Tensor):
-                m.input_global_scale.data.fill_(1.0)
-    tmp = out.parent / f"tmp-{out.name}"
-    model.save_pretrained(str(tmp), save_compressed=True)
-    qc = json.loads((tmp / "config.json").read_text())["quantization_config"]
-    out.mkdir(parents=True)
-    shutil.copyfile(tmp / "model.safetensors", out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(speculators_config_dict(model.config, quantization_config=qc)))
-    shutil.rmtree(tmp)
-
-
-def _quantize_target(target_dir: Path, out: Path) -> None:
-    """A W4A16 target checkpoint (data-free RTN), as quantize-target writes it."""
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    oneshot(model=model, recipe=[QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])],
-            pipeline="datafree")
-    model.save_pretrained(str(out), save_compressed=True)
-
-
-def _copy_drafter(drafter, native_dir: Path):
-    """A fresh copy whose config oneshot can re-read from disk (it reloads `name_or_path`)."""
-    from pipeline.models.dflash import DFlashDrafter
-    from pipeline.models.formats import save_native
-
-    if not (native_dir / "config.json").is_file():
-        save_native(drafter, native_dir)
-    model = DFlashDrafter(drafter.config)
-    model.load_state_dict(drafter.state_dict())
-    model.config.name_or_path = str(native_dir)
-    return model.eval()
-
-
-def _record(root: Path, target_dir: Path, variant: str) -> None:
-    """The variant's quantize-drafter stage record, through the record's writer: the drafter is quantized
-    here (in this test's own geometry, without a cache), so no stage ran to record it."""
+def _stage(stage: str, overrides: list[str]) -> dict:
+    """One stage through `run_stage`, as `python -m pipeline <stage>` runs it (so it writes its stage record)."""
     from pipeline.core.config import compose
+    from pipeline.stages.runner import run_stage
 
-    ov = [f"runs_root={root / 'runs'}", "run_name=tiny-eval", f"target.path={target_dir}",
-          f"target.tokenizer={target_dir}", f"drafter.path={root / 'runs' / 'tiny-eval' / 'drafter' / 'bf16'}",
-          *RECORDED[variant]]
-    write_stage_record(root / "runs" / "tiny-eval", "quantize-drafter", compose(ov), ov)
+    return run_stage(stage, f"pipeline.stages.{stage.replace('-', '_')}", compose(overrides), overrides)
 
 
-def build_world(root: Path) -> dict:
-    """target/, runs/tiny-eval/drafter/{bf16,nvfp4,nvfp4-nocalib,nvfp4a16,w4a16}/, eval/*.jsonl."""
-    from pipeline.models.formats import save_speculators
+def build_world(root: Path, quantized_runs: Path) -> dict:
+    """A copy of the session's quantized fixture world (drafter bf16, nvfp4, nvfp4a16, w4a16 and their
+    records) plus quantize-drafter nvfp4-nocalib, quantize-target w4a16, the tokenizer and prompt sets."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok_dir = build_chat_tokenizer(root / "tok")
-    target_dir = root / "target"
-    target, tok = _target(tok_dir, target_dir)
-    drafter = _drafter(target, tok, target_dir)
-    run = root / "runs" / "tiny-eval"
-    texts = [t for ts in PROMPTS.values() for t in ts]
-    _train(drafter, _calibration_batches(target, tok, drafter, texts, new_tokens=24, every=1))
-    save_speculators(drafter, run / "drafter" / "bf16", verifier=str(target_dir))
-    batches = _calibration_batches(target, tok, drafter, texts[::3])
-    for variant in SCHEMES:
-        _quantize(drafter, variant, batches, root / "native", run / "drafter" / variant)
-        _record(root, target_dir, variant)
-    _quantize_target(target_dir, run / "target" / "w4a16")
+    copy_world(quantized_runs, root / "runs")
+    tok_dir = build_fixture_tokenizer(root / "tokenizer")
+    base = overrides(root / "runs", tok_dir)
+    _stage("quantize-drafter", [*base, "quant=nvfp4-nocalib"])
+    _stage("quantize-target", [*base, "target_quant=w4a16", f"target_quant.group_size={target_group()}"])
     prompts = {}
     for name, texts in PROMPTS.items():
         prompts[name] = root / "eval" / f"{name}.jsonl"
         prompts[name].parent.mkdir(exist_ok=True)
         prompts[name].write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    return {"root": root, "target_dir": target_dir, "run": run, "prompts": prompts, "target": target, "tok": tok}
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    return {"root": root, "run": root / "runs" / "qw", "prompts": prompts, "target": target,
+            "tok_dir": tok_dir, "tok": AutoTokenizer.from_pretrained(tok_dir)}
+
+
+def target_group() -> int:
+    """A W4A16 group size that divides every quantized width of the fixture target (128 at most)."""
+    import math
+
+    c = json.loads((TARGET / "config.json").read_text())
+    head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    return math.gcd(128, int(c["hidden_size"]), int(c["intermediate_size"]), int(c["num_attention_heads"]) * head_dim,
+                    int(c["num_key_value_heads"]) * head_dim)
+
+
+def overrides(runs_root: Path, tok_dir: Path, *extra: str) -> list[str]:
+    """tests/_support.world_cfg's run (`qw`, the fixture pair) with the fixture tokenizer."""
+    return [*world_cfg(runs_root, tokenizer=tok_dir, overrides_only=True), *extra]
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    torch.set_num_threads(1)  # 2 shared cores: more threads only spin against other processes
-    return build_world(tmp_path_factory.mktemp("evalworld"))
+def world(quantized_world, tmp_path_factory):
+    return build_world(tmp_path_factory.mktemp("evalworld"), quantized_world[0])
 
 
-def compose_for(world: dict, *extra: str):
+def compose_for(world: dict, *extra: str, runs_root: Path | None = None):
     from pipeline.core.config import compose
 
     sets = ",".join(f"{{name:{n},path:'{p}',field:prompt}}" for n, p in world["prompts"].items())
-    return compose([f"runs_root={world['root'] / 'runs'}", "run_name=tiny-eval",
-                    f"target.path={world['target_dir']}", f"target.tokenizer={world['target_dir']}",
-                    f"drafter.path={world['run'] / 'drafter' / 'bf16'}", f"eval.prompt_sets=[{sets}]",
-                    "eval.max_new_tokens=8", *extra])
+    return compose(overrides(runs_root or world["root"] / "runs", world["tok_dir"], f"eval.prompt_sets=[{sets}]",
+                             "eval.max_new_tokens=8", *extra))
 
 
 def load_variant(world: dict, variant: str):
@@ -220,11 +94,11 @@ def crafted_block(drafter, tok, outlier: float = 40.0):
     """A draft_block input whose aux hidden states carry a few large outlier channels."""
     g = torch.Generator().manual_seed(3)
     n_aux = len(drafter.config.aux_layer_ids)
-    aux = torch.randn(1, 6, n_aux * H, generator=g)
+    aux = torch.randn(1, 6, n_aux * geometry()["hidden"], generator=g)
     aux[..., ::37] *= outlier
-    block = torch.full((1, BLOCK), drafter.config.mask_token_id)
+    block = torch.full((1, drafter.config.block_size), drafter.config.mask_token_id)
     block[0, 0] = tok.convert_tokens_to_ids("<|im_start|>")
-    return aux, block, torch.arange(6 + BLOCK)[None]
+    return aux, block, torch.arange(6 + drafter.config.block_size)[None]
 
 
 def test_nvfp4_linear_quantizes_its_input_like_vllm(world):
@@ -238,7 +112,7 @@ def test_nvfp4_linear_quantizes_its_input_like_vllm(world):
     lin = drafter.layers[0].mlp.down_proj
     gs = lin.input_global_scale
     assert gs.dtype == torch.float32 and float(gs) != 1.0  # the calibrated scale, read from the checkpoint
-    x = torch.randn(2, 5, INTER, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 5, geometry()["intermediate"], generator=torch.Generator().manual_seed(0))
     x[..., 7] = 300.0  # an outlier beyond the calibrated range: its blocks saturate
     y = lin(x)
     ref = torch.nn.functional.linear(nvfp4_qdq_reference(x, gs), lin.weight)
@@ -284,7 +158,7 @@ def test_quantized_drafter_keeps_spec_decode_lossless(world):
             ids = render(tok, [{"role": "user", "content": text}])
             r = spec_generate(target, drafter, ids, 20, [tok.eos_token_id])
             assert r.output_ids == greedy_generate(target, ids, 20, [tok.eos_token_id])
-            assert len(r.acceptance_lengths) >= 1 and all(1 <= t <= BLOCK for t in r.acceptance_lengths)
+            assert len(r.acceptance_lengths) >= 1 and all(1 <= t <= geometry()["block_size"] for t in r.acceptance_lengths)
 
 
 def test_evaluate_stage_writes_results_report_plots_and_commands(world):
@@ -298,7 +172,8 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
             "acceptance_per_position.png", "prompts/chat.jsonl"} <= set(out["files"])
     assert out["lossless"] is True
     res = json.loads((ev / "results.json").read_text())
-    assert res["variant_order"] == ["bf16", "nvfp4", "nvfp4-nocalib", "nvfp4a16", "w4a16"]
+    # the configured drafter (the fixture's, outside the run) first, then the run's variants
+    assert res["variant_order"] == ["source", "bf16", *SCHEMES]
     assert res["variants"]["nvfp4"]["quantization"]["activations_quantized"] is True
     assert res["variants"]["w4a16"]["quantization"]["activations_quantized"] is False
     assert res["variants"]["bf16"]["files"]["model.safetensors"]  # checkpoint hashes recorded
@@ -306,11 +181,14 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     assert {v: (res["variants"][v]["scheme"], res["variants"][v]["calibration"]) for v in SCHEMES} == {
         "nvfp4": ("nvfp4", "cache"), "nvfp4-nocalib": ("nvfp4", "none"), "nvfp4a16": ("nvfp4a16", "none"),
         "w4a16": ("w4a16", "none")}
-    assert res["variants"]["nvfp4"]["what_is_calibrated"] == "activation scale (minmax)"
+    # nvfp4's record: conf/quant/nvfp4.yaml's activation-scale search (the weight observer reads no data)
+    recorded = json.loads((world["run"] / "stages" / "quantize-drafter-nvfp4.json").read_text())["resolved_config"]
+    assert recorded["quant"]["activation_scale"] == "mse"
+    assert res["variants"]["nvfp4"]["what_is_calibrated"] == "activation scale (mse)"
     for v in res["variant_order"]:
         for s in ("chat", "math", "code"):
             st = res["variants"][v]["subsets"][s]
-            assert st["drafted_tokens"] == st["steps"] * (BLOCK - 1)
+            assert st["drafted_tokens"] == st["steps"] * (geometry()["block_size"] - 1)
             assert abs(sum(st["position_acceptance"]) - (st["tau"] - 1)) < 1e-4  # curve sums to tau - 1
             assert st["accepted_tokens"] == round(st["steps"] * (st["tau"] - 1))
     # the bf16 tau is the one the drafter's own loop measures on the same prompts
@@ -329,12 +207,12 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     table = acceptance_table(read_results(ev), "nvfp4")  # the model card reads the flat rows of results.json
     assert table and "| chat |" in table and f"{res['variants']['nvfp4']['subsets']['chat']['tau']:.3f}" in table
     report = (ev / "report.md").read_text()
-    assert "| subset | `bf16` | `nvfp4` | `nvfp4-nocalib` | `nvfp4a16` | `w4a16` |" in report
+    assert "| subset | `source` | `bf16` | `nvfp4` | `nvfp4-nocalib` | `nvfp4a16` | `w4a16` |" in report
     assert "## Calibrated vs calibration-free" in report and "| nvfp4 | `nvfp4` | `nvfp4-nocalib` | chat |" in report
     assert "| **all** |" in report
     cmds = (ev / "vllm_commands.sh").read_text()
-    assert cmds.count("  vllm serve") == 5 and cmds.count("  vllm bench serve") == 3
-    assert '"num_speculative_tokens": 3' in cmds and '"method": "dflash"' in cmds
+    assert cmds.count("  vllm serve") == len(res["variant_order"]) and cmds.count("  vllm bench serve") == len(PROMPTS)
+    assert f'"num_speculative_tokens": {geometry()["block_size"] - 1}' in cmds and '"method": "dflash"' in cmds
     from PIL import Image
 
     for png in ("tau_per_subset.png", "acceptance_per_position.png"):
@@ -354,7 +232,7 @@ def test_evaluate_refuses_unknown_variant_before_work(world, tmp_path):
     cfg = compose_for(world, "eval.variants=[bf16,fp8]", f"runs_root={tmp_path}")
     with pytest.raises(SpecquantError, match="eval.variants"):
         evaluate.run(cfg)
-    assert not (tmp_path / "tiny-eval" / "eval").exists()
+    assert not (tmp_path / "qw" / "eval").exists()
 
 
 @pytest.mark.faults("bad_input")
@@ -377,15 +255,15 @@ def test_quantized_target_is_dequantized_and_still_lossless(world):
     dense, quant = world["target"].model.layers[0].mlp.down_proj, qt.model.layers[0].mlp.down_proj
     assert quant.weight.dtype == torch.float32 and quant.weight.shape == dense.weight.shape
     err = ((quant.weight - dense.weight).norm() / dense.weight.norm()).item()
-    assert 1e-3 < err < 0.3  # int4 group-128 rounding, not a different model
+    assert 1e-3 < err < 0.3  # int4 rounding (groups of target_group()), not a different model
     source = world["root"] / "source-drafter"  # the configured drafter, outside the run (include_source)
     shutil.copytree(world["run"] / "drafter" / "bf16", source)
     cfg = compose_for(world, "eval.limit=1", "eval.target_variant=w4a16", "eval.variants=[source,bf16,nvfp4]",
                       f"runs_root={world['root'] / 'runs-qt'}", f"drafter.path={source}", "eval.include_source=true")
-    shutil.copytree(world["run"] / "drafter", world["root"] / "runs-qt" / "tiny-eval" / "drafter")
-    shutil.copytree(world["run"] / "target", world["root"] / "runs-qt" / "tiny-eval" / "target")
+    shutil.copytree(world["run"] / "drafter", world["root"] / "runs-qt" / "qw" / "drafter")
+    shutil.copytree(world["run"] / "target", world["root"] / "runs-qt" / "qw" / "target")
     out = evaluate.run(cfg)
-    res = json.loads((world["root"] / "runs-qt" / "tiny-eval" / "eval" / "results.json").read_text())
+    res = json.loads((world["root"] / "runs-qt" / "qw" / "eval" / "results.json").read_text())
     assert out["lossless"] and res["target"]["variant"] == "w4a16"
     assert res["variant_order"] == ["source", "bf16", "nvfp4"] and res["variants"]["source"]["path"] == str(source)
     # this run has no stage records (drafter/ copied alone): the scheme is read off the checkpoint, and no
@@ -403,7 +281,7 @@ def test_quantized_target_is_dequantized_and_still_lossless(world):
         assert all(n == 0 for t in pairs["targets"] for n in pairs["matrix"][t][v]["lossless_mismatches"].values())
         assert set(pairs["matrix"]["bf16"][v]["subsets"]) == set(PROMPTS)
     assert pairs["served"]["w4a16"]["files_sha256"] != pairs["served"]["bf16"]["files_sha256"]
-    ev = world["root"] / "runs-qt" / "tiny-eval" / "eval"
+    ev = world["root"] / "runs-qt" / "qw" / "eval"
     assert (ev / "pair_matrix.png").stat().st_size > 1000
     report = (ev / "report.md").read_text()
     assert "## The served pair: every target x every drafter" in report
