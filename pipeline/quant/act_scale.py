@@ -317,27 +317,34 @@ def layer_record(layer: LayerError, chosen: int) -> dict:
                                "chosen": layer.relative(chosen)}}
 
 
-def heldout_errors(reference, quantized, batches, fixed: float) -> dict[str, dict]:
+class HeldoutErrors:
     """Activation-QDQ error on held-apart batches: the checkpoint's stored scale vs the fixed one.
 
-    Inputs come from the dense reference drafter (as in calibration); args and scales from the
-    reloaded checkpoint; W is the reference's dense weight.
+    Inputs come from the dense reference drafter's forward (as in calibration): `attach` hooks its
+    Linears, so the check's own reference forward feeds them (pipeline.quant.drafter_checks.compare);
+    args and scales come from the reloaded checkpoint; W is the reference's dense weight.
     """
-    q_modules = activation_quantized(quantized)
-    ref_modules = dict(reference.named_modules())
-    layers = {}
-    for name, m in q_modules.items():
-        stored = _f32(float(m.input_global_scale.reshape(-1)[0]))
-        scales = [("calibrated", stored)] + ([("fixed", _f32(fixed))] if _f32(fixed) != stored else [])
-        layers[name] = LayerError(ref_modules[name].weight, m.quantization_scheme.input_activations, scales)
-    run_hooked(reference, {n: ref_modules[n] for n in layers}, layers, batches, "held-apart activation error")
-    out = {}
-    for name, layer in layers.items():
-        cal = layer.relative(0)
-        fix = layer.relative(1) if len(layer.scales) > 1 else cal
-        out[name] = {"calibrated_scale": layer.scales[0], "rows": layer.rows,
-                     "relative_error": {"calibrated": cal, "fixed": fix}}
-    return out
+
+    def __init__(self, reference, quantized, fixed: float):
+        self.ref_modules = dict(reference.named_modules())
+        self.layers = {}
+        for name, m in activation_quantized(quantized).items():
+            stored = _f32(float(m.input_global_scale.reshape(-1)[0]))
+            scales = [("calibrated", stored)] + ([("fixed", _f32(fixed))] if _f32(fixed) != stored else [])
+            self.layers[name] = LayerError(self.ref_modules[name].weight, m.quantization_scheme.input_activations,
+                                           scales)
+
+    def attach(self) -> list:
+        return [self.ref_modules[name].register_forward_pre_hook(layer.hook) for name, layer in self.layers.items()]
+
+    def result(self) -> dict[str, dict]:
+        out = {}
+        for name, layer in self.layers.items():
+            cal = layer.relative(0)
+            fix = layer.relative(1) if len(layer.scales) > 1 else cal
+            out[name] = {"calibrated_scale": layer.scales[0], "rows": layer.rows,
+                         "relative_error": {"calibrated": cal, "fixed": fix}}
+        return out
 
 
 def summarize(record: dict[str, dict], keys: tuple[str, ...]) -> dict[str, float]:

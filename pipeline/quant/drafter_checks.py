@@ -61,9 +61,11 @@ class _Agreement:
 
 
 @torch.no_grad()
-def compare(reference, quantized, batches, block_size: int, band_factors=()) -> dict[str, dict]:
+def compare(reference, quantized, batches, block_size: int, band_factors=(), observers=()) -> dict[str, dict]:
     """KL(bf16 || quantized) and top-1 agreement, served (W4A4 emulated) and weights-only, plus the
     rounding band: served again with every activation global scale times each of `band_factors`.
+    `observers` (`attach() -> hook handles`) watch the bf16 drafter's one forward per batch, so the
+    per-layer checks read its layers' inputs without a forward of their own.
 
     Within the range the data occupies, multiplying a global scale by a non-power-of-two factor
     changes nothing but how the FP8 block scales round, so the band's spread is the rounding lottery
@@ -73,6 +75,7 @@ def compare(reference, quantized, batches, block_size: int, band_factors=()) -> 
     wider than rounding alone: a conservative yardstick. The bf16 logits of each batch serve every pass.
     """
     from compressed_tensors.quantization import disable_quantization, enable_quantization
+    from tqdm import tqdm
 
     device = next(reference.parameters()).device
     modules = act_scale.activation_quantized(quantized)
@@ -80,11 +83,12 @@ def compare(reference, quantized, batches, block_size: int, band_factors=()) -> 
     kept = {n: m.input_global_scale.detach().clone() for n, m in modules.items()}
     served, weights_only = _Agreement(block_size), _Agreement(block_size)
     band = [_Agreement(block_size) for _ in factors]
+    handles = [h for o in observers for h in o.attach()]
     try:
-        for batch in batches:
+        for batch in tqdm(batches, desc="held-apart checks", unit="sample"):
             mask = _rows_mask(batch, block_size).to(device)
             batch = {k: v.to(device) for k, v in batch.items()}
-            ref = reference(**batch).logits
+            ref = reference(**batch).logits  # the only forward of `reference`: what the observers see
             served.add(ref, quantized(**batch).logits, mask)
             for f, agree in zip(factors, band):
                 _set_scales(modules, kept, f)
@@ -96,6 +100,8 @@ def compare(reference, quantized, batches, block_size: int, band_factors=()) -> 
             finally:
                 quantized.apply(enable_quantization)
     finally:
+        for h in handles:
+            h.remove()
         _set_scales(modules, kept, 1.0)
     out = {"served": served.result(), "weights_only": weights_only.result()}
     if band and served.rows:
@@ -111,48 +117,41 @@ def _set_scales(modules: dict, kept: dict, factor: float) -> None:
         m.input_global_scale.data.copy_(kept[n] * factor)
 
 
-@torch.no_grad()
-def layer_output_errors(reference, quantized, batches) -> dict[str, float]:
+class LayerOutputErrors:
     """Per quantized Linear, on the held-apart batches: ||x W_q^T - x W^T|| / ||x W^T||, x = the layer's real
     input in the bf16 drafter's forward (for `fc`, the target's concatenated hidden states). This is the
     error GPTQ minimizes on its calibration inputs, measured on rows it never saw; weights only (the
-    activation-QDQ error is `activation_error_report`'s)."""
-    qmods = checks.quantized_modules(quantized)
-    ref_mods = dict(reference.named_modules())
-    num = {n: 0.0 for n in qmods}
-    den = {n: 0.0 for n in qmods}
+    activation-QDQ error is `act_scale.HeldoutErrors`'). An observer for `compare`."""
 
-    def hook(name):
+    def __init__(self, reference, quantized):
+        self.qmods = checks.quantized_modules(quantized)
+        self.ref_mods = dict(reference.named_modules())
+        self.num = {n: 0.0 for n in self.qmods}
+        self.den = {n: 0.0 for n in self.qmods}
+
+    def _hook(self, name):
         def fn(module, args, output):
             x = args[0].float()
-            w_q = qmods[name].weight.float()
+            w_q = self.qmods[name].weight.float()
             y = output.float()
             err = torch.nn.functional.linear(x, w_q, None if module.bias is None else module.bias.float()) - y
-            num[name] += float(err.pow(2).sum())
-            den[name] += float(y.pow(2).sum())
+            self.num[name] += float(err.pow(2).sum())
+            self.den[name] += float(y.pow(2).sum())
         return fn
 
-    from pipeline.models.calibration import skip_logits
+    def attach(self) -> list:
+        return [self.ref_mods[n].register_forward_hook(self._hook(n)) for n in self.qmods]
 
-    handles = [ref_mods[n].register_forward_hook(hook(n)) for n in qmods]
-    try:
-        device = next(reference.parameters()).device
-        with skip_logits(reference):  # only the quantized layers' inputs and outputs are read
-            for batch in batches:
-                reference(**{k: v.to(device) for k, v in batch.items()})
-    finally:
-        for h in handles:
-            h.remove()
-    return {n: (num[n] / den[n]) ** 0.5 if den[n] else float("nan") for n in qmods}
+    def result(self) -> dict[str, float]:
+        return {n: (self.num[n] / self.den[n]) ** 0.5 if self.den[n] else float("nan") for n in self.qmods}
 
 
-def activation_error_report(reference, quantized, held, q, search: dict | None) -> dict:
+def activation_error_report(heldout: dict | None, search: dict | None) -> dict:
     """Per-layer activation-QDQ error: the search's calibration-data record and, on the held-apart
-    batches, the checkpoint's scale against the calibration-free fixed one."""
-    if not act_scale.activation_quantized(quantized) or not len(held):
+    batches (`heldout`: `act_scale.HeldoutErrors.result()`), the checkpoint's scale against the
+    calibration-free fixed one."""
+    if not heldout:
         return {}
-    fixed = act_scale.fixed_input_global_scale(float(q.fixed_activation_amax))
-    heldout = act_scale.heldout_errors(reference, quantized, held, fixed)
     out = {"activation_error_heldout": heldout,
            "activation_error_summary": {"heldout": act_scale.summarize(heldout, ("calibrated", "fixed"))}}
     if search is not None:
@@ -187,9 +186,16 @@ def check_drafter(cfg, rd, q, reader, held_idx: list[int], dconf, search: dict |
 
 def _check(cfg, rd, q, reader, held_idx, reference, quantized, errors, held, dconf, search,
            out) -> check_report.DrafterCheck:
-    metrics = compare(reference, quantized, held, dconf.block_size, q.rounding_band_factors) if len(held) else {}
-    act = activation_error_report(reference, quantized, held, q, search)
-    out_err = layer_output_errors(reference, quantized, held) if len(held) else {}
+    # one pass over the held-apart batches: the agreement metrics, and the per-layer errors read off the
+    # bf16 drafter's forward by the observers
+    out_obs = LayerOutputErrors(reference, quantized)
+    act_obs = (act_scale.HeldoutErrors(reference, quantized, act_scale.fixed_input_global_scale(
+        float(q.fixed_activation_amax))) if act_scale.activation_quantized(quantized) else None)
+    observers = [o for o in (act_obs, out_obs) if o is not None]
+    metrics = compare(reference, quantized, held, dconf.block_size, q.rounding_band_factors,
+                      observers) if len(held) else {}
+    act = activation_error_report(act_obs.result() if act_obs is not None and len(held) else None, search)
+    out_err = out_obs.result() if len(held) else {}
     # paths relative to the run directory, so the report is byte-identical wherever the run lives
     served, weights_only, band = (metrics.get(k) for k in ("served", "weights_only", "served_rounding_band"))
     report = check_report.DrafterCheck(
