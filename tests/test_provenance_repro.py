@@ -11,7 +11,7 @@ import pytest
 from pipeline.core.config import compose
 from pipeline.stages import manifest
 from tests import repro
-from tests._support import overrides, quantize_cli
+from tests._support import ENV, overrides, run_main
 
 
 def _state(rd):
@@ -22,14 +22,17 @@ def _state(rd):
 @pytest.fixture(scope="module")
 def built(tiny_run, tmp_path_factory):
     """Two runs of the same inputs in different run roots: the session's reference run (tiny_run: data + cache,
-    the real quantize-drafter CLI, the manifest) and a second root from the same data + cache (tiny_run's
-    template, copied) through the same quantize-drafter CLI and manifest."""
+    quantize-drafter in a process of its own, the manifest) and a second root from the same data + cache
+    (tiny_run's template, copied) through the same entry point in this process (`run_main`: the process
+    state a new interpreter starts from, restored) and the manifest. `make repro-check` compares two whole
+    `make all` runs, each stage its own process."""
     for attempt in range(3):  # others may edit or commit the shared checkout meanwhile; CI's tree is still
         base = tmp_path_factory.mktemp(f"repro{attempt}")
         shutil.copytree(tiny_run["template"], base / "b" / "qw")
-        proc = quantize_cli(base / "b", base / "tmp-b")
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+        (base / "tmp-b").mkdir()
+        rc, _, err = run_main("quantize-drafter", *overrides(base / "b"), env={
+            "TMPDIR": str(base / "tmp-b"), **{k: ENV[k] for k in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}})
+        assert rc == 0, err[-3000:]
         manifest.run(compose(overrides(base / "b")))
         if _state(tiny_run["reference"]) == _state(base / "b" / "qw"):
             break
