@@ -21,6 +21,7 @@ from tests._support import (
 )
 
 SCHEMES = ("nvfp4", "nvfp4-nocalib", "nvfp4a16", "w4a16")  # the drafter variants besides bf16
+NEW_TOKENS = 4  # per prompt: the fixture drafter is untrained, so nearly every step emits one token
 PROMPTS = {  # in the fixture tokenizer's words
     "chat": ["hello how are you", "what is the answer please", "hello what is your answer"],
     "math": ["what is one plus two", "two plus three equals", "four minus one equals what"],
@@ -81,7 +82,7 @@ def compose_for(world: dict, *extra: str, runs_root: Path | None = None):
 
     sets = ",".join(f"{{name:{n},path:'{p}',field:prompt}}" for n, p in world["prompts"].items())
     return compose(overrides(runs_root or world["root"] / "runs", world["tok_dir"], f"eval.prompt_sets=[{sets}]",
-                             "eval.max_new_tokens=8", *extra))
+                             f"eval.max_new_tokens={NEW_TOKENS}", *extra))
 
 
 def load_variant(world: dict, variant: str):
@@ -197,7 +198,7 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
 
     subsets = load_prompt_sets(cfg.eval, world["tok"])
     bf16, _ = load_drafter_variant(world["run"] / "drafter" / "bf16", world["target"], torch.float32, "cpu")
-    ref = measure_tau(world["target"], bf16, {s.name: s.prompts for s in subsets}, 8, res["stop_token_ids"])
+    ref = measure_tau(world["target"], bf16, {s.name: s.prompts for s in subsets}, NEW_TOKENS, res["stop_token_ids"])
     for s in ("chat", "math", "code"):
         assert res["variants"]["bf16"]["subsets"][s]["tau"] == pytest.approx(ref["sets"][s]["mean_tau"], abs=1e-4)
         assert res["variants"]["bf16"]["subsets"][s]["steps"] == ref["sets"][s]["steps"]

@@ -90,11 +90,27 @@ def test_server_killed_at_a_request_then_rerun_completes(point, run_root, tmp_pa
         srv.kill()
 
 
+class _ShortWaits:
+    """The `time` module as huggingface_hub's HTTP retries see it, with `sleep` 20x shorter."""
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(seconds / 20)
+
+
 @pytest.mark.faults("kill")
-def test_server_killed_mid_lfs_upload_then_rerun_completes(run_root, tmp_path):
+def test_server_killed_mid_lfs_upload_then_rerun_completes(run_root, tmp_path, monkeypatch):
     """SIGKILL while the weights stream in: no partial object or commit is visible; the re-run completes."""
+    from huggingface_hub.utils import _http
+
     from pipeline.stages import publish
 
+    # huggingface_hub retries each failed request 5 times, waiting 1, 2, 4, 8, 8 s: the same retries here,
+    # each wait a twentieth as long (the other worker's tests have the core meanwhile either way)
+    monkeypatch.setattr(_http, "time", _ShortWaits())
     store = tmp_path / "hub"
     srv = Server(store, 0, "--slow-put", "0.4")
     outcome: dict = {}
@@ -113,7 +129,7 @@ def test_server_killed_mid_lfs_upload_then_rerun_completes(run_root, tmp_path):
         time.sleep(0.02)
     assert list((store / "lfs").glob(".tmp-*")), "the upload never started"
     srv.kill()
-    t.join(120)  # the client retries the upload for ~20 s before giving up
+    t.join(120)  # the client retries the upload (for ~1 s, ~23 s unpatched) before giving up
     assert not t.is_alive() and "error" in outcome, outcome
     assert "re-running" in outcome["error"] and "\n" not in outcome["error"]
     srv = Server(store, srv.port)  # restart cleans the half-written object
