@@ -188,13 +188,13 @@ def _check(cfg, rd, q, reader, held_idx, reference, quantized, errors, held, dco
            out) -> check_report.DrafterCheck:
     # one pass over the held-apart batches: the agreement metrics, and the per-layer errors read off the
     # bf16 drafter's forward by the observers
+    # (a weight-only checkpoint has no activation-quantized layer: act_obs then hooks none, reports {})
     out_obs = LayerOutputErrors(reference, quantized)
-    act_obs = (act_scale.HeldoutErrors(reference, quantized, act_scale.fixed_input_global_scale(
-        float(q.fixed_activation_amax))) if act_scale.activation_quantized(quantized) else None)
-    observers = [o for o in (act_obs, out_obs) if o is not None]
+    act_obs = act_scale.HeldoutErrors(reference, quantized,
+                                      act_scale.fixed_input_global_scale(float(q.fixed_activation_amax)))
     metrics = compare(reference, quantized, held, dconf.block_size, q.rounding_band_factors,
-                      observers) if len(held) else {}
-    act = activation_error_report(act_obs.result() if act_obs is not None and len(held) else None, search)
+                      [act_obs, out_obs]) if len(held) else {}
+    act = activation_error_report(act_obs.result() if len(held) else None, search)
     out_err = out_obs.result() if len(held) else {}
     # paths relative to the run directory, so the report is byte-identical wherever the run lives
     served, weights_only, band = (metrics.get(k) for k in ("served", "weights_only", "served_rounding_band"))
