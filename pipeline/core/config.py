@@ -227,16 +227,64 @@ def register() -> None:
         cs.store(name="specquant_schema", node=SpecquantConfig)
 
 
-def compose(overrides: list[str] | None = None, config_dir: str | Path | None = None):
-    """Compose the real config tree with overrides (the entry point and tests both use this)."""
-    from hydra import compose as hydra_compose
+def hydra_compose(overrides: list[str], config_dir: Path):
+    """Hydra's own compose of conf/config.yaml with these overrides (the hydra node left out)."""
+    from hydra import compose as _compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(Path(config_dir or CONF_DIR).resolve()), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides or []))
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return _compose(config_name="config", overrides=list(overrides))
+
+
+# (conf dir, its files' sizes and mtimes, the group overrides) -> the config Hydra composed from them; never
+# handed out itself (compose returns a copy)
+_COMPOSED: dict[tuple, Any] = {}
+
+
+def _conf_signature(config_dir: Path) -> tuple:
+    return tuple(sorted((str(p.relative_to(config_dir)), st.st_size, st.st_mtime_ns)
+                        for p in config_dir.rglob("*") if p.is_file() for st in [p.stat()]))
+
+
+def compose_fast(overrides: list[str], config_dir: Path):
+    """The same config as `hydra_compose`, composing each set of config-group choices once per process.
+
+    Hydra itself works in two steps: the overrides that name a config group (`quant=w4a16`) build the
+    defaults list, which is composed from conf/; then every other override (`quant.group_size=64`) is applied
+    to the composed config (`ConfigLoaderImpl._apply_overrides_to_config`, in struct mode). The first step
+    reads and merges every YAML file (about 0.25 s); it depends only on the group overrides and conf/'s files,
+    so its result is kept, keyed by both, and the second step - Hydra's own function, with Hydra's own errors
+    - runs on a copy. Overrides of Hydra's own node and sweeps take Hydra's whole path."""
+    import copy
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
+    parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+    if any(o.is_hydra_override() or o.is_sweep_override() for o in parsed):
+        return hydra_compose(overrides, config_dir)
+    # Hydra's own split (hydra/_internal/defaults_list.py, Overrides): a group's name, not a dict value
+    groups = [o for o in parsed if (config_dir / o.key_or_group).is_dir() and not isinstance(o.value(), dict)]
+    values = [o for o in parsed if o not in groups]
+    key = (str(config_dir), _conf_signature(config_dir), tuple(o.input_line for o in groups))
+    if key not in _COMPOSED:
+        _COMPOSED[key] = hydra_compose([o.input_line for o in groups], config_dir)
+    cfg = copy.deepcopy(_COMPOSED[key])
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    except OmegaConfBaseException as exc:  # as Hydra's load_configuration wraps it
+        raise ConfigCompositionException().with_traceback(exc.__traceback__) from exc
+    return cfg
+
+
+def compose(overrides: list[str] | None = None, config_dir: str | Path | None = None):
+    """Compose the real config tree with overrides (the entry point and tests both use this)."""
+    cfg = compose_fast(list(overrides or []), Path(config_dir or CONF_DIR).resolve())
     from omegaconf.errors import MissingMandatoryValue
 
     try:
