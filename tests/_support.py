@@ -369,12 +369,17 @@ def overrides(runs_root: Path, *extra: str) -> list[str]:
             f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32", *QUANT, *extra]
 
 
-def quantize_cli(runs_root: Path, tmpdir: Path, killpoint: str | None = None) -> subprocess.Popen:
+def quantize_cli(runs_root: Path, tmpdir: Path, killpoint: str | None = None, cold: bool = False):
+    """quantize-drafter in its own process (`killpoint`: hang at that call for a SIGKILL), forked from the
+    warm launcher (tests/warm.py) unless `cold`: then a real exec, as a user runs it."""
+    from tests import warm
+
     tmpdir.mkdir(parents=True, exist_ok=True)
     env = {**ENV, "TMPDIR": str(tmpdir), **({"SPECQUANT_TEST_KILLPOINT": killpoint} if killpoint else {})}
     argv = [sys.executable, "-c", KILLPOINT_MAIN] if killpoint else [sys.executable, "-m", "pipeline"]
-    return subprocess.Popen([*argv, "quantize-drafter", *overrides(runs_root)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launch = subprocess.Popen if cold else warm.popen
+    return launch([*argv, "quantize-drafter", *overrides(runs_root)], cwd=REPO, env=env,
+                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def outputs(run: Path) -> dict[str, str]:
@@ -406,7 +411,7 @@ def tiny_run(root: Path) -> dict:
     run_stage("cache", "pipeline.stages.cache", compose(ov), ov)
     reference = root / "reference"
     shutil.copytree(template, reference)
-    proc = quantize_cli(reference, root / "tmp")
+    proc = quantize_cli(reference, root / "tmp", cold=True)  # the suite's one real-exec run of the stage
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     run = {"template": template / "qw", "reference": reference / "qw", "outputs": outputs(reference / "qw")}

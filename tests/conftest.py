@@ -21,6 +21,15 @@ from tests import _support  # noqa: E402  (after the offline switches above)
 _support.torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_launcher():
+    """This worker's warm launcher (tests/warm.py), started before any test changes the environment: its
+    imports run beside the first tests, and fault tests fork their stage processes from it."""
+    from tests import warm
+
+    warm.start()
+
+
 @pytest.fixture(scope="session")
 def chat_tokenizer(tmp_path_factory) -> Path:
     return _support.build_chat_tokenizer(tmp_path_factory.mktemp("tok"))

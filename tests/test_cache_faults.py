@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pipeline.core.config import compose
+from tests import warm
 from tests._support import (  # noqa: F401
     REPO,
     TARGET,
@@ -44,9 +45,9 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     marker, pause_after = tmp_path / "paused", 5  # shard 0 done, shard 1 (samples 3-5) in flight
     one_lane = "cache.shards_in_flight=1"
     # the pause is patched in by tests/faults.py: the shipped writer has no test hook
-    proc = subprocess.Popen([sys.executable, "-m", "tests.faults", f"pause={pause_after}:{marker}", "--",
-                             "-m", "pipeline", "cache", *stage_overrides(run_dir, one_lane)],
-                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = warm.popen([sys.executable, "-m", "tests.faults", f"pause={pause_after}:{marker}", "--",
+                       "-m", "pipeline", "cache", *stage_overrides(run_dir, one_lane)],
+                      cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not marker.exists():
         assert proc.poll() is None, proc.stderr.read()

@@ -15,11 +15,8 @@ from pipeline.core import hashes
 from pipeline.core.io import atomic_write_bytes, sha256_bytes, sha256_file
 from pipeline.provenance import record as provenance
 from pipeline.stages import verify
-from tests import repro
-
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1",
-       "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+from tests import repro, warm
+from tests._support import ENV, REPO
 
 
 def _overrides(runs: Path) -> list[str]:
@@ -31,8 +28,8 @@ def _record(run: Path, name: str) -> dict:
 
 
 def _stage(stage: str, ov: list[str]) -> None:
-    r = subprocess.run([sys.executable, "-m", "pipeline", stage, *ov], cwd=REPO, env=ENV, capture_output=True,
-                       text=True, timeout=600)
+    r = warm.run([sys.executable, "-m", "pipeline", stage, *ov], cwd=REPO, env=ENV, capture_output=True,
+                 text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
 
 

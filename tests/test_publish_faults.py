@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.errors import SpecquantError
+from tests import warm
 from tests._support import PUBLISH_TOKEN as TOKEN
 from tests._support import REPO, download, publish_cfg, publish_overrides, push_cfg
 
@@ -155,9 +156,9 @@ def test_publish_process_killed_mid_upload_then_rerun_completes(run_root, pristi
     with HubServer(store, slow_put=0.3) as srv:
         overrides = [*publish_overrides(run_root), "publish.dry_run=false",
                      f"publish.endpoint={srv.url}", "publish.namespace=specquant-test"]
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "publish", *overrides], cwd=REPO,
-                                env={**os.environ, "HF_TOKEN": TOKEN}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = warm.popen([sys.executable, "-m", "pipeline", "publish", *overrides], cwd=REPO,
+                          env={**os.environ, "HF_TOKEN": TOKEN}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 90
         while time.time() < deadline and not list((store / "lfs").glob(".tmp-*")) and proc.poll() is None:
             time.sleep(0.02)

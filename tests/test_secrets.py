@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.config import CONF_DIR, compose
+from tests import warm
 from tests._support import ENV, REPO, overrides
 from tests.hubserver import HubServer
 
@@ -36,8 +37,8 @@ def _runs(run: dict, tmp_path: Path) -> Path:
 
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return warm.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env, capture_output=True,
+                    text=True, timeout=300)
 
 
 def _files_holding(root: Path, secret: str) -> list[str]:

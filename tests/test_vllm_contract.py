@@ -199,9 +199,10 @@ def test_ctrl_c_is_one_sentence_and_exit_130(world):
 
     # as from a terminal: a shell without job control starts background commands with SIGINT ignored, and a
     # Python started that way keeps ignoring it (no KeyboardInterrupt to turn into the sentence)
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "evaluate", f"runs_root={world / 'ctrl-c'}"],
-                            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    from tests import warm
+
+    proc = warm.popen([sys.executable, "-m", "pipeline", "evaluate", f"runs_root={world / 'ctrl-c'}"],
+                      cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, sigint_default=True)
     chunks: list[bytes] = []
 
     def read():
