@@ -43,7 +43,8 @@ def test_a_forked_run_looks_like_a_real_process(argv, tmp_path):
 
 
 def test_sigkill_and_ctrl_c_end_it_as_they_end_a_real_process(tmp_path):
-    code = "import sys, time\nprint('up', flush=True)\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n" \
+    # 'up' is printed inside the try: a SIGINT right after it must land in the handler, as in a real process
+    code = "import sys, time\ntry:\n    print('up', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n" \
            "    print('interrupted', flush=True)\n    sys.exit(130)\n"
     for sig, rc, said in ((signal.SIGKILL, -signal.SIGKILL, ""), (signal.SIGINT, 130, "interrupted\n")):
         proc = warm.popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
