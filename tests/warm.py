@@ -37,7 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 # read by the code the child runs, not while importing it (checked: pipeline/, huggingface_hub's get_token)
 RUNTIME_ENV = frozenset({"TMPDIR", "SPECQUANT_TEST_KILLPOINT", "PYTEST_CURRENT_TEST", "HF_TOKEN",
                          "SPECQUANT_SIGNING_KEY", "SPECQUANT_HUB_TOKEN", "COLUMNS", "LINES",
-                         "CUBLAS_WORKSPACE_CONFIG"})  # read when cuBLAS starts, on a GPU only
+                         "CUBLAS_WORKSPACE_CONFIG",  # read when cuBLAS starts, on a GPU only
+                         # torch puts its default into os.environ the first time it asks for the inductor
+                         # cache folder (torch/_inductor/runtime/cache_dir_utils.py) and reads it only there
+                         "TORCHINDUCTOR_CACHE_DIR"})
 # The server runs with PYTHONHASHSEED=0, so a child may stand for a real exec with PYTHONHASHSEED unset (whose
 # seed is random: 0 is one of its values) or 0. An in-process stage run sets it to its seed (pipeline/core/
 # seeding.py), for the processes it starts, so most workers' environments hold 0 after their first stage.
