@@ -43,6 +43,10 @@ VARIANTS = {
 }
 
 
+# how a stage's process is started (`subprocess.run`'s signature); the smoke test forks it (tests/warm.py)
+run_process = subprocess.run
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for quant_bench.json / quant_bench.md")
@@ -114,8 +118,8 @@ class QuantBench:
         cmd = [sys.executable, "-m", "bench.probe", str(probe), stage, *self.overrides(extra)]
         print(f"[quant-bench] $ {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            cwd=Path(__file__).resolve().parent.parent).returncode
+        rc = run_process(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         cwd=Path(__file__).resolve().parent.parent).returncode
         rec = json.loads(probe.read_text()) if probe.is_file() else {}
         rec.update({"rc": rc, "process_wall_s": round(time.perf_counter() - t0, 3)})
         return rec

@@ -12,9 +12,13 @@ from pipeline.core import config as C
 
 
 def _groups() -> list[list[str]]:
-    """Every option of every config group in conf/, one override list each."""
-    return [[f"{d.name}={f.stem}"] for d in sorted(C.CONF_DIR.iterdir()) if d.is_dir()
-            for f in sorted(d.glob("*.yaml"))]
+    """Every option of every config group in conf/: list i picks each group's i-th option (experiments, which
+    choose other groups' options themselves, one list each)."""
+    options = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in sorted(C.CONF_DIR.iterdir()) if d.is_dir()}
+    experiments = options.pop("experiment", [])
+    rows = [[f"{g}={opts[i]}" for g, opts in options.items() if i < len(opts)]
+            for i in range(max(map(len, options.values())))]
+    return rows + [[f"experiment={e}"] for e in experiments]
 
 
 OVERRIDES = [

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.io import read_json
+from tests import warm
 from tests._support import ENV, REPO, leftovers, outputs, overrides, quantize_cli, run_main
 
 
@@ -123,9 +124,11 @@ def test_cache_stage_on_a_full_disk_then_resume(tmp_path):
         run_dir = tmp_path / "disk" / "run"
         write_data(run_dir, n=10)
         cmd = [sys.executable, "-m", "pipeline", "cache", *stage_overrides(run_dir)]
-        preexec = None if grow else _limit_file_size(16 * 1024)
-        full = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
-                              preexec_fn=preexec)
+        if grow:  # a real filesystem that small: the stage's process forks from the warm launcher
+            full = warm.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        else:  # a file-size limit, set in the child before its exec
+            full = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+                                  preexec_fn=_limit_file_size(16 * 1024))
         errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
         assert full.returncode == 2, full.stderr[-3000:]
         assert "Traceback" not in full.stderr and len(errors) == 1, full.stderr[-3000:]

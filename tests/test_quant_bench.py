@@ -1,17 +1,24 @@
-"""bench/quant_bench.py smoke test on the CPU: tiny shapes, one variant, real stages in subprocesses."""
+"""bench/quant_bench.py smoke test on the CPU: tiny shapes, one variant, real stages in their own processes
+(forked from the warm launcher, tests/warm.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 from bench import quant_bench
+from tests import warm
 
 
-def test_quant_bench_smoke_on_cpu(tmp_path):
+def test_quant_bench_smoke_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(quant_bench, "run_process", warm.run)
+    before = dict(warm.launches)
     argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--tiny", "--device", "cpu",
             "--samples", "6", "--heldout", "2", "--seq-len", "48", "--anchors", "4",
             "--variants", "drafter-nvfp4-expanded-mse", "--results", str(tmp_path / "results")]
     assert quant_bench.main(argv) == 0
+    if not os.environ.get("SPECQUANT_TEST_COLD"):
+        assert warm.launches["warm"] == before["warm"] + 2  # the cache and the variant, as the bench starts them
     results = json.loads((tmp_path / "out" / "quant_bench.json").read_text())
     rec = results["variants"]["drafter-nvfp4-expanded-mse"]
     assert rec["rc"] == 0 and rec["wall_s"] > 0 and rec["host_peak_rss_mib"] > 0

@@ -31,6 +31,21 @@ CASES = {
                                   "tempfile.gettempdir(), os.environ.get('SPECQUANT_TEST_KILLPOINT'))"],
 }
 
+INTERLEAVED = ["-c", "import sys; print('out 1'); sys.stderr.write('err\\n'); print('out 2'); "
+                     "print(sys.stdout.line_buffering, sys.stderr.line_buffering, sys.stdout.write_through)"]
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_stdout_and_stderr_buffer_as_in_a_real_process(unbuffered):
+    """On one pipe, stdout's lines come after stderr's unless PYTHONUNBUFFERED is set, in both."""
+    env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+    kw = {"cwd": REPO, "env": env, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    forked = warm.popen([sys.executable, *INTERLEAVED], **kw)
+    assert isinstance(forked, warm.WarmProcess)
+    real = subprocess.Popen([sys.executable, *INTERLEAVED], **kw)
+    outs = [p.communicate(timeout=120)[0] for p in (forked, real)]
+    assert outs[0] == outs[1] and outs[0].startswith("out 1\n" if unbuffered else "err\n"), outs
+
 
 @pytest.mark.parametrize("argv", list(CASES.values()), ids=list(CASES))
 def test_a_forked_run_looks_like_a_real_process(argv, tmp_path):

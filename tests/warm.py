@@ -40,7 +40,8 @@ RUNTIME_ENV = frozenset({"TMPDIR", "SPECQUANT_TEST_KILLPOINT", "PYTEST_CURRENT_T
                          "CUBLAS_WORKSPACE_CONFIG",  # read when cuBLAS starts, on a GPU only
                          # torch puts its default into os.environ the first time it asks for the inductor
                          # cache folder (torch/_inductor/runtime/cache_dir_utils.py) and reads it only there
-                         "TORCHINDUCTOR_CACHE_DIR"})
+                         "TORCHINDUCTOR_CACHE_DIR",
+                         "PYTHONUNBUFFERED"})  # applied by the child when it makes its std streams (_std_streams)
 # The server runs with PYTHONHASHSEED=0, so a child may stand for a real exec with PYTHONHASHSEED unset (whose
 # seed is random: 0 is one of its values) or 0. An in-process stage run sets it to its seed (pipeline/core/
 # seeding.py), for the processes it starts, so most workers' environments hold 0 after their first stage.
@@ -69,6 +70,7 @@ def _child(conn: socket.socket, listener: socket.socket, others, header: dict, f
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
         os.close(fd)
+    _std_streams(header["env"])
     # a new interpreter turns SIGINT into KeyboardInterrupt unless it started with SIGINT ignored
     signal.signal(signal.SIGINT, signal.SIG_IGN if header["sigint_ignored"] else signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -104,6 +106,27 @@ def _child(conn: socket.socket, listener: socket.socket, others, header: dict, f
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         os._exit(0 if code is None else code & 0xFF)
+
+
+def _std_streams(env: dict) -> None:
+    """sys.stdin/stdout/stderr made again for fds 0-2 as the interpreter makes them at start (Python/
+    pylifecycle.c, create_stdio): line-buffered where the fd is a terminal, stderr always; with PYTHONUNBUFFERED
+    stdout and stderr unbuffered and written through instead. Encoding and errors stay the server's (same env)."""
+    import io
+
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    made = []
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "rb" if fd == 0 else "wb", closefd=False)
+        if fd == 0:
+            buf = io.BufferedReader(raw)
+        else:
+            buf = raw if unbuffered else io.BufferedWriter(raw)
+        made.append(io.TextIOWrapper(buf, encoding=old.encoding, errors=old.errors, newline="\n",
+                                     line_buffering=not (unbuffered and fd > 0) and (fd == 2 or raw.isatty()),
+                                     write_through=unbuffered and fd > 0))
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__ = made
 
 
 def serve(path: str) -> None:
