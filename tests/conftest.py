@@ -161,3 +161,25 @@ def pytest_runtest_makereport(item, call):
         fh.write(json.dumps({"nodeid": item.nodeid, "kind": marker.args[0] if marker.args else "fault",
                              "case": params, "what": doc, "outcome": rep.outcome,
                              "seconds": round(rep.duration, 2)}) + "\n")
+
+
+# ---------------------------------------------------------------- order of the modules across workers
+# pytest-xdist's `--dist loadfile` hands whole modules to whichever worker runs out of work, in the order it
+# is given; by default it first sorts them by their number of tests, which puts the modules made of a few long
+# tests (a torchrun pair, the bench, real processes) last, where one of them keeps one worker busy while the
+# other has nothing left. Longest first instead: the modules below (their wall time on the 2-core machine,
+# docs/benchmarks.md), then the rest in collection order.
+LONGEST_FIRST = ("test_quiet_and_tidy.py", "test_quant_target.py", "test_verify.py", "test_quant_bench.py",
+                 "test_publish.py", "test_publish_faults.py", "test_quant_drafter.py", "test_cache.py",
+                 "test_cache_faults.py", "test_faults_stages.py", "test_evaluate.py", "test_signing.py",
+                 "test_compose.py", "test_quant_scale_search.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist is there
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's own order is kept
