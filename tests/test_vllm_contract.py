@@ -22,6 +22,7 @@ from pipeline.core.io import read_json
 from pipeline.quant import recipes
 from pipeline.serving import contract
 from pipeline.stages import quantize_drafter
+from tests import warm
 from tests._support import DRAFTER, REPO, TARGET, copy_world, run_main, w4a16_group, world_cfg
 
 T = int(read_json(TARGET / "config.json", "target")["num_hidden_layers"])
@@ -199,8 +200,6 @@ def test_ctrl_c_is_one_sentence_and_exit_130(world):
 
     # as from a terminal: a shell without job control starts background commands with SIGINT ignored, and a
     # Python started that way keeps ignoring it (no KeyboardInterrupt to turn into the sentence)
-    from tests import warm
-
     proc = warm.popen([sys.executable, "-m", "pipeline", "evaluate", f"runs_root={world / 'ctrl-c'}"],
                       cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, sigint_default=True)
     chunks: list[bytes] = []

@@ -270,8 +270,7 @@ class WarmProcess:
             if spec is None:
                 return os.dup(fd)
             if spec == subprocess.DEVNULL:
-                opened = os.open(os.devnull, os.O_RDWR)
-                return opened
+                return os.open(os.devnull, os.O_RDWR)
             if spec == subprocess.PIPE:
                 r, w = os.pipe()
                 ours, theirs = (w, r) if fd == 0 else (r, w)
