@@ -275,7 +275,7 @@ def test_checkpoint_hashes_local_and_hub_snapshot(tmp_path, monkeypatch):
     assert checkpoint_hashes("org/not-cached") is None
     hub_cfg = compose(["target.path=org/tiny-target", f"target.revision={commit}"])
     assert target_files_sha256(hub_cfg) == target_files_sha256(compose([f"target.path={TARGET}"]))
-    with pytest.raises(SpecquantError, match="target.path.*neither a directory nor a cached Hub repo"):
+    with pytest.raises(SpecquantError, match="target.path.*not in the local Hugging Face cache"):
         target_files_sha256(compose(["target.path=org/not-cached"]))
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import bad_value
+from pipeline.core.hub import hub_id
 from pipeline.core.io import hash_files, in_hf_local_cache, list_files
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -124,8 +125,18 @@ def local_snapshot(path: str | Path, revision: str | None = None, partial_ok: bo
         if partial_ok:
             return Path(exc.snapshot_path)
         raise LookupError(str(exc).splitlines()[0]) from None
-    except Exception as exc:  # noqa: BLE001 - not a repo id, or not in the cache: the same to the caller
+    except Exception as exc:  # noqa: BLE001 - not a repo id, or not in the cache: told apart in the sentence
+        if hub_id(str(path)):
+            raise LookupError(f"it is not in the local Hugging Face cache ({str(exc).splitlines()[0]})") from None
         raise LookupError(f"it is neither a directory nor a cached Hub repo ({str(exc).splitlines()[0]})") from None
+
+
+def download_hint(path: str, revision: str | None = None, repo_type: str = "model") -> str:
+    """The fix for a Hub id that is not on this machine: the `hf download` command that fetches it (pinned
+    to `revision` when one is set) into `downloads/<name>`, and the key to point at that directory."""
+    rev = f" --revision {revision}" if revision and revision != "main" else ""
+    kind = " --repo-type dataset" if repo_type == "dataset" else ""
+    return f"download it with `hf download {path}{kind}{rev} --local-dir downloads/{str(path).rsplit('/', 1)[-1]}`"
 
 
 def is_checkpoint_file(rel: str, weights_only: bool = False) -> bool:

@@ -93,11 +93,33 @@ def config_from_speculators(d: dict, path: str = "") -> dict:
 
 
 
+def not_local(path: str, field: str = "drafter.path") -> None:
+    """Refuse a drafter path that is not a directory, in its own sentence: a Hub id that is not in the local
+    Hugging Face cache (with the `hf download` that fetches it), a Hub id that is (the drafter is read from a
+    directory: its snapshot's), or a path that does not exist."""
+    from pipeline.core.hub import hub_id
+    from pipeline.core.loading import download_hint, local_snapshot
+
+    name = str(path).rsplit("/", 1)[-1]
+    if not hub_id(path):
+        raise bad_value(field, path, "no such directory", "point it at a drafter checkpoint directory")
+    try:
+        snapshot = local_snapshot(path)
+    except LookupError:
+        raise bad_value(field, path, "it is not in the local Hugging Face cache (nothing is downloaded at run time)",
+                        f"{download_hint(path)} and set {field}=downloads/{name}") from None
+    raise bad_value(field, path, f"the drafter is read from a directory, and the Hub cache holds this repo at "
+                    f"{snapshot}", f"set {field}={snapshot} (or `hf download {path} --local-dir downloads/{name}` "
+                    f"and {field}=downloads/{name})")
+
+
 def read_config_json(path: str | Path) -> dict:
     p = Path(path)
+    if not p.is_dir():
+        not_local(str(path))
     if not (p / "config.json").is_file():
         raise bad_value("drafter.path", str(path), "it has no config.json",
-                        "point it at a drafter checkpoint directory (or download it first)")
+                        "point it at a drafter checkpoint directory")
     return read_json(p / "config.json", "drafter.path")
 
 
