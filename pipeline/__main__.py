@@ -7,6 +7,7 @@ import, so a wrong key or type fails in about a second with one line.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from pipeline.stages import (
@@ -109,9 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         except SpecquantError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        except OSError as exc:  # e.g. a read-only or full DST: one sentence, as for the stages
-            print(f"error: `{name}` could not use {exc.filename or 'a file'}: {exc.strerror or exc}; fix the file "
-                  "system problem (permissions, free space, the path) and run it again.", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - a read-only or full DST (any writer's error type): one sentence
+            from pipeline.core.errors import as_os_error
+
+            oserr = as_os_error(exc)
+            if oserr is None:
+                raise
+            where = getattr(oserr, "path", None) or oserr.filename or "a file"
+            print(f"error: `{name}` could not use {where}: {os.strerror(oserr.errno)}; fix the file system "
+                  "problem (permissions, free space, the path) and run it again.", file=sys.stderr)
             return 2
     if name == "stages":  # the one list, in run order (read by `make all` and the repro check)
         print("\n".join(STAGES))
@@ -130,26 +137,58 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_devices(name, cfg)
         run_stage(name, STAGES[name], cfg, rest)
-    except SpecquantError as exc:
-        print(f"error: {scrub(str(exc))}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"error: `{name}` was interrupted (Ctrl-C); nothing half-written is kept: the next run of the "
               "stage removes its partial files and starts that work again.", file=sys.stderr)
         return 130
-    except OSError as exc:
-        import errno
-
-        where = exc.filename or cfg.run_dir
-        fix = {errno.ENOSPC: "free space there or point runs_root at a larger disk",
-               errno.EROFS: "point runs_root at a writable file system",
-               errno.EACCES: "fix the permissions or point runs_root elsewhere",
-               errno.ENOENT: "restore the missing file (or re-download the checkpoint) and run the stage again"}
-        print(f"error: `{name}` could not use {where!s}: {exc.strerror or exc}; "
-              f"{fix.get(exc.errno, 'fix the file system problem and run the stage again')} "
-              "(no partial output is kept).", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - only the user's errors and file-system errors end here; the rest is re-raised
+        sentence = _stage_error(name, exc, cfg)
+        if sentence is None:
+            raise
+        print(f"error: {scrub(sentence)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _stage_error(name: str, exc: BaseException, cfg) -> str | None:
+    """The one sentence for a stage that stopped on the user's input or the file system, else None.
+
+    A file-system error is recognised whatever type its writer raised (`errors.fs_errno`: an OSError, the
+    `SafetensorError` of safetensors' writer behind save_pretrained, torch.save's RuntimeError), so every
+    writer of every stage ends here in one sentence: the path, the problem, the fix. The fix names the key
+    that placed the run directory as the user set it (`run_dir` or `runs_root`, `config.run_dir_key`) when
+    the path is inside it."""
+    import errno
+    from pathlib import Path
+
+    from pipeline.core.config import run_dir_key
+    from pipeline.core.errors import DiskFullError, SpecquantError, as_os_error
+
+    if isinstance(exc, SpecquantError) and not isinstance(exc, DiskFullError):
+        return str(exc)
+    oserr = as_os_error(exc)
+    if oserr is None:
+        if isinstance(exc, OSError):  # one without an errno: its own words
+            return f"`{name}` stopped on a file-system error ({exc}); fix it and run the stage again."
+        return None
+    code = oserr.errno
+    where = Path(os.path.abspath(str(getattr(oserr, "path", None) or oserr.filename or cfg.run_dir)))
+    run_dir = Path(os.path.abspath(str(cfg.run_dir)))
+    inside = where == run_dir or run_dir in where.parents
+    key = run_dir_key(cfg)
+    move = f"point {key} at" if inside else f"write {where} on"
+    fix = {errno.ENOSPC: f"free space there or {move} a larger disk",
+           errno.EDQUOT: f"free space within your quota or {move} another disk",
+           errno.EFBIG: f"raise the file-size limit (ulimit -f) or {move} a file system that allows larger files",
+           errno.EROFS: f"{move} a writable file system",
+           errno.EACCES: f"fix the permissions or {'point ' + key + ' elsewhere' if inside else 'use another path'}",
+           errno.ENOENT: "restore the missing file (or re-download the checkpoint) and run the stage again"}
+    if code in {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}:
+        return (f"`{name}`: no space left to write {where} ({os.strerror(code)}); {fix[code]}, then run the same "
+                "command again (finished files are kept, no partial output is).")
+    verb = "write" if code == errno.EROFS else "use"
+    return (f"`{name}` could not {verb} {where}: {os.strerror(code)}; "
+            f"{fix.get(code, 'fix the file system problem and run the stage again')} (no partial output is kept).")
 
 
 # stages whose configured torch device must exist (serve-check runs vLLM in its own interpreter)

@@ -151,6 +151,69 @@ def test_cache_stage_on_a_full_disk_then_resume(tmp_path):
         assert leftovers(run_dir) == []
 
 
+# ---------------------------------------------------------------- a full disk under quantize-drafter's safetensors write
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.faults("disk_full")
+def test_quantize_drafter_on_a_full_disk_then_rerun(run, tmp_path):
+    """The disk fills as safetensors writes quantize-drafter's checkpoint (save_pretrained; safetensors raises its own SafetensorError): one `error:` line naming the variant folder, exit 2, no traceback, nothing partial; a re-run with space writes the reference's files."""
+    writer = "transformers.modeling_utils:safe_save_file"  # the call that writes drafter/<v>/model.safetensors
+    room_kb = (_tree_bytes(run["template"]) >> 10) + 64 * 1024  # the run, and room for every write before that one
+    with small_disk(tmp_path / "disk", room_kb) as grow:
+        runs = tmp_path / "disk" / "runs"
+        shutil.copytree(run["template"], runs / "qw")
+        qw = runs / "qw"
+        # a real full file system where one can be mounted, else a real file-size limit (EFBIG, the same sentence)
+        fault = f"fill={writer}:{tmp_path / 'disk'}" if grow else f"fsize={writer}:4096"
+        cmd = [sys.executable, "-m", "tests.faults", fault, "--", "-m", "pipeline", "quantize-drafter", *overrides(runs)]
+        full = warm.run(cmd, cwd=REPO, env={**ENV, "TMPDIR": str(tmp_path)}, capture_output=True, text=True,
+                        timeout=300)
+        errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
+        assert full.returncode == 2, full.stderr[-3000:]
+        assert "Traceback" not in full.stderr and len(errors) == 1, full.stderr[-3000:]
+        assert f"no space left to write {qw / 'drafter' / 'nvfp4'} (" in errors[0], errors[0]
+        assert "point runs_root at a larger disk" in errors[0] or not grow, errors[0]  # the key the user set
+        assert not (qw / "drafter" / "nvfp4").exists() and not (qw / "stages" / "quantize-drafter-nvfp4.json").exists()
+        assert leftovers(qw) == []
+
+        (tmp_path / "disk" / "filler").unlink(missing_ok=True)  # space again
+        rc, _, err = run_main("quantize-drafter", *overrides(runs), env={
+            "TMPDIR": str(tmp_path), **{k: ENV[k] for k in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}})
+        assert rc == 0, err[-3000:]
+        assert outputs(qw) == run["outputs"]
+        assert leftovers(qw) == []
+
+
+@contextlib.contextmanager
+def _read_only_fs(path: Path):
+    """A read-only tmpfs at path (root, where mount works), else the test is skipped: a root process
+    writes through any permission bits, so only a read-only file system refuses it."""
+    path.mkdir(parents=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a read-only file system")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.mark.faults("bad_input")
+@pytest.mark.parametrize("key", ["run_dir", "runs_root"])
+def test_a_read_only_run_directory_names_the_key_that_placed_it(key, tmp_path):
+    """The run directory lies on a read-only file system: one `error:` line, exit 2, naming the path and the key the user set (run_dir or runs_root), never the other."""
+    with _read_only_fs(tmp_path / "ro") as ro:
+        where = ro / "run" if key == "run_dir" else ro
+        rc, _, err = run_main("data", f"{key}={where}", "run_name=qw")
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert rc == 2 and "Traceback" not in err and len(errors) == 1, err[-3000:]
+    other = "runs_root" if key == "run_dir" else "run_dir"
+    assert f"could not write {ro}" in errors[0] and "Read-only file system" in errors[0], errors[0]
+    assert f"point {key} at a writable file system" in errors[0] and f"{other} " not in errors[0], errors[0]
+
+
 # ---------------------------------------------------------------- flipped bytes in a real run
 def _flip(path: Path) -> None:
     data = bytearray(path.read_bytes())

@@ -167,6 +167,9 @@ class PublishConfig:
     token: str | None = None  # prefer token_env; a token given here is scrubbed like one from env
     base_model: str | None = None  # Hub id of the source drafter (default: drafter.path when it is a repo id)
     target_model: str | None = None  # Hub id of the target shown in the card (default: target.path)
+    # Hub ids of quantized targets (target_quant.name -> Hub id): a drafter calibrated on one (`<quant>-on-<name>`)
+    # is published naming it; unset = the run's target/<name> folder (a local path, fine for a dry run only)
+    quantized_target_models: dict[str, str] = field(default_factory=dict)
     library_name: str = "speculators"  # library_name in the model card front matter
     # OpenSSF model signing (model.sig in each folder, offline); signing_key and signing_key_env null = unsigned
     signing_key: str | None = None  # path of an elliptic-curve private key (PEM) to sign with; read, never copied
@@ -325,6 +328,19 @@ def anchor_project_paths(cfg, cwd: Path | None = None) -> list[str]:
             node[key] = str(PROJECT_ROOT / value)
             changed.append(f"{where.removesuffix('[]')}{'' if i is None else f'[{i}]'}.{key}")
     return changed
+
+
+RUN_DIR_DEFAULT = SpecquantConfig.run_dir  # "${runs_root}/${run_name}"
+
+
+def run_dir_key(cfg) -> str:
+    """The key that decides where this run's outputs land, as the user set it: `run_dir` when they set it
+    (an override or a config file), else `runs_root` (run_dir is then runs_root/run_name). Advice about
+    the run directory (a read-only or full disk) names this key."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg, resolve=False).get("run_dir") if OmegaConf.is_config(cfg) else None
+    return "runs_root" if raw in (None, RUN_DIR_DEFAULT) else "run_dir"
 
 
 NAME_FIELDS = ("run_name", "quant.name", "target_quant.name", "quant.calibration_target", "cache.target")

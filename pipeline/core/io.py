@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pipeline.core.errors import DiskFullError, bad_value
+from pipeline.core.errors import DiskFullError, bad_value, fs_errno
 
 TMP_PREFIX = ".tmp-specquant-"
 PARTIAL_PREFIX = ".partial-"  # a whole directory being assembled by `atomic_dir`
@@ -53,11 +53,14 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def disk_full(path: str | os.PathLike, exc: OSError) -> DiskFullError:
-    """The one-sentence error for a write that ran out of space (names the file, says the fix)."""
-    err = DiskFullError(f"no space left to write {path} ({os.strerror(exc.errno)}); free some space or move "
-                        "runs_root to a larger disk, then re-run the same command (finished files are kept).")
-    err.errno = exc.errno
+def disk_full(path: str | os.PathLike, exc: BaseException | int) -> DiskFullError:
+    """The one-sentence error for a write that ran out of space (names the file, says the fix); `exc` is the
+    error the writer raised (an OSError, or a library's own type: `errors.fs_errno`) or its errno."""
+    code = exc if isinstance(exc, int) else fs_errno(exc) or errno.ENOSPC
+    err = DiskFullError(f"no space left to write {path} ({os.strerror(code)}); free some space there or write "
+                        "to a larger disk, then re-run the same command (finished files are kept).")
+    err.errno = code  # (strerror and filename stay unset: OSError's str() would replace the sentence)
+    err.path = str(path)
     return err
 
 
@@ -74,7 +77,7 @@ class _GuardedFile:
             return self._fh.write(data)
         except OSError as exc:
             if exc.errno in _DISK_FULL and not isinstance(exc, DiskFullError):
-                raise disk_full(self._path, exc) from None
+                raise disk_full(self._path, exc.errno) from None
             raise
 
     def __getattr__(self, name: str) -> Any:
@@ -109,7 +112,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]
         if tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL and not isinstance(exc, DiskFullError):
+        if not isinstance(exc, DiskFullError) and fs_errno(exc) in _DISK_FULL:
             raise disk_full(path, exc) from None
         raise
 
@@ -327,6 +330,10 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         _fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        # a library writing into the folder (safetensors behind save_pretrained raises its own
+        # SafetensorError) ran out of space: the same one sentence as our own writers, naming the folder
+        if not isinstance(exc, DiskFullError) and fs_errno(exc) in _DISK_FULL:
+            raise disk_full(final, exc) from None
         raise
