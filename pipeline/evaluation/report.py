@@ -152,6 +152,81 @@ def pair_matrix_section(results: dict) -> list[str]:
     return out
 
 
+# "which variant should I ship?": a rule a user can read, applied to this run's numbers
+SHIP_MIN_TAU_RATIO = 0.95  # a candidate keeps at least this share of the bf16 drafter's tau with the same target
+SHIP_TIE = 0.01  # candidates within 1% of the best tau are named together (60-prompt runs resolve ~1-2%)
+GPU_GENERATIONS = (
+    ("Blackwell (sm 100+, FP4 tensor cores)", ("nvfp4", "nvfp4a16", "w4a16"),
+     "NVFP4 runs natively there, W4A4 included"),
+    ("Hopper / Ampere (sm 80-90)", ("nvfp4a16", "w4a16"),
+     "vLLM serves every NVFP4 checkpoint weight-only there (Marlin), so a W4A4 variant's calibrated activation "
+     "scales never reach it: only weight-only variants are candidates"),
+)
+
+
+def ship_rule() -> str:
+    return (f"A variant is a candidate on a GPU generation when that GPU runs its format as measured here, it is "
+            f"lossless with the target (the speculative output equals the target's own greedy output on every "
+            f"prompt), and it keeps at least {SHIP_MIN_TAU_RATIO:.0%} of the `bf16` drafter's τ (all prompts) with "
+            f"that target. Ship the candidate with the highest τ; candidates within {SHIP_TIE:.0%} of it are named "
+            f"too (a tie at this run's prompt count: choose the data-free one, which needs no calibration run, or "
+            f"the one your serving stack already uses).")
+
+
+def recommend(results: dict) -> list[dict]:
+    """Per GPU generation x target variant of the run: {gpu, target, ship, ties, tau, ratio, why} (ship None when
+    no variant qualifies). Pure: the same results give the same answer."""
+    matrix = (results.get("pairs") or {}).get("matrix") or {}
+    if not matrix:
+        matrix = {results["target"]["variant"]: results["variants"]}
+    out = []
+    for gpu, schemes, note in GPU_GENERATIONS:
+        for t, row in matrix.items():
+            ref = (row.get(REFERENCE) or {}).get("overall", {}).get("tau")
+            cands = []
+            for v, d in row.items():
+                info = results["variants"].get(v) or {}
+                if v in (REFERENCE, "source") or info.get("scheme") not in schemes:
+                    continue
+                tau = d["overall"]["tau"]
+                lossless = all(n == 0 for n in (d.get("lossless_mismatches") or {}).values())
+                if lossless and (not ref or tau >= SHIP_MIN_TAU_RATIO * ref):
+                    cands.append((tau, v))
+            cands.sort(key=lambda x: (-x[0], x[1]))
+            if not cands:
+                out.append({"gpu": gpu, "target": t, "ship": None, "ties": [], "tau": None, "ratio": None,
+                            "why": note})
+                continue
+            best_tau, best = cands[0]
+            ties = [v for tau, v in cands[1:] if tau >= (1 - SHIP_TIE) * best_tau]
+            out.append({"gpu": gpu, "target": t, "ship": best, "ties": ties, "tau": best_tau,
+                        "ratio": best_tau / ref if ref else None, "why": note})
+    return out
+
+
+def recommendation_section(results: dict) -> list[str]:
+    rows = recommend(results)
+    if not rows:
+        return []
+    out = ["## Which variant to ship", "", ship_rule(), "",
+           "| GPU generation | served with target | ship | τ (all) | vs `bf16` drafter | also within 1% | why these "
+           "candidates |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["ship"] is None:
+            out.append(f"| {r['gpu']} | {r['target']} | none qualifies: keep the `bf16` drafter | - | - | - "
+                       f"| {r['why']} |")
+            continue
+        ratio = "n/a" if r["ratio"] is None else _pct(r["ratio"] - 1)
+        ties = ", ".join(f"`{v}`" for v in r["ties"]) or "-"
+        out.append(f"| {r['gpu']} | {r['target']} | **`{r['ship']}`** | {r['tau']:.3f} | {ratio} | {ties} "
+                   f"| {r['why']} |")
+    out += ["", "Caveats: τ is measured here by the reference loop (`serve-check`, when run, appends vLLM's own τ "
+            "below; a variant it fails is not shippable whatever this table says); speed is not part of the rule "
+            "(a 4-bit drafter's gain is memory and bandwidth, measured in docs/benchmarks.md, not here); on the "
+            "tiny world the differences are a few percent and depend on the CPU the run was made on.", ""]
+    return out
+
+
 def _interval(b: dict) -> str:
     return f"{b['difference']:+.3f} [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}]"
 
@@ -166,6 +241,7 @@ def render_report(results: dict) -> str:
            "τ = mean over verification steps of (accepted draft tokens + 1).", ""]
     out += ["## τ per subset (relative change vs `bf16`)" if ref else "## τ per subset", ""]
     out += _tau_table(results) + [""]
+    out += recommendation_section(results)
     pairs = calibration_pairs(results)
     if pairs:
         out += ["## Calibrated vs calibration-free", "",
@@ -203,7 +279,7 @@ def render_report(results: dict) -> str:
             "compressed-tensors tensors, and for W4A4 schemes every quantized Linear's input fake-quantized "
             "at run time (per token, groups of 16, FP8 block scales from the calibrated global scale), as vLLM does.",
             "", "Files: `results.json` (all numbers, config, checkpoint hashes), `tau_per_subset.png`, "
-            "`acceptance_per_position.png`, `vllm_commands.sh` (reproduce with vLLM on GPUs). Wall times of "
+            "`acceptance_per_position.png`, `calibration_vs_datafree.png`, `pair_matrix.png`, `vllm_commands.sh` (reproduce with vLLM on GPUs). Wall times of "
             "this machine are in `timings.json` (they vary run to run, so they are kept out of this report).", ""]
     return "\n".join(out)
 
