@@ -118,6 +118,46 @@ def test_pairing_with_another_target_of_the_same_shape_is_a_warning_sentence(wor
     assert pairing.base_variant("w4a16-imatrix-on-w4a16", rec) == "w4a16-imatrix"
 
 
+def test_a_drafter_calibrated_on_the_quantized_target_is_published_for_that_target(world, tmp_path, capfd):
+    """publish names the target a drafter was calibrated for: `-on-w4a16` names the run's W4A16 target (or its
+    configured Hub id) in its config and card, with no pairing warning; the bf16-calibrated twin keeps the
+    configured target; both folders verify."""
+    from pipeline.stages import manifest, publish
+    from pipeline.stages.verify import verify_dir
+
+    shutil.copytree(world / "qw", tmp_path / "qw")
+    base = [*_base(tmp_path), "publish.target_model=Qwen/Qwen3-8B"]
+    manifest.run(compose(base))
+    capfd.readouterr()
+    publish.run(compose([*base, "publish.variants=[w4a16-imatrix-on-w4a16,w4a16-imatrix]"]))
+    assert "warning" not in capfd.readouterr().err
+    folder = tmp_path / "qw" / "publish"
+    on_w4 = str(tmp_path / "qw" / "target" / "w4a16")  # run_dir/target/w4a16, as run_dir is configured
+
+    def verifier(v):
+        return read_json(folder / v / "config.json", "c")["speculators_config"]["verifier"]["name_or_path"]
+
+    card = (folder / "w4a16-imatrix-on-w4a16" / "README.md").read_text()
+    assert verifier("w4a16-imatrix-on-w4a16") == on_w4 and verifier("w4a16-imatrix") == str(TARGET)  # as written
+    assert f"Pairs with `{on_w4}`" in card and f"vllm serve {on_w4} " in card and "Qwen/Qwen3-8B" not in card
+    assert "has no Hub id in this run" in card and "publish.quantized_target_models" in card  # why a path
+    assert "Calibrated for the quantized target" not in card  # no caveat: the card names the right target
+    assert "Pairs with `Qwen/Qwen3-8B`" in (folder / "w4a16-imatrix" / "README.md").read_text()
+    for v in ("w4a16-imatrix-on-w4a16", "w4a16-imatrix"):
+        assert verify_dir(folder / v) == [], v
+    # the run's own checkpoint is unchanged (one verifier per run); only the published copy names the pair
+    assert read_json(tmp_path / "qw" / "drafter" / "w4a16-imatrix-on-w4a16" / "config.json", "c")[
+        "speculators_config"]["verifier"]["name_or_path"] == str(TARGET)
+
+    # with the quantized target's Hub id configured, that id is the name
+    publish.run(compose([*base, "publish.variants=[w4a16-imatrix-on-w4a16]",
+                         "+publish.quantized_target_models.w4a16=org/Qwen3-8B-W4A16"]))
+    card = (folder / "w4a16-imatrix-on-w4a16" / "README.md").read_text()
+    assert verifier("w4a16-imatrix-on-w4a16") == "org/Qwen3-8B-W4A16"
+    assert "Pairs with `org/Qwen3-8B-W4A16`" in card and "has no Hub id" not in card
+    assert verify_dir(folder / "w4a16-imatrix-on-w4a16") == []
+
+
 def _deeper_target(out):
     """A real checkpoint of the fixture target's architecture with one more decoder layer."""
     from transformers import AutoConfig, AutoModelForCausalLM

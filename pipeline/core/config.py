@@ -168,7 +168,8 @@ class PublishConfig:
     base_model: str | None = None  # Hub id of the source drafter (default: drafter.path when it is a repo id)
     target_model: str | None = None  # Hub id of the target shown in the card (default: target.path)
     # Hub ids of quantized targets (target_quant.name -> Hub id): a drafter calibrated on one (`<quant>-on-<name>`)
-    # is published naming it; unset = the run's target/<name> folder (a local path, fine for a dry run only)
+    # is published naming it (on the command line: +publish.quantized_target_models.<name>=<Hub id>); no entry =
+    # the run's target/<name> folder (a local path: fine for a dry run, refused for a push)
     quantized_target_models: dict[str, str] = field(default_factory=dict)
     library_name: str = "speculators"  # library_name in the model card front matter
     # OpenSSF model signing (model.sig in each folder, offline); signing_key and signing_key_env null = unsigned

@@ -127,8 +127,12 @@ def pairing_lines(p: dict[str, Any]) -> list[str]:
     if measured:
         out.append("- Measured with: " + "; ".join(f"target `{t}`: tau {tau:.3f}" for t, tau in measured.items())
                    + " (reference loop, all prompts; `eval/report.md` has the pair matrix).")
-    if p.get("warning"):
-        out.append(f"- **Note:** {p['warning'].rstrip('.')}.")
+    if p.get("published_for"):
+        out.append(f"- Published for that target: `config.json` (`speculators_config.verifier`) and this card name "
+                   f"`{p['published_for']}`.")
+    for key in ("warning", "note"):
+        if p.get(key):
+            out.append(f"- **Note:** {p[key].rstrip('.')}.")
     return out + [""]
 
 

@@ -101,6 +101,19 @@ def check_pairs(rd, drafters: list[str], served: dict, stage: str) -> dict[str, 
     return out
 
 
+def calibration_target_name(cfg, record: dict | None) -> str | None:
+    """The name a drafter calibrated on a quantized target variant is published for (its config's verifier,
+    its card's target): `publish.quantized_target_models[<variant>]` when configured (a Hub id), else that
+    variant's folder in the run (`<run_dir>/target/<variant>`, relative as run_dir is: where the serving
+    commands run from). None for a drafter calibrated on the bf16 target (or on none): it names
+    `publish.target_model` / `target.path` as before."""
+    t = (record or {}).get("variant")
+    if not record or not record.get("used") or not t or t == REFERENCE:
+        return None
+    configured = dict(cfg.publish.get("quantized_target_models") or {})
+    return str(configured.get(t) or Path(str(cfg.run_dir)) / "target" / str(t))
+
+
 def base_variant(variant: str, record: dict | None) -> str | None:
     """`w4a16-gptq` for `w4a16-gptq-on-w4a16` (calibrated on target w4a16): the same recipe on bf16 states."""
     from pipeline.core.config import PAIR_SUFFIX

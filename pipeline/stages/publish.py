@@ -148,7 +148,15 @@ def _refuse_unserved(cfg, rd: RunDir, variant: str) -> None:
     if not cfg.publish.dry_run:
         conf = _read_json(rd.drafter(variant) / "config.json") or {}
         verifier = ((conf.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        if not hub_id(verifier):
+        cal = _calibration_target(rd, variant)
+        name = _published_target(cfg, rd, variant)
+        if name is not None and not hub_id(name):
+            raise bad_value("publish.quantized_target_models", dict(cfg.publish.quantized_target_models or {}),
+                            f"drafter `{variant}` was calibrated for the quantized target `{cal['variant']}`, which "
+                            f"has no Hub id here, and a published drafter must name its target by Hub id",
+                            f"set +publish.quantized_target_models.{cal['variant']}=<its Hub id> (or publish it "
+                            "with publish.dry_run=true)")
+        if name is None and not hub_id(verifier):
             raise bad_value(f"drafter/{variant}/config.json", verifier, "a published drafter must name its target "
                             "by Hub id (vLLM resolves a path against the user's working directory)",
                             "set publish.target_model=<target Hub id> and re-run quantize-drafter")
@@ -192,7 +200,9 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
     sources = [s.name for s in cal.sources or []] if cal else []
     verifier = (ckpt.get("speculators_config") or {}).get("verifier") or {}
     pc = cfg.publish
-    target = pc.target_model or hub_id(cfg.target.path) or verifier.get("name_or_path") or cfg.target.path
+    # a drafter calibrated on a quantized target is published for that target (_published_target)
+    target = (_published_target(cfg, rd, variant) or pc.target_model or hub_id(cfg.target.path)
+              or verifier.get("name_or_path") or cfg.target.path)
     return {
         "repo_id": repo_id, "variant": variant, "run_name": cfg.run_name,
         "scheme": (entry.scheme if entry else None) or q.get("scheme") or variant,
@@ -224,6 +234,30 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
 REFERENCE_TARGET = "bf16"
 
 
+def _calibration_target(rd: RunDir, variant: str) -> dict | None:
+    from pipeline.quant import pairing
+
+    return pairing.drafter_record(rd, variant)
+
+
+def _published_target(cfg, rd: RunDir, variant: str) -> str | None:
+    """The target a drafter calibrated on a quantized target is published for (`pairing.calibration_target_name`:
+    its configured Hub id, else its folder in the run); None for one calibrated on the bf16 target."""
+    from pipeline.quant import pairing
+
+    return pairing.calibration_target_name(cfg, _calibration_target(rd, variant))
+
+
+def _name_target(folder: Path, name: str) -> None:
+    """The published config.json names `name` as its verifier (the run's copy names the configured target:
+    quantize-drafter writes one verifier for every variant); canonical JSON, as the run's file is written."""
+    conf = _read_json(folder / "config.json")
+    verifier = ((conf or {}).get("speculators_config") or {}).get("verifier")
+    if isinstance(verifier, dict) and verifier.get("name_or_path") != name:
+        verifier["name_or_path"] = name
+        atomic_write_json(folder / "config.json", conf)
+
+
 def _refuse_mispaired(cfg, rd: RunDir, variant: str) -> None:
     """A drafter calibrated against a target of another vocab / hidden size / depth than the configured
     target is never published as its drafter (pipeline.quant.pairing.check_shape), before anything is assembled."""
@@ -242,14 +276,22 @@ def pairing_info(cfg, rd: RunDir, variant: str, target: str,
 
     cal = pairing.drafter_record(rd, variant)
     measured = results.measured_tau(variant) if results else {}
-    warning = None
-    if cal and cal.get("used") and cal.get("variant") != "bf16" and target != cal.get("hub_id"):
+    warning = note = None
+    name = pairing.calibration_target_name(cfg, cal)
+    if name is not None and target != name:
         warning = (f"drafter `{variant}` was calibrated on the hidden states of target `{cal['variant']}`, but its "
                    f"card and config name `{target}` as its target; serve it with the `{cal['variant']}` target "
-                   "(publish.target_model=<that checkpoint's Hub id> names it)")
+                   f"(+publish.quantized_target_models.{cal['variant']}=<its Hub id> names it)")
         pairing.warn(warning, "publish")
+    elif name is not None and not hub_id(name):
+        note = (f"the quantized target `{cal['variant']}` it was calibrated for has no Hub id in this run "
+                f"(publish.quantized_target_models has no `{cal['variant']}` entry), so its config and this card name "
+                f"that target's folder in the run, `{name}` (written by quantize-target, relative to the directory "
+                "the run was made from); upload that checkpoint and set "
+                f"+publish.quantized_target_models.{cal['variant']}=<its Hub id> to name it on the Hub")
     table_target = results.target["variant"] if results else None
-    return {"calibrated_on": cal, "measured_with": measured, "warning": warning, "table_target": table_target}
+    return {"calibrated_on": cal, "measured_with": measured, "warning": warning, "note": note,
+            "published_for": name, "table_target": table_target}
 
 
 def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Path],
@@ -266,11 +308,15 @@ def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Pat
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, tmp / rel)
             bar.update(src.stat().st_size)
+        target = _published_target(cfg, rd, variant)
+        if target is not None:  # calibrated for a quantized target: published naming that target
+            _name_target(tmp, target)
         card = modelcard.render(card_info(cfg, rd, variant, repo_id, tmp, signer))
         (tmp / "README.md").write_text(scrub(card), encoding="utf-8")
         # the statement cannot name itself, so its copy carries no origin
+        # ... nor does a config.json that names another target than the run's copy (_name_target)
         origins = {rel: src.relative_to(rd.root.resolve()).as_posix() for rel, src in sources.items()
-                   if rel != prov.ATTESTATION}
+                   if rel != prov.ATTESTATION and not (rel == "config.json" and target is not None)}
         prov.write_file_list(tmp, kind="published", origins=origins)
     if signer:
         signing.sign_folder(dest, signer, previous)
