@@ -104,7 +104,10 @@ class QuantConfig:
     anchors_per_sequence: int = 32  # DFlash blocks drafted per calibration sequence (anchor positions, seeded)
     max_seq_len: int = 2048  # tokens per calibration sequence read from the cache (longer ones are cut)
     ignore: list[str] = field(default_factory=list)  # extra module names or re: patterns kept unquantized
-    quantize_qkv: bool = False  # also quantize q/k/v (vLLM 0.26 cannot serve that drafter; kept dense by default)
+    quantize_qkv: bool = False  # also quantize q/k/v (only quant.vllm=0.32+ serves that; kept dense by default)
+    # the vLLM range the drafter checkpoint is written and checked for: 0.26 | 0.28-0.31 | 0.32+ (the newest);
+    # it decides what may be quantized and what config.json carries (pipeline/serving/contract.py PROFILES)
+    vllm: str = "0.32+"
     pipeline: str = "basic"  # llm-compressor calibration pipeline: basic | sequential | independent | datafree
     heldout_samples: int = 8  # cached samples kept apart from calibration for the checks and comparisons
     # calibration=none with activation quantization: the fixed activation absmax behind the constant

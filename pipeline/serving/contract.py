@@ -1,36 +1,155 @@
-"""What vLLM 0.26.0 reads from a DFlash drafter checkpoint, as rules we can check on CPU.
+"""What vLLM reads from a DFlash drafter checkpoint, per supported vLLM range, as rules we can check on CPU.
 
-Pinned vLLM 0.26.0 source (file:line inside the wheel, `vllm/` omitted):
-- `model_executor/models/qwen3_dflash.py:392, :669-670`: draft layer i is built as
-  `model.layers.{i + T}` where T is the target's layer count; `:185, :192` q/k/v are one fused
-  `self_attn.qkv_proj` beside `self_attn.o_proj`; `:302` the MLP is `mlp.gate_up_proj` + `mlp.down_proj`
-  (Qwen3 MLP); `:413` the context projection is `model.fc`.
-- `:354` (`get_draft_quant_config`): the draft's quantization config is the `quantization_config`
-  inside `transformer_layer_config`.
-- `layers/quantization/compressed_tensors/utils.py:50-103`: `should_ignore_layer` splits a fused
-  layer into its shards (`qkv_proj` -> `q_proj`, `k_proj`, `v_proj`) and ignores it when every shard
-  matches an `ignore` entry (shards that disagree are an error); `:175-192`: an entry matches by exact
-  string or, prefixed `re:`, by `re.match`.
-- `:441` (`_build_context_kv_buffers`): the context-KV precompute slices `qkv_proj.weight`, so q/k/v
-  must stay dense (upstream issue #51581).
-- `transformers_utils/configs/speculators/algos.py:124-125` + `qwen3_dflash.py:55-59`:
-  `causal = not sliding_window_non_causal` (default True) is applied to EVERY draft layer.
-- `transformers_utils/config.py:682-683`: `speculators_config.verifier.name_or_path` is taken verbatim
-  as the target, relative to the serving process's working directory.
+One `Profile` per supported range (`PROFILES`, newest last; `DEFAULT` = the newest): what every vLLM of the
+range reads, each rule pinned to file:line inside the wheel of the version it cites (`vllm/` omitted; read
+from the wheels themselves, `pip download --no-deps vllm==X`). A range is judged by its strictest member:
+a checkpoint written for 0.28-0.31 must load in 0.28 (dense q/k/v) and in 0.30 (no actorder group). A new
+vLLM version is one edit here: widen a profile's `last`, or add a `Profile` with its own citations.
+
+Read the same way in every supported version (0.26.0 lines; 0.34.0 in brackets):
+- `model_executor/models/qwen3_dflash.py:392, :669-670` [`:513, :880`]: draft layer i is built as
+  `model.layers.{i + T}` where T is the target's layer count; `:185, :192` [`:237`] q/k/v are one fused
+  `self_attn.qkv_proj` beside `self_attn.o_proj`; the MLP is `mlp.gate_up_proj` + `mlp.down_proj`;
+  `:413` [`:519-527`] the context projection is `model.fc`.
+- `:354` [`:464`] (`get_draft_quant_config`): the draft's quantization config is the `quantization_config`
+  inside `transformer_layer_config` (`transformers_utils/configs/speculators/base.py:59`: that dict is
+  the draft's HF config).
+- Ignore matching: 0.26 `layers/quantization/compressed_tensors/utils.py:50-103, :175-192` (a fused layer
+  is split into its shards, ignored when every shard matches; an entry matches by exact string or, prefixed
+  `re:`, by `re.match`); from 0.32 [`layers/quantization/utils/config_utils.py:453-489`, called at
+  `compressed_tensors/compressed_tensors.py:1012`] an entry naming the fused layer itself wins, shards are
+  split only through a `packed_modules_mapping`, which the draft's quant config does not get (vLLM #53116).
+- `transformers_utils/configs/speculators/algos.py:124-125` [`:92-93`]: `dflash_config.causal = not
+  sliding_window_non_causal` (absent = true), applied to EVERY draft layer (`qwen3_dflash.py:55-59`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import bad_value
+from pipeline.core.hub import hub_id
 
 # vLLM fuses these shards into one layer (packed_modules_mapping of its Qwen3 / DFlash models)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What every vLLM release from `first` to `last` reads from a DFlash drafter checkpoint; `cites` holds,
+    per rule, the wheel file:line it is pinned to."""
+
+    name: str  # the value of quant.vllm
+    first: str  # oldest release of the range
+    last: str  # newest release the range was read in (the range stays open when `open_ended`)
+    open_ended: bool  # newer releases are expected to read the same (the newest range)
+    quantized_qkv: bool  # every release of the range serves a quantized qkv_proj
+    shared_qkv_scale: bool  # NVFP4 q/k/v must carry one weight and one input global scale (vLLM keeps the max)
+    split_shards: bool  # ignore matching splits a fused layer into its shards (0.26); else the fused name only
+    reads_is_causal: bool  # every release of the range lets transformer_layer_config.is_causal decide causality
+    refused_actorder: tuple[str, ...]  # compressed-tensors weight actorder values some release refuses
+    hub_id_verifier: bool  # some release needs a Hub-id verifier for `vllm serve <drafter dir>`
+    nvfp4_hopper_kernel: str  # what runs NVFP4 weights on Hopper (weight-only)
+    cites: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def versions(self) -> str:
+        """The range in words, e.g. `0.32.0 and newer (read in 0.32.0-0.34.0)`."""
+        if self.open_ended:
+            return f"{self.first} and newer (read in {self.first}-{self.last})"
+        return self.first if self.first == self.last else f"{self.first}-{self.last}"
+
+    def record(self) -> dict[str, Any]:
+        """What a stage record, the manifest and the card say about the range a checkpoint is written for."""
+        return {"profile": self.name, "versions": self.versions, "first": self.first, "last": self.last,
+                "open_ended": self.open_ended, "quantized_qkv": self.quantized_qkv,
+                "is_causal_written": self.reads_is_causal, "rules": dict(self.cites)}
+
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (
+    Profile("0.26", "0.26.0", "0.26.0", False, quantized_qkv=False, shared_qkv_scale=True, split_shards=True,
+            reads_is_causal=False, refused_actorder=(), hub_id_verifier=False, nvfp4_hopper_kernel="Marlin",
+            cites={
+                "dense_qkv": "0.26.0 model_executor/models/qwen3_dflash.py:441 (context-KV precompute slices "
+                             "qkv_proj.weight; vLLM #51581)",
+                "ignore_matching": "0.26.0 layers/quantization/compressed_tensors/utils.py:50-103, :175-192",
+                "causality": "0.26.0 transformers_utils/configs/speculators/algos.py:124-125, "
+                             "model_executor/models/qwen3_dflash.py:55-59",
+                "verifier": "0.26.0 transformers_utils/config.py:682-683 (taken verbatim, relative to the cwd)",
+                "nvfp4_hopper": "0.26.0 model_executor/kernels/linear/__init__.py:446-460 (Marlin, weight-only)"}),
+    Profile("0.28-0.31", "0.28.0", "0.31.0", False, quantized_qkv=False, shared_qkv_scale=True, split_shards=True,
+            reads_is_causal=True, refused_actorder=("group", "dynamic"), hub_id_verifier=False,
+            nvfp4_hopper_kernel="Marlin",
+            cites={
+                "dense_qkv": "0.28.0 model_executor/models/qwen3_dflash.py:490, 0.30.0 :473 (slice a dense "
+                             "qkv_proj.weight); 0.31.0 :515-519, :607 runs a quantized one through its kernel",
+                "is_causal": "0.28.0 model_executor/models/qwen3_dflash.py:58-67 (is_causal first, then "
+                             "dflash_config.causal)",
+                "actorder": "0.30.0 layers/quantization/compressed_tensors/compressed_tensors.py:332-341 "
+                            "(group/dynamic refused; 0.28-0.29 read them)",
+                "ignore_matching": "0.28.0 layers/quantization/compressed_tensors/utils.py:50-103, :175-192 (shards "
+                                   "split; 0.31.0 :53 reads the fused name first)",
+                "verifier": "0.28.0 transformers_utils/config.py:681-682, 0.31.0 :843-844 (taken verbatim)"}),
+    Profile("0.32+", "0.32.0", "0.34.0", True, quantized_qkv=True, shared_qkv_scale=True, split_shards=False,
+            reads_is_causal=True, refused_actorder=("group", "dynamic"), hub_id_verifier=True,
+            nvfp4_hopper_kernel="Humming",
+            cites={
+                "quantized_qkv": "0.32.0 model_executor/models/qwen3_dflash.py:532-537, :625; 0.34.0 :118-121, "
+                                 ":565-573, :678-708 (each layer's own quantized kernel for the context K/V)",
+                "shared_qkv_scale": "0.34.0 layers/quantization/compressed_tensors/schemes/"
+                                    "compressed_tensors_w4a4_nvfp4.py:100-110, :114-123 (different q/k/v global "
+                                    "scales: a warning, then their max); 0.32.0 :101-111, :117-126",
+                "is_causal": "0.34.0 model_executor/models/qwen3_dflash.py:86-97",
+                "actorder": "0.34.0 layers/quantization/compressed_tensors/compressed_tensors.py:336-345",
+                "ignore_matching": "0.34.0 layers/quantization/utils/config_utils.py:453-489 (the fused name "
+                                   "itself; no packed_modules_mapping for the draft, vLLM #53116)",
+                "verifier": "0.33.0 transformers_utils/config.py:860-873, 0.34.0 :905-918 (`vllm serve <drafter "
+                            "dir>`: a Hub id that is no local path)",
+                "nvfp4_hopper": "0.34.0 model_executor/layers/quantization/utils/humming/priority.py:11 (Humming "
+                                "ahead of Marlin on sm90, weight-only)"}),
+)}
+DEFAULT = "0.32+"  # the newest supported range (QuantConfig.vllm's default)
+
+
+def profile(name: str | Profile | None = None, field_name: str = "quant.vllm") -> Profile:
+    """The profile called `name` (None = DEFAULT); an unknown name is one sentence naming the choices."""
+    if isinstance(name, Profile):
+        return name
+    key = DEFAULT if name is None else str(name)
+    if key not in PROFILES:
+        raise bad_value(field_name, name, "it is not a vLLM range specquant knows the checkpoint rules of",
+                        f"use one of {', '.join(PROFILES)} (pipeline/serving/contract.py PROFILES)")
+    return PROFILES[key]
+
+
+def written_config(config: dict[str, Any], prof: str | Profile | None = None) -> dict[str, Any]:
+    """config.json as written for `prof`: where some release of the range lets `is_causal` decide, it is
+    written false inside transformer_layer_config (the draft's HF config), so both readings say non-causal."""
+    prof = profile(prof)
+    if prof.reads_is_causal:
+        config = {**config, "transformer_layer_config": {**(config.get("transformer_layer_config") or {}),
+                                                         "is_causal": False}}
+    return config
+
+
+def refuse_settings(q, field_name: str = "quant") -> Profile:
+    """Settings the chosen range cannot serve, refused before any work; returns the profile."""
+    prof = profile(q.vllm, f"{field_name}.vllm")
+    if bool(q.quantize_qkv) and not prof.quantized_qkv:
+        raise bad_value(f"{field_name}.quantize_qkv", True, f"vLLM {prof.versions} (quant.vllm={prof.name}) needs a "
+                        f"dense qkv_proj for the DFlash context-KV precompute ({prof.cites['dense_qkv']})",
+                        "leave it false, or write for vLLM 0.32 and newer with quant.vllm=0.32+")
+    actorder = getattr(q, "actorder", None)
+    if actorder is not None and str(actorder) in prof.refused_actorder:
+        raise bad_value(f"{field_name}.actorder", actorder, f"vLLM {prof.versions} (quant.vllm={prof.name}) refuses "
+                        f"compressed-tensors actorder {'/'.join(prof.refused_actorder)} ({prof.cites['actorder']})",
+                        "use static or leave it unset, or write for vLLM 0.26 with quant.vllm=0.26")
+    return prof
 
 
 def vllm_linears(num_layers: int, num_target_layers: int) -> list[str]:
@@ -47,10 +166,15 @@ def matches(name: str, ignore: Iterable[str]) -> bool:
     return any(re.match(e[3:], name) is not None if e.startswith("re:") else e == name for e in ignore)
 
 
-def vllm_ignores(name: str, ignore: Iterable[str]) -> bool:
-    """Whether vLLM keeps layer `name` dense; raises ValueError where vLLM would (shards that disagree)."""
+def vllm_ignores(name: str, ignore: Iterable[str], split_shards: bool = True) -> bool:
+    """Whether vLLM keeps layer `name` dense; raises ValueError where vLLM would (shards that disagree).
+
+    `split_shards` (0.26-0.31): a fused layer not named itself is judged by its shards. From 0.32 an entry
+    matching the fused name wins and nothing is split for the draft (no packed_modules_mapping)."""
     ignore = list(ignore)
     proj = name.rsplit(".", 1)[-1]
+    if proj in FUSED and not split_shards:
+        return matches(name, ignore)
     if proj in FUSED and name not in ignore:
         votes = {matches(name[: -len(proj)] + shard, ignore) for shard in FUSED[proj]}
         if len(votes) > 1:
@@ -109,31 +233,49 @@ def serving_ignore(quantized_ignore: list[str], user_ignore: Iterable[str], num_
 
 
 def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num_target_layers: int,
-                        allow_quantized_qkv: bool = False) -> list[str]:
-    """Everything vLLM 0.26.0 would read differently from what a speculators DFlash checkpoint holds.
+                        prof: str | Profile | None = None, scales: Mapping[str, Iterable[float]] | None = None,
+                        standalone: bool = False) -> list[str]:
+    """Everything the vLLM range `prof` (default: the newest) would read differently from what a speculators
+    DFlash checkpoint holds; empty list = every release of the range builds every layer as stored.
 
-    `tensor_names` are the keys of its safetensors: a quantized layer has `<name>.weight_packed`, a
-    dense one `<name>.weight`. Empty list = vLLM builds every layer as the checkpoint stores it.
-    `allow_quantized_qkv` skips the q/k/v rules (a drafter written with quant.quantize_qkv=true).
+    `tensor_names` are the keys of its safetensors: a quantized layer has `<name>.weight_packed`, a dense
+    one `<name>.weight`. `scales` maps `<layer>.weight_global_scale` / `<layer>.input_global_scale` to their
+    values (NVFP4; `check_dir` reads them). `standalone`: also served as `vllm serve <drafter dir>`, where
+    the verifier named in the checkpoint is the target vLLM loads.
     """
+    prof = profile(prof)
     problems: list[str] = []
+    where = f"vLLM {prof.versions}"
     tlc = config.get("transformer_layer_config") or {}
     layer_types = tlc.get("layer_types") or []
     sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
     if sliding:
-        problems.append(f"layers {sliding} are sliding-window layers, which vLLM 0.26 serves with one causality "
+        problems.append(f"layers {sliding} are sliding-window layers, which {where} serves with one causality "
                         "flag for every layer")
-    if config.get("sliding_window_non_causal") is not True:
-        problems.append(f"sliding_window_non_causal is {config.get('sliding_window_non_causal')!r}: vLLM serves "
-                        "every draft layer causally unless it is true")
+    flag, is_causal = config.get("sliding_window_non_causal"), tlc.get("is_causal")
+    if prof.reads_is_causal and is_causal is not None and is_causal is not False:
+        problems.append(f"transformer_layer_config.is_causal is {is_causal!r}: {where} serves every draft layer "
+                        f"causally ({prof.cites['is_causal']}); DFlash layers are non-causal")
+    if flag is not True and not (prof.reads_is_causal and is_causal is False):
+        problems.append(f"sliding_window_non_causal is {flag!r}: {where} serves every draft layer causally unless "
+                        "it is true")
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     if not verifier or str(verifier).startswith(("./", "../")) or str(verifier) in {".", ".."}:
         problems.append(f"verifier.name_or_path is {verifier!r}: vLLM resolves it against its working directory, "
                         "so it must be a Hub id or a path from where the serving command runs")
+    elif standalone and prof.hub_id_verifier and hub_id(str(verifier)) is None:
+        problems.append(f"verifier.name_or_path is {verifier!r}: `vllm serve <drafter dir>` in {where} needs a Hub "
+                        f"id that is no local path ({prof.cites['verifier']}); serve it with the target named "
+                        "explicitly")
     top, inner = config.get("quantization_config"), tlc.get("quantization_config")
     if top != inner:
         problems.append("quantization_config differs between the top level and transformer_layer_config "
                         "(vLLM reads the one inside transformer_layer_config)")
+    for group, spec in sorted(((inner or {}).get("config_groups") or {}).items()):
+        actorder = ((spec or {}).get("weights") or {}).get("actorder")
+        if actorder is not None and str(actorder) in prof.refused_actorder:
+            problems.append(f"config_groups.{group}.weights.actorder is {actorder!r}: {where} refuses "
+                            f"{'/'.join(prof.refused_actorder)} activation ordering ({prof.cites['actorder']})")
     names = set(tensor_names)
     ignore = list((inner or {}).get("ignore") or [])
     num_layers = int(tlc.get("num_hidden_layers") or 0)
@@ -151,24 +293,33 @@ def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num
             want = "dense"
         else:
             try:
-                want = "dense" if vllm_ignores(layer, ignore) else "quantized"
+                want = "dense" if vllm_ignores(layer, ignore, prof.split_shards) else "quantized"
             except ValueError as exc:
                 problems.append(str(exc))
                 continue
         got = stored.pop()
-        if allow_quantized_qkv and layer.endswith("qkv_proj"):  # asked for: quant.quantize_qkv=true
-            continue
         if got != want:
-            problems.append(f"{layer}: the checkpoint stores it {got} but vLLM builds it {want} "
+            problems.append(f"{layer}: the checkpoint stores it {got} but {where} builds it {want} "
                             f"(ignore = {ignore})")
-        if layer.endswith("qkv_proj") and want == "quantized":
-            problems.append(f"{layer}: vLLM's DFlash context-KV precompute slices a dense qkv_proj.weight "
-                            "(vLLM #51581); keep q/k/v dense")
+        if layer.endswith("qkv_proj") and "quantized" in (want, got) and not prof.quantized_qkv:
+            problems.append(f"{layer}: {where} needs a dense qkv_proj for the DFlash context-KV precompute "
+                            f"({prof.cites['dense_qkv']}); keep q/k/v dense")
+        if got == "quantized" and prof.shared_qkv_scale and scales is not None and len(shards) > 1:
+            for kind in ("weight_global_scale", "input_global_scale"):
+                values = [scales.get(f"{s}.{kind}") for s in shards]
+                if all(v is not None for v in values) and len({tuple(v) for v in values}) > 1:
+                    problems.append(f"{layer}: its shards' NVFP4 {kind} differ ({[list(v) for v in values]}); "
+                                    f"{where} keeps their max for the fused layer "
+                                    f"({prof.cites.get('shared_qkv_scale', 'compressed_tensors_w4a4_nvfp4.py')}), "
+                                    "so every shard but one is served off its calibrated scale")
     return problems
 
 
-def check_dir(path: str | Path, num_target_layers: int) -> list[str]:
-    """`checkpoint_problems` for a drafter folder on disk."""
+GLOBAL_SCALES = ("weight_global_scale", "input_global_scale")
+
+
+def read_dir(path: str | Path) -> tuple[dict[str, Any], list[str], dict[str, tuple[float, ...]]]:
+    """(config.json, tensor names, NVFP4 global scales by tensor name) of a drafter folder on disk."""
     import json
 
     from safetensors import safe_open
@@ -176,7 +327,18 @@ def check_dir(path: str | Path, num_target_layers: int) -> list[str]:
     p = Path(path)
     config = json.loads((p / "config.json").read_text(encoding="utf-8"))
     names: list[str] = []
+    scales: dict[str, tuple[float, ...]] = {}
     for f in sorted(p.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
-            names += list(fh.keys())
-    return checkpoint_problems(config, names, num_target_layers)
+            for k in fh.keys():
+                names.append(k)
+                if k.endswith(GLOBAL_SCALES):
+                    scales[k] = tuple(float(x) for x in fh.get_tensor(k).float().reshape(-1).tolist())
+    return config, names, scales
+
+
+def check_dir(path: str | Path, num_target_layers: int, prof: str | Profile | None = None,
+              standalone: bool = False) -> list[str]:
+    """`checkpoint_problems` for a drafter folder on disk, under the vLLM range `prof` (default: the newest)."""
+    config, names, scales = read_dir(path)
+    return checkpoint_problems(config, names, num_target_layers, prof, scales, standalone)

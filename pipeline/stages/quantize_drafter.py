@@ -107,6 +107,9 @@ def validate(cfg):
     """Everything that can fail before weights are read: settings, shapes, cache layout."""
     q = cfg[FIELD]
     recipes.validate_settings(q, FIELD)
+    from pipeline.serving import contract
+
+    contract.refuse_settings(q, FIELD)  # what the chosen vLLM range cannot serve, before any work
     if str(q.calibration_target) != "bf16" and not recipes.needs_data(q):
         raise bad_value(f"{FIELD}.calibration_target", q.calibration_target, f"quant `{str(q.name).rsplit('-on-', 1)[0]}` is data-free (it reads no "
                         "cached hidden states), so no target's states can calibrate it",
@@ -114,8 +117,6 @@ def validate(cfg):
     ignore = recipes.resolve_ignore(q)
     dconf = drafter_config(cfg)
     recipes.validate_group_size(q, FIELD, drafter_linears(dconf, ignore))
-    from pipeline.serving import contract
-
     n_target = num_target_layers(cfg)
     with torch.device("meta"):
         from pipeline.models.dflash import DFlashDrafter
@@ -179,13 +180,14 @@ def _write_native_config(model, work: Path) -> None:
 
 
 def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str], n_target: int,
-                    quantize_qkv: bool = False) -> list[str]:
+                    vllm: str | None = None) -> list[str]:
     """Compressed checkpoint in speculators layout: body tensors only, quantization_config in config.
 
     compressed-tensors writes `ignore` as the HF names of the layers it left dense
     (`layers.0.self_attn.q_proj`), which match nothing in vLLM (draft layers are `model.layers.{i+T}`,
     q/k/v fused): the list is rewritten as patterns vLLM and HF both match, and the folder is checked
-    against vLLM's reading before it is swapped in.
+    against the reading of the vLLM range `vllm` (quant.vllm; pipeline.serving.contract.PROFILES) before
+    it is swapped in.
     """
     from safetensors import safe_open
 
@@ -202,17 +204,15 @@ def write_quantized(model, out: Path, ignore: list[str], user_ignore: list[str],
         qc = dict(written["quantization_config"])
         native = list(qc.get("ignore") or [])  # compressed-tensors' own list (HF names), kept for the record
         qc["ignore"] = contract.serving_ignore(ignore, user_ignore, n_target)
-        config = speculators_config_dict(model.config, qc)
+        prof = contract.profile(vllm)
+        config = contract.written_config(speculators_config_dict(model.config, qc), prof)
         export.rewrite_config(tmp, config)
-        problems = contract.checkpoint_problems(config, kept_keys, n_target, allow_quantized_qkv=quantize_qkv)
-        if quantize_qkv:  # asked for: written, but said plainly
-            import sys
-
-            print("warning: quant.quantize_qkv=true: vLLM 0.26 cannot serve this drafter (its DFlash context-KV "
-                  "precompute needs a dense qkv_proj, vLLM #51581); serve-check will fail it", file=sys.stderr)
+        _, _, scales = contract.read_dir(tmp)
+        problems = contract.checkpoint_problems(config, kept_keys, n_target, prof, scales)
         if problems:
-            raise bad_value("quant.ignore", qc["ignore"], f"vLLM 0.26 would not serve the written checkpoint as "
-                            f"quantized: {problems[0]}", "fix quant.ignore (pipeline/serving/contract.py)")
+            raise bad_value("quant.ignore", qc["ignore"], f"vLLM {prof.versions} would not serve the written "
+                            f"checkpoint as quantized: {problems[0]}", "fix quant.ignore or quant.vllm "
+                            "(pipeline/serving/contract.py)")
     return native
 
 
@@ -262,7 +262,7 @@ def run(cfg) -> dict:
                 batches.close()
             scales = calibrate.input_global_scales(model)
             native_ignore = write_quantized(model, out, ignore, list(q.ignore), int(dconf.num_target_layers),
-                                            bool(q.quantize_qkv))
+                                            str(q.vllm))
             clock.lap("write_s")
         del model
         report = drafter_checks.check_drafter(cfg, rd, q, reader, held_idx, dconf, search, verifier)
@@ -279,6 +279,7 @@ def run(cfg) -> dict:
         "group_size": recipes.group_size(q), "ignore": ignore, "calibration": q.calibration,
         "ignore_written": read_json(out / "config.json", "config.json")["quantization_config"]["ignore"],
         "ignore_compressed_tensors": native_ignore,
+        "vllm": contract_profile(q).record(),  # the vLLM range the checkpoint is written and checked for
         "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
         "seeds": {"seed": seed, "split_permutation": seed, "torch_manual_seed": seed,
                   "anchors": f"{seed} * {cache_batches.SAMPLE_SEED_STRIDE} + cache index",
@@ -301,6 +302,12 @@ def run(cfg) -> dict:
         "timings": clock.finish(),
         "device": str(recipes.resolve_device(q.device)),
     }
+
+
+def contract_profile(q):
+    from pipeline.serving import contract
+
+    return contract.profile(q.vllm, f"{FIELD}.vllm")
 
 
 def input_hashes(cfg) -> dict:
