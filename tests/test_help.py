@@ -86,15 +86,16 @@ def test_quantize_drafter_help_shows_the_derived_output_folder(capsys, overrides
     assert re.search(r"^    quant\.name +str = nvfp4$", out, flags=re.M)
 
 
-def _readme_block(command: str) -> list[str]:
-    """The lines the README shows under `$ <command>` in its Help section (up to the closing fence)."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def _readme_block(command: str, doc: str = "README.md") -> list[str]:
+    """The lines `doc` shows under `$ <command>` (up to the closing fence): the README's Help section, or the
+    abridged stage help in docs/quickstart.md."""
+    text = (REPO / doc).read_text(encoding="utf-8")
     block = text.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
     return [ln for ln in block.splitlines() if ln.strip() and not ln.strip().startswith("... (")]
 
 
 def test_readme_shows_what_make_help_and_stage_help_print(capsys):
-    """The README's `make help` and `quantize-drafter --help` output is what they print now (an abridged
+    """The README's `make help` and docs/quickstart.md's `quantize-drafter --help` output is what they print now (an abridged
     stage help: every line it shows is printed, in the same order)."""
     from pipeline.__main__ import main
 
@@ -103,6 +104,6 @@ def test_readme_shows_what_make_help_and_stage_help_print(capsys):
     assert main(["quantize-drafter", "--help"]) == 0
     printed = capsys.readouterr().out.splitlines()
     at = 0
-    for line in _readme_block("python -m pipeline quantize-drafter --help"):
+    for line in _readme_block("python -m pipeline quantize-drafter --help", "docs/quickstart.md"):
         assert line in printed[at:], f"README shows a line quantize-drafter --help does not print: {line!r}"
         at = printed.index(line, at) + 1
