@@ -530,6 +530,16 @@ def w4a16_group() -> int:
     return math.gcd(128, g["hidden"], g["intermediate"], g["heads"] * g["head_dim"])
 
 
+def target_w4a16_group() -> int:
+    """A W4A16 group size that divides every quantized input width of the fixture target (128 at most):
+    hidden (q/k/v, gate/up), heads x head_dim (o_proj), intermediate (down_proj)."""
+    import math
+
+    c = json.loads((TARGET / "config.json").read_text())
+    head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    return math.gcd(128, int(c["hidden_size"]), int(c["intermediate_size"]), int(c["num_attention_heads"]) * head_dim)
+
+
 # the variants conftest's `quantized_world` writes once per session (quantize-drafter, real stage)
 SHARED_VARIANTS = {"nvfp4": ("quant=nvfp4",), "nvfp4a16": ("quant=nvfp4a16",),
                    "w4a16": ("quant=w4a16", f"quant.group_size={w4a16_group()}")}

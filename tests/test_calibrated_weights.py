@@ -8,7 +8,6 @@ largest of 128/64/32/16 dividing every quantized width).
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -19,12 +18,20 @@ from pipeline.core.config import compose
 from pipeline.core.errors import SpecquantError
 from pipeline.core.io import hash_tree, read_json
 from pipeline.stages import quantize_drafter
-from tests._support import DRAFTER, SHARED_VARIANTS, TARGET, copy_world, w4a16_group, world_cfg
+from tests._support import (
+    DRAFTER,
+    SHARED_VARIANTS,
+    TARGET,
+    copy_world,
+    target_w4a16_group,
+    w4a16_group,
+    world_cfg,
+)
 
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
 _TC = read_json(TARGET / "config.json", "target")
 G = w4a16_group()
-GT = math.gcd(128, int(_TC["hidden_size"]), int(_TC["intermediate_size"]))
+GT = target_w4a16_group()  # o_proj's heads x head_dim included
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from the fixture (group size: the largest of 128/64/32/16 dividing every quantiz
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -19,12 +18,12 @@ from pipeline.core.config import compose
 from pipeline.core.errors import SpecquantError
 from pipeline.core.io import read_json
 from pipeline.quant import pairing
-from tests._support import DRAFTER, TARGET, copy_world, run_main, w4a16_group
+from tests._support import DRAFTER, TARGET, copy_world, run_main, target_w4a16_group, w4a16_group
 
 _TLC = read_json(DRAFTER / "config.json", "drafter")["transformer_layer_config"]
 _TC = read_json(TARGET / "config.json", "target")
 G = w4a16_group()
-GT = math.gcd(128, int(_TC["hidden_size"]), int(_TC["intermediate_size"]))
+GT = target_w4a16_group()  # o_proj's heads x head_dim included
 
 
 def _base(root) -> list[str]:

@@ -12,7 +12,7 @@ from pipeline.artifacts.check_report import load_report
 from pipeline.core.io import hash_tree, read_json
 from pipeline.quant import act_scale, cache_batches
 from pipeline.stages import quantize_drafter
-from tests._support import build_world, copy_world, geometry, world_cfg
+from tests._support import build_world, copy_world, geometry, w4a16_group, world_cfg
 
 
 @pytest.fixture(scope="module")
@@ -110,17 +110,35 @@ def _fc_scale(root) -> float:
     return act_scale.fixed_input_global_scale(absmax)
 
 
-def test_calibrated_nvfp4_is_not_worse_than_calibration_free(world, nvfp4):
+def test_calibrated_nvfp4_is_not_worse_than_calibration_free_on_its_objective(world, nvfp4):
+    """What the method guarantees, on any model: the calibration-free twin writes the fixed scale everywhere,
+    and the calibrated checkpoint's scale of every layer (one per fused group) has an activation-QDQ error on
+    the calibration rows no larger than that fixed scale's. Top-1 on held-apart rows is a paired statistic
+    (evaluate's McNemar + interval, pipeline/quant/paired.py), reported here, not asserted one-sided."""
+    from pipeline.quant import paired
+
     free = quantize_drafter.run(world_cfg(world, "quant=nvfp4-nocalib"))
-    assert free["calibration_free"]["input_global_scale"] == 1.0
-    assert set(free["input_global_scales"].values()) == {1.0}
+    fixed = free["calibration_free"]["input_global_scale"]
+    assert fixed == 1.0 and set(free["input_global_scales"].values()) == {fixed}
     assert free["num_calibration_samples"] == 0
+    search = nvfp4["activation_scale_search"]
+    layers = search["layers"]
+    assert set(layers) == set(nvfp4["input_global_scales"]) == set(free["input_global_scales"])
+    fused = {n for g in search["groups"] for n in g}
+    for group in [*search["groups"], *([n] for n in layers if n not in fused)]:
+        err = {k: sum(layers[n]["error"][k] for n in group) for k in ("chosen", "fixed")}
+        assert err["chosen"] <= err["fixed"], (group, err)
+        for n in group:  # the error was taken at the scales the two checkpoints hold
+            assert layers[n]["chosen_scale"] == nvfp4["input_global_scales"][n]
+            assert layers[n]["fixed_scale"] == free["input_global_scales"][n]
     calibrated = load_report(world / "qw" / "checks", "drafter", "nvfp4")
     baseline = load_report(world / "qw" / "checks", "drafter", "nvfp4-nocalib")
     # same weights (same observer), so the weight-only numbers agree and only activations differ
     assert calibrated.weights_only == baseline.weights_only
-    assert calibrated.served.top1_agreement >= baseline.served.top1_agreement
-    print("\ncalibrated", calibrated.served, "\ncalibration-free", baseline.served)
+    top1 = paired.paired_top1(calibrated, baseline)
+    assert top1["rows"] == calibrated.served.rows == baseline.served.rows
+    assert top1["top1_a"] == pytest.approx(calibrated.served.top1_agreement)
+    print("\ncalibrated", calibrated.served, "\ncalibration-free", baseline.served, "\npaired", json.dumps(top1))
 
 
 def test_calibration_pays_where_activations_leave_the_fixed_range(massive_world, tmp_path):
@@ -152,7 +170,8 @@ def test_calibration_pays_where_activations_leave_the_fixed_range(massive_world,
 
 @pytest.mark.parametrize("overrides, fmt", [
     (["quant=nvfp4a16"], "nvfp4-pack-quantized"),
-    (["quant=w4a16", "quant.group_size=64"], "pack-quantized"),
+    # a group size dividing every quantized layer's input width of this fixture (fc's n_aux x hidden included)
+    (["quant=w4a16", f"quant.group_size={w4a16_group()}"], "pack-quantized"),
 ])
 def test_weight_only_drafters_are_produced_and_reload(world, nvfp4, overrides, fmt):
     result = quantize_drafter.run(world_cfg(world, *overrides))

@@ -55,15 +55,16 @@ def test_bad_settings_fail_before_loading_weights(tmp_path, broken_drafter, over
 
 @pytest.mark.faults("bad_input")
 def test_group_size_that_does_not_divide_a_layer_fails_before_loading(tmp_path, broken_drafter):
-    # int4 groups of 128 cannot tile a layer of the fixture drafter that reads fewer or other features
-    # (o_proj reads heads x head_dim, fc n_aux x hidden): the sentence names the first such layer
+    # int4 groups that cannot tile a layer of the fixture drafter (128, or on a fixture whose widths are all
+    # multiples of 128 a larger or odd size; o_proj reads heads x head_dim, fc n_aux x hidden): the sentence
+    # names the first such layer
     g = geometry()
     widths = {g["hidden"], g["intermediate"], g["heads"] * g["head_dim"], len(g["aux_layer_ids"]) * g["hidden"]}
-    assert any(w % 128 for w in widths), "this fixture's widths are all multiples of 128"
-    cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", "quant=w4a16", "quant.group_size=128")
+    bad = next(n for n in (128, 256, 512, 96, 48, 40, 24) if any(w % n for w in widths))
+    cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", "quant=w4a16", f"quant.group_size={bad}")
     msg = _fails(cfg)
-    m = re.match(r"`quant.group_size` = 128: it does not divide the in-features (\d+) of (\S+)", msg)
-    assert m and int(m[1]) in widths and int(m[1]) % 128, msg
+    m = re.match(rf"`quant.group_size` = {bad}: it does not divide the in-features (\d+) of (\S+)", msg)
+    assert m and int(m[1]) in widths and int(m[1]) % bad, msg
     assert f"e.g. {w4a16_group()}" in msg
 
 

@@ -16,6 +16,7 @@ from tests._support import (
     DRAFTER,
     TARGET,
     copy_world,
+    geometry,
     nvfp4_qdq_reference,
     world_cfg,
 )
@@ -43,8 +44,9 @@ def _groups(record: dict) -> list[list[str]]:
 def test_chosen_scales_are_never_worse_than_fixed_or_minmax_on_calibration_data(world, searched):
     rec = searched["activation_scale_search"]
     layers, scales = rec["layers"], searched["input_global_scales"]
-    assert set(layers) == set(scales) and len(layers) == 15  # fc + 2 x (q, k, v, o, gate, up, down)
-    assert sorted(len(g) for g in rec["groups"]) == [2, 2, 3, 3]
+    n = geometry()["layers"]
+    assert set(layers) == set(scales) and len(layers) == 1 + 7 * n  # fc + n x (q, k, v, o, gate, up, down)
+    assert sorted(len(g) for g in rec["groups"]) == [2] * n + [3] * n  # per layer gate/up and q/k/v
     for group in _groups(rec):
         err = {k: sum(layers[n]["error"][k] for n in group) for k in ("chosen", "fixed", "minmax")}
         assert err["chosen"] <= err["fixed"] and err["chosen"] <= err["minmax"], group
