@@ -156,6 +156,8 @@ def test_generated_serving_commands_say_dflash_block_and_backend(world, written)
     for text in (sh, card):
         assert '"method":"dflash"' in text and f'"num_speculative_tokens":{k}' in text
         assert "--attention-backend FLASH_ATTN" in text
+    assert '"quantization":"compressed-tensors"' in card  # as eval/vllm_commands.sh: the draft's own config
+    assert "quantization" not in modelcard.vllm_command("Qwen/Qwen3-8B", "me/drafter", k + 1, quantized=False)
 
 
 def test_serve_check_without_gpu_or_vllm_says_so_and_writes_nothing(world, written):

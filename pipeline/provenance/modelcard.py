@@ -88,9 +88,12 @@ def acceptance_table(results: EvalResults | None, variant: str) -> str | None:
     return "\n".join(lines)
 
 
-def vllm_command(target: str, repo_id: str, block_size: int | None) -> str:
+def vllm_command(target: str, repo_id: str, block_size: int | None, quantized: bool = True) -> str:
     n = block_size - 1 if block_size else 15
-    spec = json.dumps({"method": "dflash", "model": repo_id, "num_speculative_tokens": n}, separators=(",", ":"))
+    spec = {"method": "dflash", "model": repo_id, "num_speculative_tokens": n}
+    if quantized:  # else vLLM applies the target's quantization to the draft (as eval/vllm_commands.sh says)
+        spec["quantization"] = "compressed-tensors"
+    spec = json.dumps(spec, separators=(",", ":"))
     # DFlash drafts non-causally: FLASH_ATTN supports it (serve-check runs with it)
     return f"vllm serve {shlex.quote(target)} --attention-backend FLASH_ATTN --speculative-config {shlex.quote(spec)}"
 
@@ -191,7 +194,13 @@ def render(info: dict[str, Any]) -> str:
         out += ["## Calibrated vs data-free", "Paired on the same prompts and held-apart rows (details and the "
                 "verdict rule in `eval/report.md`):", "", *info["calibration_comparison"], ""]
     out += pairing_lines(info.get("pairing") or {})
-    out += ["## Serving with vLLM", "```bash", vllm_command(target, repo, info.get("block_size")), "```",
+    quantized = str(scheme).lower() not in ("unquantized", "bf16")
+    vllm = info.get("vllm") or {}
+    out += ["## Serving with vLLM",
+            (f"Written and checked for **vLLM {vllm['versions']}** (specquant's contract profile "
+             f"`{vllm['profile']}`, `pipeline/serving/contract.py`)." if vllm.get("versions") else
+             "The vLLM range this checkpoint was written for is not recorded."),
+            "", "```bash", vllm_command(target, repo, info.get("block_size"), quantized), "```",
             "Needs an attention backend that supports non-causal attention (e.g. `flash_attn`). "
             "vLLM copies the target's quantization to the draft unless the draft's own is used; this "
             "checkpoint carries its own `quantization_config`.", "",
