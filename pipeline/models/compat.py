@@ -1,6 +1,8 @@
 """Drafter/target compatibility, checked from configs (and the tokenizer) before any heavy work.
 
-Each violation raises one `bad_value` sentence. The motivating case: a drafter built for another
+Each violation raises one `bad_value` sentence. A DFlash2 drafter also has its convolution's group size
+checked against its hidden size, its taps against the block size and its selector's top-K against the
+target's vocabulary (`_check_dflash2`). The motivating case: a drafter built for another
 model family (say a 256k-vocabulary Gemma drafter with another hidden size) paired with a Qwen
 target must fail here, not as a shape error deep inside a forward pass.
 
@@ -111,6 +113,31 @@ def _check_mask(d, tokenizer, mask_token, err) -> None:
                       f"mask_token_id is {mid}", "use the tokenizer the drafter was trained with")
 
 
+def _check_dflash2(d, t, err) -> None:
+    """DFlash2's convolution and selector against the drafter's own sizes and the target's vocabulary."""
+    taps, group = getattr(d, "conv_kernel_size", None), getattr(d, "conv_group_size", None)
+    rank, top_k = getattr(d, "selector_rank", None), getattr(d, "selector_top_k", None)
+    if taps is None and rank is None:
+        return  # a DFlash drafter
+    h = d.hidden_size
+    if not group or group < 1 or h % group:
+        raise err("drafter.conv_group_size", group, f"it does not divide the drafter's hidden size {h} (the "
+                  "convolution shares one dynamic coefficient per group of channels)",
+                  f"use a conv_group_size that divides {h}")
+    if not taps or not 1 <= taps <= d.block_size:
+        raise err("drafter.conv_kernel_size", taps, f"the convolution runs inside one {d.block_size}-token block, so "
+                  f"it needs between 1 and block_size={d.block_size} taps", "use a drafter exported with a valid "
+                  "conv_kernel_size (DFlash2 uses 2)")
+    if not rank or rank < 1:
+        raise err("drafter.selector_rank", rank, "the candidate selector needs a positive rank",
+                  "use a drafter exported with its selector_rank (DFlash2 uses 256)")
+    v_t = _get(t, "vocab_size")
+    if not top_k or not 1 <= top_k <= v_t:
+        raise err("drafter.selector_top_k", top_k, f"the selector keeps the top-K candidates of the target's "
+                  f"{v_t}-token vocabulary, so K must be between 1 and {v_t}",
+                  "use a drafter whose selector_top_k fits this target's vocabulary")
+
+
 def check_compatible(drafter_config, target_config, tokenizer=None, mask_token: str | None = None) -> None:
     """Raise `SpecquantError` (one sentence) if the drafter cannot run on this target/tokenizer."""
     from pipeline.core.errors import bad_value
@@ -118,6 +145,7 @@ def check_compatible(drafter_config, target_config, tokenizer=None, mask_token: 
     _check_shapes(drafter_config, bad_value)
     _check_hidden(drafter_config, target_config, bad_value)
     _check_vocab(drafter_config, target_config, tokenizer, bad_value)
+    _check_dflash2(drafter_config, target_config, bad_value)
     _check_layers(drafter_config, target_config, bad_value)
     _check_mask(drafter_config, tokenizer, mask_token, bad_value)
 

@@ -15,6 +15,12 @@ compressed-tensors compresses only exact `nn.Linear` modules.
 The layers are transformers' Qwen3 pieces where the computation is the same (RMSNorm, MLP, the
 attention's projections and norms, the rotary embedding, `rotate_half`, weight init); only the
 KV-injection attention forward and the decoder layer around it are DFlash's own.
+
+DFlash2 is the same model family with two additions, built only where the config sets their fields
+(`DFLASH2_FIELDS`): a grouped dynamic depthwise convolution (`GroupedDynamicConv`) before and after
+every attention and MLP sublayer, causal within each block, and a `CandidateSelector` that keeps the
+top-K target-head candidates per draft slot and walks the best path with a low-rank pairwise score
+(`draft_path`). With the fields unset the model, its state dict and its config are DFlash's.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import ModelOutput
 
-from pipeline.models.layout import MODEL_TYPE
+from pipeline.models.layout import DFLASH2_FIELDS, MODEL_TYPE
 
 
 class DFlashConfig(PretrainedConfig):
@@ -78,6 +84,11 @@ class DFlashConfig(PretrainedConfig):
     num_target_layers: int | None = None
     verifier_name_or_path: str | None = None
     verifier_architectures: list[str] | None = None
+    # DFlash2 fields (None: a DFlash drafter; see DFLASH2_FIELDS)
+    conv_kernel_size: int | None = None  # taps of the grouped dynamic convolution
+    conv_group_size: int | None = None  # hidden channels sharing one dynamic coefficient
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -100,6 +111,26 @@ class DFlashConfig(PretrainedConfig):
     @property
     def num_aux_layers(self) -> int:
         return len(self.aux_layer_ids or [])
+
+    @property
+    def has_conv(self) -> bool:
+        return self.conv_kernel_size is not None
+
+    @property
+    def has_selector(self) -> bool:
+        return self.selector_rank is not None
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.has_conv or self.has_selector
+
+    def to_dict(self) -> dict:
+        # a DFlash config serialises as before: the DFlash2 fields appear only when set
+        d = super().to_dict()
+        for key in DFLASH2_FIELDS:
+            if d.get(key) is None:
+                d.pop(key, None)
+        return d
 
 
 AutoConfig.register(MODEL_TYPE, DFlashConfig)
@@ -169,8 +200,52 @@ class DFlashAttention(Qwen3Attention):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's grouped dynamic depthwise convolution around one sublayer (causal inside each block).
+
+    `base_kernel` [2, taps, H] holds a static per-channel kernel for each side (0: the sublayer's input,
+    1: its output); `kernel_projection` (a Linear H -> 2 * taps * G, G = H / group_size) turns the
+    sublayer's normed input into per-row, per-group coefficients for both sides. Row t of a block is
+    sum over taps j of (base[side, j] + dynamic[t, side, j, group]) * x[t - j], rows before the block's
+    first being zero: a block never sees another block's rows.
+    """
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int):
+        super().__init__()
+        self.taps, self.group_size, self.groups = taps, group_size, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, taps, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
+
+    def coefficients(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, L, H] -> dynamic coefficients [B, L, 2 (side), taps, G]."""
+        return self.kernel_projection(x).unflatten(-1, (2, self.taps, self.groups))
+
+    def convolve(self, x: torch.Tensor, dynamic: torch.Tensor, side: int, block: int | None = None) -> torch.Tensor:
+        """x [B, L, H], dynamic [B, L, taps, G]; the rows are consecutive blocks of `block` rows (default L)."""
+        b, length, h = x.shape
+        block = block or length
+        rows = x.reshape(b, length // block, block, self.groups, self.group_size)
+        coef = dynamic.reshape(b, length // block, block, self.taps, self.groups, 1)
+        base = self.base_kernel[side].to(x.dtype).view(self.taps, self.groups, self.group_size)
+        out = torch.zeros_like(rows)
+        for j in range(min(self.taps, block)):
+            # row t takes row t - j of its own block; the first j rows of every block take zeros
+            shifted = rows if j == 0 else F.pad(rows[:, :, :-j], (0, 0, 0, 0, j, 0))
+            out = out + (base[j] + coef[:, :, :, j]) * shifted
+        return out.reshape(b, length, h)
+
+    def prepare(self, x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolved sublayer input and the output side's coefficients (both from the same rows)."""
+        dynamic = self.coefficients(x)
+        return self.convolve(x, dynamic[..., 0, :, :], 0, block), dynamic[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, dynamic: torch.Tensor, block: int | None = None) -> torch.Tensor:
+        return self.convolve(y, dynamic, 1, block)
+
+
 class DFlashDecoderLayer(nn.Module):
-    """Qwen3DecoderLayer's modules, but its attention is DFlashAttention (which also takes the fused context)."""
+    """Qwen3DecoderLayer's modules, but its attention is DFlashAttention (which also takes the fused context);
+    a DFlash2 layer adds `attention_conv` and `mlp_conv` around its two sublayers."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
@@ -179,11 +254,67 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.has_conv:
+            taps, group = int(config.conv_kernel_size), int(config.conv_group_size)
+            self.attention_conv = GroupedDynamicConv(config.hidden_size, taps, group)
+            self.mlp_conv = GroupedDynamicConv(config.hidden_size, taps, group)
 
-    def forward(self, x, ctx, rope_q, rope_kv, mask=None, cache=None):
+    def forward(self, x, ctx, rope_q, rope_kv, mask=None, cache=None, block=None):
         # the fused context is shared by all layers and is not normed again (z-lab semantics)
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if "attention_conv" not in self._modules:
+            x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # DFlash2: the block rows are convolved before each sublayer (the context rows are not) and after it,
+        # the output side with coefficients computed from the sublayer's normed input
+        h, dynamic = self.attention_conv.prepare(self.input_layernorm(x), block)
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_q, rope_kv, mask, cache), dynamic, block)
+        h, dynamic = self.mlp_conv.prepare(self.post_attention_layernorm(x), block)
+        return x + self.mlp_conv.finish(self.mlp(h), dynamic, block)
+
+
+@dataclass
+class SelectorPath:
+    """What `CandidateSelector.select` chose for each draft slot (B rows, n slots, K candidates)."""
+
+    tokens: torch.Tensor  # [B, n] the chosen path
+    candidates: torch.Tensor  # [B, n, K] top-K of the slot's logits, highest first
+    unary: torch.Tensor  # [B, n, K] their logits
+    scores: torch.Tensor  # [B, n, K] unary + pairwise score given the path's previous token
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's candidate selector: per draft slot the top-K tokens of the target head's logits are rescored
+    with <predecessor_codebook[previous token] * hidden_projection(hidden), successor_codebook[candidate]>
+    and the best one is taken, left to right from the block's bonus token (greedy path).
+
+    The codebooks are bare Parameters (checkpoint keys `candidate_selector.{predecessor,successor}_codebook`,
+    no `.weight`, as vLLM reads them); `hidden_projection` is a Linear.
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        rank = int(config.selector_rank)
+        self.top_k = int(config.selector_top_k)
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def pairwise(self, projected: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """projected [..., rank], previous [...] ids, candidates [..., K] ids -> pairwise scores [..., K]."""
+        context = self.predecessor_codebook[previous] * projected.to(self.predecessor_codebook.dtype)
+        return (self.successor_codebook[candidates] * context.unsqueeze(-2)).sum(-1)
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> SelectorPath:
+        """hidden [B, n, H] and logits [B, n, V] of the draft slots, anchor_ids [B] (the bonus tokens)."""
+        unary, candidates = logits.topk(self.top_k, dim=-1)
+        projected = self.hidden_projection(hidden)
+        previous, tokens, scores = anchor_ids, [], []
+        for slot in range(hidden.shape[1]):
+            score = unary[:, slot] + self.pairwise(projected[:, slot], previous, candidates[:, slot]).to(unary.dtype)
+            previous = candidates[:, slot].gather(-1, score.argmax(-1, keepdim=True))[:, 0]
+            tokens.append(previous)
+            scores.append(score)
+        return SelectorPath(torch.stack(tokens, 1), candidates, unary, torch.stack(scores, 1))
 
 
 @dataclass
@@ -213,8 +344,23 @@ class DFlashDrafter(PreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if config.has_selector:
+            self.candidate_selector = CandidateSelector(config)
         # weights are initialised by PreTrainedModel._init_weights (normal Linear/Embedding, ones for norms, RoPE)
         self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # DFlash2's own Parameters (children are initialised first, so these win over the Linear's normal init):
+        # a convolution starts as the identity (DFlash's layer), the codebooks as normal(initializer_range)
+        if isinstance(module, GroupedDynamicConv):
+            module.base_kernel.zero_()
+            module.base_kernel[:, 0].fill_(1.0)
+            module.kernel_projection.weight.zero_()
+        elif isinstance(module, CandidateSelector):
+            module.predecessor_codebook.normal_(0.0, self.config.initializer_range)
+            module.successor_codebook.normal_(0.0, self.config.initializer_range)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -247,9 +393,10 @@ class DFlashDrafter(PreTrainedModel):
             aux_hidden = aux_hidden.flatten(2)
         return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
 
-    def _run_layers(self, x, ctx, rope_q, rope_kv, mask=None, cache=None):
+    def _run_layers(self, x, ctx, rope_q, rope_kv, mask=None, cache=None, block=None):
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, mask, cache)
+            x = layer(x, ctx, rope_q, rope_kv, mask, cache) if block is None else \
+                layer(x, ctx, rope_q, rope_kv, mask, cache, block)
         return self.norm(x)
 
     def draft_block(self, aux_hidden: torch.Tensor, block_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -261,16 +408,29 @@ class DFlashDrafter(PreTrainedModel):
         i.e. `len(cache) .. start + block_size - 1`. Afterwards `cache` holds the context rows only
         (the block's K/V are cropped away, as z-lab does with `crop(start)`).
         """
+        return self.lm_head(self.draft_hidden(aux_hidden, block_ids, position_ids, cache))
+
+    def draft_path(self, aux_hidden: torch.Tensor, block_ids: torch.Tensor, position_ids: torch.Tensor,
+                   cache: DraftKVCache | None = None) -> SelectorPath:
+        """DFlash2: the candidate selector's greedy path over the block's draft slots (rows 1..), from its
+        bonus token; arguments and cache as `draft_block`."""
+        hidden = self.draft_hidden(aux_hidden, block_ids, position_ids, cache)[:, 1:]
+        return self.candidate_selector.select(hidden, self.lm_head(hidden), block_ids[:, 0])
+
+    def draft_hidden(self, aux_hidden: torch.Tensor, block_ids: torch.Tensor, position_ids: torch.Tensor,
+                     cache: DraftKVCache | None = None) -> torch.Tensor:
+        """The block's final-normed hidden states [B, block_size, H] (`draft_block` without the head)."""
         ctx = self.fuse_context(aux_hidden)
         x = self.embed_tokens(block_ids)
         n_ctx = ctx.shape[1]
         cos, sin = self.rotary_emb(x, position_ids)
         rope_q = (cos[:, n_ctx:], sin[:, n_ctx:])
         start = (len(cache) if cache is not None else 0) + n_ctx
-        hidden = self._run_layers(x, ctx, rope_q, (cos, sin), None, cache)
+        hidden = self._run_layers(x, ctx, rope_q, (cos, sin), None, cache,
+                                  x.shape[1] if self.config.has_conv else None)
         if cache is not None:
             cache.crop(start)
-        return self.lm_head(hidden)
+        return hidden
 
     def new_cache(self) -> DraftKVCache:
         return DraftKVCache(self.config.num_hidden_layers)
@@ -294,5 +454,6 @@ class DFlashDrafter(PreTrainedModel):
         cos_q, sin_q = self.rotary_emb(x, block_pos[None])
         rope_kv = (torch.cat([cos_c, cos_q], 1), torch.cat([sin_c, sin_q], 1))
         mask = block_attention_mask(document_ids[0], anchors, bs)
-        hidden = self._run_layers(x, ctx, (cos_q, sin_q), rope_kv, mask[None, None].to(x.device))
+        hidden = self._run_layers(x, ctx, (cos_q, sin_q), rope_kv, mask[None, None].to(x.device),
+                                  block=bs if self.config.has_conv else None)
         return DFlashOutput(logits=self.lm_head(hidden), hidden_states=hidden)

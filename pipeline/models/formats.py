@@ -10,6 +10,11 @@ agrees with this convention. We always write speculators ids as HF indices.
 
 Weights: both formats store the same body keys (`fc`, `hidden_norm`, `layers.*`, `norm`);
 neither stores the target's `embed_tokens` / `lm_head`, which `load_drafter` attaches.
+
+DFlash2 adds `layers.*.{attention,mlp}_conv.{base_kernel,kernel_projection.weight}` and
+`candidate_selector.{hidden_projection.weight,predecessor_codebook,successor_codebook}`. The codebooks are
+written bare (what vLLM and speculators read); a z-lab `save_pretrained` writes them with `.weight`
+(its codebooks are nn.Embedding), which `read_tensors` accepts and renames (`bare_codebook_keys`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pipeline.models.dflash import DFlashConfig, DFlashDrafter, rope_inv_freq
 FORMATS = layout.FORMATS
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we write (fixture B)
 TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight")
+CODEBOOK_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 LAYER_FIELDS = layout.LAYER_FIELDS
 zlab_to_hf_ids, hf_to_zlab_ids, detect_format = layout.zlab_to_hf_ids, layout.hf_to_zlab_ids, layout.detect_format
 
@@ -48,8 +54,18 @@ def _layer_dict(cfg: DFlashConfig) -> dict:
 
 
 def zlab_config_dict(cfg: DFlashConfig) -> dict:
-    """config.json in z-lab layout (transformers 4.57 rope keys, which z-lab's code reads)."""
+    """config.json in z-lab layout (transformers 4.57 rope keys, which z-lab's code reads).
+
+    DFlash2 is written as z-lab's DFlash2 code writes it (transformers 5 `rope_parameters`, every draft field
+    inside `dflash_config`, a top-level `is_causal: false`: the block attends to itself both ways)."""
     d = _layer_dict(cfg)
+    if cfg.is_dflash2:
+        d["rope_parameters"] = dict(cfg.rope_parameters)
+        d.update(architectures=["DFlash2DraftModel"], is_causal=False, num_target_layers=cfg.num_target_layers,
+                 dflash_config={"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                                **{k: getattr(cfg, k) for k in layout.DFLASH2_FIELDS},
+                                "target_layer_ids": hf_to_zlab_ids(cfg.aux_layer_ids or [])})
+        return d
     rope = dict(cfg.rope_parameters)
     theta = rope.pop("rope_theta", 1e6)
     d.update(rope_theta=theta, rope_scaling=None if rope.get("rope_type", "default") == "default" else rope)
@@ -73,7 +89,8 @@ def speculators_config_dict(cfg: DFlashConfig, quantization_config: dict | None 
         raise bad_value("verifier", cfg.verifier_name_or_path, "a speculators checkpoint must name its verifier "
                         "(target)", "pass the target's path or Hub id as the verifier")
     sliding = [i for i, t in enumerate(cfg.layer_types or []) if t != "full_attention"]
-    if sliding:  # vLLM 0.26 applies one causality flag to every draft layer (pipeline.serving.contract)
+    if sliding and not cfg.is_dflash2:  # vLLM 0.26 applies one causality flag to every draft layer
+        # (pipeline.serving.contract); DFlash2 is served from vLLM 0.28 on, where `is_causal` decides
         raise bad_value("drafter.layer_types", list(cfg.layer_types), f"layers {sliding} are sliding-window "
                         "layers and vLLM 0.26 would serve every layer with one causality flag, not as trained",
                         "use a drafter whose layers are all full_attention")
@@ -104,6 +121,11 @@ def speculators_config_dict(cfg: DFlashConfig, quantization_config: dict | None 
         },
         "transformer_layer_config": tlc,
     }
+    if cfg.is_dflash2:
+        # speculators >= 0.8 `dflash2`: the conv/selector fields flat at top level (vLLM reads them from 0.29)
+        d.update(architectures=["DFlash2DraftModel"], speculators_model_type="dflash2",
+                 **{k: getattr(cfg, k) for k in layout.DFLASH2_FIELDS})
+        d["speculators_config"]["algorithm"] = "dflash2"
     if quantization_config is not None:
         d["quantization_config"] = quantization_config
         tlc["quantization_config"] = quantization_config
@@ -141,11 +163,17 @@ def read_tensors(path: Path, keys: set[str] | None = None, field: str = "drafter
                 for k in fh.keys():
                     if (keys is None or k in keys) and not (skip and k.endswith(skip)):
                         t = _read_one(fh, k, device)
-                        out[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                        out[bare_codebook_key(k)] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types on truncated files
             raise bad_value(field, str(f), f"the safetensors file is unreadable ({str(exc).splitlines()[0]})",
                             "re-download or re-save the checkpoint") from None
     return out
+
+
+def bare_codebook_key(key: str) -> str:
+    """`candidate_selector.*_codebook.weight` (a z-lab save_pretrained) -> the bare name every format stores."""
+    stem = key.removesuffix(".weight")
+    return stem if stem in CODEBOOK_KEYS else key
 
 
 READ_SLICE_BYTES = 64 << 20  # host bytes in flight per tensor when reading to an accelerator

@@ -6,6 +6,11 @@ Layer ids (the one-off between formats, made explicit here):
 - z-lab `dflash_config.target_layer_ids` are decoder-layer indices: l = output of layer l
   (z-lab reads `hidden_states[l + 1]`), so m = l + 1.
 vLLM (after vllm#40727) maps speculators ids back with `target_layer_ids = [m - 1]`, which agrees.
+
+DFlash2 (same family, `DFLASH2_FIELDS` set): z-lab writes `architectures ["DFlash2DraftModel"]`, a top-level
+`is_causal: false` and the conv/selector fields inside `dflash_config`; speculators (>= 0.8) writes
+`speculators_model_type "dflash2"` with the same fields flat at top level. Both are read here into the
+same keyword arguments.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from pipeline.core.io import read_json
 
 MODEL_TYPE = "specquant_dflash"
 FORMATS = ("zlab", "speculators", "native")
+# DFlash2's config fields, the same names in z-lab's dflash_config, speculators' top level and ours
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+SPECULATORS_TYPES = ("dflash", "dflash2")
+ZLAB_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 # Qwen3 layer fields shared by every format (rope is handled separately)
 LAYER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
@@ -51,25 +60,42 @@ def _layer_fields(d: dict) -> dict:
 
 def detect_format(d: dict, path: str = "") -> str:
     if d.get("speculators_model_type"):
-        if d["speculators_model_type"] != "dflash":
+        if d["speculators_model_type"] not in SPECULATORS_TYPES:
             raise bad_value("drafter.path", path, f"it is a speculators `{d['speculators_model_type']}` checkpoint, "
-                            "not a DFlash drafter", "point drafter.path at a DFlash checkpoint")
+                            "not a DFlash or DFlash2 drafter", "point drafter.path at a DFlash checkpoint")
         return "speculators"
     if d.get("model_type") == MODEL_TYPE:
         return "native"
-    if "dflash_config" in d or "DFlashDraftModel" in (d.get("architectures") or []):
+    if "dflash_config" in d or set(ZLAB_ARCHITECTURES) & set(d.get("architectures") or []):
         return "zlab"
     raise bad_value("drafter.path", path, "its config.json is neither a z-lab DFlash (`dflash_config`) nor a "
                     "speculators DFlash (`speculators_model_type: dflash`) config",
                     "point drafter.path at a DFlash drafter checkpoint")
 
 
-def config_from_zlab(d: dict) -> dict:
+def _dflash2_fields(src: dict, path: str, where: str) -> dict:
+    """The DFlash2 fields of a config (all of them, or none for a DFlash drafter)."""
+    got = {k: src[k] for k in DFLASH2_FIELDS if src.get(k) is not None}
+    if got and len(got) != len(DFLASH2_FIELDS):
+        missing = [k for k in DFLASH2_FIELDS if k not in got]
+        raise bad_value("drafter.path", path, f"its DFlash2 config sets {sorted(got)} in {where} but not {missing}",
+                        "re-export the drafter with all four DFlash2 fields")
+    return {k: int(v) for k, v in got.items()}
+
+
+def config_from_zlab(d: dict, path: str = "") -> dict:
     dc = d.get("dflash_config") or {}
     block_size = d.get("block_size", dc.get("block_size"))
+    # z-lab's _draft_value: dflash_config first, then the top level
+    extra = _dflash2_fields({**{k: d.get(k) for k in DFLASH2_FIELDS}, **{k: v for k, v in dc.items() if v is not None}},
+                            path, "dflash_config")
+    if "DFlash2DraftModel" in (d.get("architectures") or []) and not extra:
+        raise bad_value("drafter.path", path, "its architecture is DFlash2DraftModel but its dflash_config has no "
+                        f"{', '.join(DFLASH2_FIELDS)}", "re-export the drafter with its DFlash2 fields")
     return dict(**_layer_fields(d), block_size=int(block_size), mask_token_id=dc.get("mask_token_id"),
                         aux_layer_ids=zlab_to_hf_ids(dc.get("target_layer_ids") or []),
-                        num_target_layers=d.get("num_target_layers"), dtype=d.get("dtype", d.get("torch_dtype")))
+                        num_target_layers=d.get("num_target_layers"), dtype=d.get("dtype", d.get("torch_dtype")),
+                        **extra)
 
 
 def config_from_speculators(d: dict, path: str = "") -> dict:
@@ -82,13 +108,19 @@ def config_from_speculators(d: dict, path: str = "") -> dict:
         raise bad_value("draft_vocab_size", draft_vocab, f"a reduced draft vocabulary (target vocab "
                         f"{tlc.get('vocab_size')}) is not supported", "use a full-vocabulary DFlash drafter")
     verifier = (d.get("speculators_config") or {}).get("verifier") or {}
+    extra = {}
+    if d.get("speculators_model_type") == "dflash2":
+        extra = _dflash2_fields(d, path, "its top level")
+        if not extra:
+            raise bad_value("drafter.path", path, "its speculators `dflash2` config has no "
+                            f"{', '.join(DFLASH2_FIELDS)}", "re-export the drafter with its DFlash2 fields")
     return dict(**_layer_fields(tlc), block_size=int(d["block_size"]), mask_token_id=d.get("mask_token_id"),
                         aux_layer_ids=list(d.get("aux_hidden_state_layer_ids") or []),
                         target_hidden_size=d.get("target_hidden_size"),
                         num_target_layers=tlc.get("num_target_layers"),
                         verifier_name_or_path=verifier.get("name_or_path"),
                         verifier_architectures=verifier.get("architectures"),
-                        dtype=d.get("dtype", tlc.get("dtype")))
+                        dtype=d.get("dtype", tlc.get("dtype")), **extra)
 
 
 
@@ -133,7 +165,7 @@ def drafter_kwargs(path: str | Path, fmt: str = "auto") -> tuple[str, dict]:
         raise bad_value("drafter.format", fmt, f"{path} holds a {found} checkpoint",
                         f"set drafter.format={found} (or auto)")
     if found == "zlab":
-        return found, config_from_zlab(d)
+        return found, config_from_zlab(d, str(path))
     if found == "speculators":
         return found, config_from_speculators(d, str(path))
     return found, d
@@ -146,6 +178,6 @@ def light_config(path: str | Path, fmt: str = "auto") -> SimpleNamespace:
     kw.setdefault("num_key_value_heads", kw.get("num_attention_heads"))
     if kw.get("head_dim") is None and kw.get("num_attention_heads"):
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
-    for key in ("target_hidden_size", "num_target_layers", "mask_token_id", "aux_layer_ids"):
+    for key in ("target_hidden_size", "num_target_layers", "mask_token_id", "aux_layer_ids", *DFLASH2_FIELDS):
         kw.setdefault(key, None)
     return SimpleNamespace(**kw)
