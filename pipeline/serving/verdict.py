@@ -135,6 +135,11 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
             else:
                 p["problems"].append(f"does not load or run in vLLM ({r.get('error')})")
             continue
+        causal = [a["name"] for a in r.get("draft_attention") or [] if a["causal"]]
+        if causal:  # DFlash drafts a block at once: a causal draft layer is a misread flag, not a slower drafter
+            p["problems"].append(f"vLLM built draft attention layers {causal} causal (the checkpoint's is_causal / "
+                                 "sliding_window_non_causal say so); a DFlash drafter attends within its block "
+                                 "non-causally, so fix the flag (is_causal: false)")
         base = alone.get(t)
         n = sum(len(ps) for ps in prompts.values())
         if base is None or not base.get("ok"):

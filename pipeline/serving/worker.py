@@ -82,8 +82,8 @@ def _diff(after: dict, before: dict) -> dict:
             "accepted_per_pos": per}
 
 
-def _layer_kernels(worker) -> list[dict]:
-    """Every layer with a quantization scheme in the worker's models: (root, name, scheme, kernel)."""
+def _roots(worker) -> list[tuple[str, object]]:
+    """(path, module) of every model the worker's runner holds: the target and the drafter."""
     import torch
 
     worker = getattr(worker, "worker", None) or worker  # a WorkerWrapperBase holds the real worker
@@ -102,8 +102,27 @@ def _layer_kernels(worker) -> list[dict]:
             inner = getattr(value, sub, None) if attr in ("drafter", "speculator", "proposer") else None
             add(f"{attr}.{sub}", inner)
             add(f"{attr}.{sub}.model", getattr(inner, "model", None))
+    return roots
+
+
+def _draft_attention(worker) -> list[dict]:
+    """How vLLM built each draft attention layer: causal or not (DFlash drafts its block non-causally), read
+    off the loaded drafter (`causal` of the DFlash attention modules, 0.26-0.34)."""
+    out, seen = [], set()
+    for root, mod in _roots(worker):
+        if root == "model":
+            continue
+        for name, m in mod.named_modules():
+            if isinstance(getattr(m, "causal", None), bool) and hasattr(m, "attn") and id(m) not in seen:
+                seen.add(id(m))
+                out.append({"root": root, "name": name, "causal": m.causal})
+    return out
+
+
+def _layer_kernels(worker) -> list[dict]:
+    """Every layer with a quantization scheme in the worker's models: (root, name, scheme, kernel)."""
     out, layers_seen = [], set()
-    for root, mod in roots:
+    for root, mod in _roots(worker):
         for name, m in mod.named_modules():
             scheme = getattr(m, "scheme", None)
             if scheme is None or id(m) in layers_seen:  # a root nested in another is walked once
@@ -243,6 +262,11 @@ def run_job(job: dict) -> dict:
             result["layers"] = [r for rs in llm.collective_rpc(_layer_kernels) for r in rs]
         except Exception as exc:  # noqa: BLE001 - the kernel table is a report, not the check
             result["layers_error"] = f"{type(exc).__name__}: {exc}"
+        if job.get("drafter"):
+            try:
+                result["draft_attention"] = [r for rs in llm.collective_rpc(_draft_attention) for r in rs]
+            except Exception as exc:  # noqa: BLE001 - reported; the verdict says it is unknown
+                result["draft_attention_error"] = f"{type(exc).__name__}: {exc}"
         params = SamplingParams(temperature=0.0, max_tokens=int(job["max_tokens"]),
                                 stop_token_ids=list(job.get("stop_token_ids") or []), seed=int(job.get("seed", 0)))
         result["subsets"] = {}
