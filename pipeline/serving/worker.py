@@ -18,6 +18,16 @@ interpreter's libiomp5 (`cpu_runtime`). The CPU build has no NVFP4 kernel (vLLM 
 `model_executor/kernels/linear/__init__.py:574-595`): with `cpu_nvfp4_emulation` the worker registers
 vLLM's own pure-torch `EmulationNvFp4LinearKernel` for the CPU platform before the engine starts, and
 the result says so (`nvfp4_emulation`); weight-only NVFP4 forces Marlin there (`:1174-1185`) and cannot load.
+
+Speed (`job["speed"]`, GPU only): after the correctness subsets, the same engine (served as configured:
+CUDA graphs unless `enforce_eager`) generates `max_tokens` tokens (ignore_eos) for each batch size in
+`batches`, prompts taken in turn from the job's; a batch is timed twice, with 1 token (prefill) and with
+`max_tokens`, after one untimed warm-up. Per batch: wall times, decode seconds (vLLM's own per-request
+first/last token timestamps, and the difference of the two runs), engine steps per sequence (spec-decode
+drafts per sequence for a pair, tokens - 1 alone), ms per step, decode tokens/s, tau from the same run.
+Also the bytes of weights each model holds on the GPU and the peak memory. The worker measures; the
+speedup over the target alone is the stage's arithmetic (`verdict.speed_rows`). On the CPU build the
+speed block is skipped and said so (`speed: {"measured": false, ...}`).
 """
 
 from __future__ import annotations
@@ -226,6 +236,92 @@ def _register_cpu_int4_emulation() -> str | None:
     return TorchEmulationWNA16LinearKernel.__name__
 
 
+def _weight_bytes(worker) -> dict:
+    """Bytes of parameters and buffers each model holds on the GPU: the target (`model`) and the drafter
+    (`drafter.model`), the drafter counting only tensors the target does not share with it (DFlash reuses
+    the target's embedding and LM head)."""
+    import torch
+
+    worker = getattr(worker, "worker", None) or worker
+    runner = getattr(worker, "model_runner", worker)
+
+    def tensors(mod) -> dict[int, int]:
+        if not isinstance(mod, torch.nn.Module):
+            return {}
+        out = {}
+        for t in [*mod.parameters(), *mod.buffers()]:
+            if t.device.type != "cpu" and t.numel():
+                out[t.data_ptr()] = t.numel() * t.element_size()
+        return out
+
+    target = tensors(getattr(runner, "model", None))
+    proposer = getattr(runner, "drafter", None)
+    drafter = tensors(getattr(proposer, "model", None))
+    return {"target": sum(target.values()),
+            "drafter": sum(b for ptr, b in drafter.items() if ptr not in target) if drafter else 0,
+            "drafter_shared_with_target": sum(b for ptr, b in drafter.items() if ptr in target)}
+
+
+def _decode_seconds(outs) -> float | None:
+    """Mean per-request decode time from vLLM's engine-core timestamps (first to last token); None where
+    this vLLM does not attach them."""
+    spans = []
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+        if first and last and last > first:
+            spans.append(last - first)
+    return sum(spans) / len(spans) if spans and len(spans) == len(outs) else None
+
+
+def measure_speed(llm, prompts: list[list[int]], spec: dict, drafter: bool) -> dict:
+    """Decode speed of `llm` at each batch size of `spec["batches"]` (see the module docstring)."""
+    import torch
+    from vllm import SamplingParams
+
+    tokens = int(spec.get("max_tokens", 128))
+    seed = int(spec.get("seed", 0))
+    out: dict = {"measured": True, "max_tokens": tokens, "batches": {}}
+    if not prompts:
+        return {"measured": False, "reason": "no prompts"}
+    for batch in [int(b) for b in spec.get("batches", [1])]:
+        batch_prompts = [{"prompt_token_ids": list(prompts[i % len(prompts)])} for i in range(batch)]
+
+        def run(n: int, batch_prompts=batch_prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=seed)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            res = llm.generate(batch_prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            return res, time.perf_counter() - t
+
+        run(min(tokens, 16))  # warm-up: first-use allocations and kernels
+        _, prefill_s = run(1)
+        before = _counters(llm)
+        outs, total_s = run(tokens)
+        spec_counts = _diff(_counters(llm), before)
+        generated = [len(o.outputs[0].token_ids) for o in outs]
+        per_seq = sum(generated) / len(generated)
+        decode_meta = _decode_seconds(outs)
+        decode_diff = max(total_s - prefill_s, 1e-9)
+        decode_s = decode_meta if decode_meta is not None else decode_diff
+        # engine steps per sequence after the first token: one draft per sequence and step for a pair
+        steps = spec_counts["drafts"] / batch if drafter and spec_counts["drafts"] else per_seq - 1
+        steps = max(steps, 1e-9)
+        tau = 1 + spec_counts["accepted"] / spec_counts["drafts"] if spec_counts["drafts"] else None
+        out["batches"][str(batch)] = {
+            "batch": batch, "prompt_tokens": round(sum(len(p["prompt_token_ids"]) for p in batch_prompts) / batch, 1),
+            "generated_per_seq": per_seq, "prefill_s": round(prefill_s, 5), "total_s": round(total_s, 5),
+            "decode_s": round(decode_s, 5), "decode_s_source": "request_metrics" if decode_meta is not None else
+            "difference", "decode_s_difference": round(decode_diff, 5), "steps_per_seq": round(steps, 3),
+            "ms_per_step": round(1000 * decode_s / steps, 4),
+            "ms_per_token": round(1000 * decode_s / max(per_seq - 1, 1), 4),
+            "tok_s": round(batch * max(per_seq - 1, 1) / decode_s, 2),
+            "tok_s_end_to_end": round(batch * per_seq / total_s, 2),
+            "tau": round(tau, 4) if tau is not None else None, **{f"spec_{k}": v for k, v in spec_counts.items()}}
+    return out
+
+
 def run_job(job: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the model can be inspected
     import torch
@@ -234,6 +330,8 @@ def run_job(job: dict) -> dict:
     lines = _Lines()
     logging.getLogger("vllm").addHandler(lines)
     result: dict = {"ok": False, "name": job["name"], "job": {k: v for k, v in job.items() if k != "prompts"}}
+    if isinstance(job.get("speed"), dict):  # its prompts are token ids, not a setting
+        result["job"]["speed"] = {k: v for k, v in job["speed"].items() if k != "prompts"}
     t0 = time.perf_counter()
     try:
         platform = result["platform"] = _platform()
@@ -251,6 +349,8 @@ def run_job(job: dict) -> dict:
             kwargs["attention_backend"] = job.get("attention_backend", "FLASH_ATTN")
             if job.get("gpu_memory_utilization"):
                 kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
+        if job.get("compilation_config"):  # e.g. cudagraph_capture_sizes for a speed run
+            kwargs["compilation_config"] = dict(job["compilation_config"])
         if job.get("linear_backend", "auto") != "auto":
             kwargs["linear_backend"] = job["linear_backend"]
         if job.get("drafter"):
@@ -278,8 +378,20 @@ def run_job(job: dict) -> dict:
             result["subsets"][subset] = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
                                          **_diff(after, before)}
         result["generate_s"] = round(time.perf_counter() - t1, 3)
+        if job.get("speed"):
+            if platform == "cpu" or not torch.cuda.is_available():
+                result["speed"] = {"measured": False, "reason": f"not measured on the {platform} platform"}
+            else:
+                try:
+                    result["weight_bytes"] = llm.collective_rpc(_weight_bytes)[0]
+                except Exception as exc:  # noqa: BLE001 - a report, not the check
+                    result["weight_bytes_error"] = f"{type(exc).__name__}: {exc}"
+                prompts = job["speed"].get("prompts") or [p for ps in job["prompts"].values() for p in ps]
+                result["speed"] = measure_speed(llm, prompts, job["speed"], bool(job.get("drafter")))
         if torch.cuda.is_available():
             result["peak_gpu_bytes"] = int(torch.cuda.max_memory_allocated())
+            free, total = torch.cuda.mem_get_info()
+            result["gpu_used_bytes"] = int(total - free)  # the whole device: KV cache, graphs, context too
         else:  # the engine runs in this process on the CPU build: its peak resident set
             import resource
 

@@ -1,0 +1,296 @@
+"""Where a speculative step's time goes in vLLM, at Qwen3-8B / DFlash-b16 shapes (issue 34).
+
+    python -m bench.speed configs                      # here: bench/speed_models.json (config.json files)
+    python -m bench.speed build --work DIR             # GPU machine: random-weight checkpoints under DIR
+    python -m bench.speed run --work DIR --out OUT [--only NAME,...] [--budget-s 540]
+
+`build` writes, from bench/speed_models.json and seeded random tensors (torch + safetensors only, no
+pipeline stage, no llm-compressor): the bf16 target, a W4A16 target (compressed-tensors pack-quantized,
+group 128, every decoder linear; embed and LM head bf16), the bf16 drafter, a W4A16 drafter (fc, o_proj
+and the MLP 4-bit; q/k/v dense, as quantize-drafter does), the same with `fc` dense, and a one-layer bf16
+drafter (to split the drafter's layers from the rest of a step). The 4-bit tensors are random codes
+with a fixed scale: the kernels and bytes are those of a real checkpoint, the numbers are not (nothing is
+accepted at random weights, which is fine for the cost of a step).
+
+`run` serves each configuration of CONFIGS through serve-check's own worker
+(`python -m pipeline.serving.worker JOB RESULT`, CUDA graphs on, `speed` block), one engine at a time,
+and writes OUT/speed.json after every engine (a run cut short keeps what it measured) with, per engine:
+ms per step, tokens/s at batch 1 and 16, weight bytes, peak memory, load time, the kernel per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODELS_JSON = HERE / "speed_models.json"
+GROUP = 128
+
+# name: (target, drafter or None, num_speculative_tokens, extra environment)
+MARLIN = {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}
+CONFIGS: dict[str, tuple[str, str | None, int, dict]] = {
+    "bf16/-": ("target-bf16", None, 0, {}),
+    "bf16/bf16/k15": ("target-bf16", "drafter-bf16", 15, {}),
+    "bf16/w4a16/k15": ("target-bf16", "drafter-w4a16", 15, {}),
+    "bf16/w4a16-marlin/k15": ("target-bf16", "drafter-w4a16", 15, MARLIN),
+    "bf16/w4a16-fcdense/k15": ("target-bf16", "drafter-w4a16-fcdense", 15, {}),
+    "bf16/bf16-1layer/k15": ("target-bf16", "drafter-bf16-1layer", 15, {}),
+    "bf16/bf16/k7": ("target-bf16", "drafter-bf16", 7, {}),
+    "bf16/bf16/k3": ("target-bf16", "drafter-bf16", 3, {}),
+    "bf16/w4a16/k7": ("target-bf16", "drafter-w4a16", 7, {}),
+    "bf16/w4a16/k3": ("target-bf16", "drafter-w4a16", 3, {}),
+    "w4a16/-": ("target-w4a16", None, 0, {}),
+    "w4a16/bf16/k15": ("target-w4a16", "drafter-bf16", 15, {}),
+    "w4a16/w4a16/k15": ("target-w4a16", "drafter-w4a16", 15, {}),
+    "w4a16/w4a16-marlin/k15": ("target-w4a16", "drafter-w4a16", 15, MARLIN),
+}
+
+
+# ---- here: the config.json files --------------------------------------------------------------------
+def write_configs() -> None:
+    """bench/speed_models.json: the target's and the drafter's config.json at 8B shape, from the same code
+    as bench/run_8b.py (bench.shapes) and quantize-drafter's speculators writer."""
+    from bench.shapes import QWEN3_8B, drafter_config, target_config
+    from pipeline.models.dflash import DFlashConfig
+    from pipeline.models.formats import speculators_config_dict
+
+    t = target_config(QWEN3_8B).to_dict()
+    t.update(rope_theta=1_000_000.0, architectures=["Qwen3ForCausalLM"], dtype="bfloat16")
+    cfg = drafter_config(DFlashConfig, QWEN3_8B)
+    cfg.verifier_name_or_path, cfg.verifier_architectures = "TARGET", ["Qwen3ForCausalLM"]
+    d = speculators_config_dict(cfg)
+    d["dtype"] = d["transformer_layer_config"]["dtype"] = "bfloat16"
+    MODELS_JSON.write_text(json.dumps({"target": t, "drafter": d}, indent=1, sort_keys=True) + "\n")
+    print(MODELS_JSON)
+
+
+# ---- GPU machine: checkpoints -----------------------------------------------------------------------
+def _w4a16_config(ignore: list[str]) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
+                                          "input_activations": None, "output_activations": None,
+                                          "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                      "strategy": "group", "group_size": GROUP, "dynamic": False,
+                                                      "actorder": None, "observer": "minmax"}}},
+            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}}
+
+
+def _linear(state: dict, name: str, out_f: int, in_f: int, quant: bool, gen, dev) -> None:
+    import torch
+
+    if not quant:
+        state[f"{name}.weight"] = (torch.randn(out_f, in_f, generator=gen, device=dev, dtype=torch.bfloat16)
+                                   * 0.02).cpu()
+        return
+    state[f"{name}.weight_packed"] = torch.randint(-(2**31), 2**31 - 1, (out_f, in_f // 8), generator=gen,
+                                                   device=dev, dtype=torch.int32).cpu()
+    state[f"{name}.weight_scale"] = torch.full((out_f, in_f // GROUP), 0.005, dtype=torch.bfloat16)
+    state[f"{name}.weight_shape"] = torch.tensor([out_f, in_f], dtype=torch.int64)
+
+
+def _layer(state: dict, prefix: str, c: dict, quant: set[str], gen, dev) -> None:
+    import torch
+
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        state[f"{prefix}.{n}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    for n in ("q_norm", "k_norm"):
+        state[f"{prefix}.self_attn.{n}.weight"] = torch.ones(hd, dtype=torch.bfloat16)
+    for n, o, k in (("q_proj", nh * hd, h), ("k_proj", nkv * hd, h), ("v_proj", nkv * hd, h), ("o_proj", h, nh * hd)):
+        _linear(state, f"{prefix}.self_attn.{n}", o, k, n in quant, gen, dev)
+    for n, o, k in (("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)):
+        _linear(state, f"{prefix}.mlp.{n}", o, k, n in quant, gen, dev)
+
+
+def _save(state: dict, config: dict, out: Path, shard_bytes: int = 4 << 30) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shards, cur, size = [], {}, 0
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = v, size + n
+    shards.append(cur)
+    index = {}
+    for j, sh in enumerate(shards):
+        fname = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, str(out / fname), metadata={"format": "pt"})
+        index.update({k: fname for k in sh})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def build(work: Path, seed: int = 0) -> dict:
+    import torch
+
+    from bench.shapes import QWEN3_8B, build_tokenizer
+
+    models = json.loads(MODELS_JSON.read_text())
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    info: dict = {}
+    all_linear = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    no_qkv = all_linear - {"q_proj", "k_proj", "v_proj"}
+    tc = models["target"]
+    for name, quant in (("target-bf16", set()), ("target-w4a16", all_linear)):
+        out = work / name
+        if (out / "config.json").is_file():
+            continue
+        t0 = time.perf_counter()
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        state: dict = {}
+        state["model.embed_tokens.weight"] = (torch.randn(tc["vocab_size"], tc["hidden_size"], generator=gen,
+                                                          device=dev, dtype=torch.bfloat16) * 0.02).cpu()
+        for li in range(tc["num_hidden_layers"]):
+            _layer(state, f"model.layers.{li}", tc, quant, gen, dev)
+        state["model.norm.weight"] = torch.ones(tc["hidden_size"], dtype=torch.bfloat16)
+        _linear(state, "lm_head", tc["vocab_size"], tc["hidden_size"], False, gen, dev)
+        cfg = dict(tc)
+        if quant:
+            cfg["quantization_config"] = _w4a16_config(["lm_head"])
+        _save(state, cfg, out)
+        build_tokenizer(QWEN3_8B, out)
+        info[name] = {"s": round(time.perf_counter() - t0, 1), "bytes": _dir_bytes(out)}
+        del state
+    dc = models["drafter"]
+    lc = dc["transformer_layer_config"]
+    ignore = ["re:.*self_attn\\.(q|k|v|qkv)_proj$", "re:(.*\\.)?lm_head$", "re:(.*\\.)?embed_tokens$"]
+    for name, quant, fc_quant, layers in (("drafter-bf16", set(), False, lc["num_hidden_layers"]),
+                                          ("drafter-w4a16", no_qkv, True, lc["num_hidden_layers"]),
+                                          ("drafter-w4a16-fcdense", no_qkv, False, lc["num_hidden_layers"]),
+                                          ("drafter-bf16-1layer", set(), False, 1)):
+        out = work / name
+        if (out / "config.json").is_file():
+            continue
+        t0 = time.perf_counter()
+        gen = torch.Generator(device=dev).manual_seed(seed + 1)
+        state = {}
+        h = lc["hidden_size"]
+        _linear(state, "fc", h, h * len(dc["aux_hidden_state_layer_ids"]), fc_quant, gen, dev)
+        state["hidden_norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        for li in range(layers):
+            _layer(state, f"layers.{li}", lc, quant, gen, dev)
+        state["norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        cfg = json.loads(json.dumps(dc))
+        cfg["speculators_config"]["verifier"]["name_or_path"] = str(work / "target-bf16")
+        tl = cfg["transformer_layer_config"]
+        tl["num_hidden_layers"], tl["max_window_layers"] = layers, layers
+        tl["layer_types"] = tl["layer_types"][:layers]
+        if quant:
+            q = _w4a16_config(ignore + ([] if fc_quant else ["re:(.*\\.)?fc$"]))
+            cfg["quantization_config"] = tl["quantization_config"] = q
+        _save(state, cfg, out)
+        info[name] = {"s": round(time.perf_counter() - t0, 1), "bytes": _dir_bytes(out)}
+    return info
+
+
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+# ---- GPU machine: the runs --------------------------------------------------------------------------
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(n)]
+
+
+def _capture_sizes(batches: list[int], k: int) -> list[int]:
+    """CUDA-graph sizes for decode at these batch sizes (vLLM rounds to multiples of k+1 for a pair)."""
+    sizes, b = set(), 1
+    while b <= max(batches):
+        sizes.add(b * (k + 1))
+        b *= 2
+    sizes.update(x * (k + 1) for x in batches)
+    return sorted(sizes)
+
+
+def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[int], max_tokens: int,
+        prompt_len: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "speed.json"
+    res = json.loads(path.read_text()) if path.is_file() else {}
+    res.setdefault("engines", {})
+    res.update(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+               command=" ".join(["python -m bench.speed", *sys.argv[1:]]), batches=batches, max_tokens=max_tokens,
+               prompt_tokens=prompt_len, shapes="Qwen3-8B target (36 layers) / DFlash-b16 drafter (5 layers), random weights")
+    vocab = json.loads(MODELS_JSON.read_text())["target"]["vocab_size"]
+    prompts = _prompts(max(batches), prompt_len, vocab, 0)
+    t_start = time.perf_counter()
+    root = str(HERE.parent)
+    for name in only or list(CONFIGS):
+        target, drafter, k, env_extra = CONFIGS[name]
+        if name in res["engines"] and res["engines"][name].get("ok"):
+            continue
+        elapsed = time.perf_counter() - t_start
+        if elapsed > budget_s:
+            print(f"[speed] budget spent ({elapsed:.0f}s): skipping {name}", flush=True)
+            continue
+        job = {"name": name, "target": str(work / target), "tokenizer": str(work / "target-bf16"),
+               "drafter": str(work / drafter) if drafter else None, "num_speculative_tokens": k,
+               "enforce_eager": False, "max_model_len": prompt_len + max_tokens + 64,
+               "kv_cache_memory_bytes": 8 << 30, "dtype": "bfloat16", "attention_backend": "FLASH_ATTN",
+               "max_tokens": 8, "seed": 0, "prompts": {"random": prompts[:2]},
+               "compilation_config": {"cudagraph_capture_sizes": _capture_sizes(batches, k)},
+               "speed": {"batches": batches, "max_tokens": max_tokens, "prompts": prompts}}
+        jf, rf = out / f".job-{len(res['engines'])}.json", Path("/tmp") / f"speed-result-{len(res['engines'])}.json"
+        jf.write_text(json.dumps(job))
+        env = {**os.environ, **env_extra, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "PYTHONUNBUFFERED": "1"}
+        t0 = time.perf_counter()
+        print(f"[speed] {name}: start", flush=True)
+        proc = subprocess.run([sys.executable, "-m", "pipeline.serving.worker", str(jf), str(rf)], env=env,
+                              capture_output=True, text=True)
+        jf.unlink(missing_ok=True)
+        r = json.loads(rf.read_text()) if rf.is_file() else {"ok": False, "error": proc.stderr[-3000:]}
+        r.pop("subsets", None)
+        r["process_s"] = round(time.perf_counter() - t0, 1)
+        r["env"] = env_extra
+        r["drafter_kernels"] = sorted({x["kernel"] for x in r.get("layers", []) if x.get("root", "").startswith("drafter")
+                                       and x.get("kernel")})
+        r["target_kernels"] = sorted({x["kernel"] for x in r.get("layers", []) if x.get("root") == "model"
+                                      and x.get("kernel")})
+        r.pop("layers", None)
+        if not r.get("ok"):
+            r["stderr_tail"] = proc.stderr[-3000:]
+        res["engines"][name] = r
+        path.write_text(json.dumps(res, indent=1, sort_keys=True))
+        sp = (r.get("speed") or {}).get("batches") or {}
+        print(f"[speed] {name}: ok={r.get('ok')} load={r.get('load_s')} " + " ".join(
+            f"b{b}={v['ms_per_step']}ms/step" for b, v in sp.items()) + f" {r.get('error', '')}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cmd", choices=("configs", "build", "run"))
+    p.add_argument("--work", default="/dev/shm/speed")
+    p.add_argument("--out", default="speed-out")
+    p.add_argument("--only", default="", help="comma-separated CONFIGS names (default all, in order)")
+    p.add_argument("--budget-s", type=float, default=1e9, help="start no engine after this many seconds")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=512)
+    a = p.parse_args(argv)
+    if a.cmd == "configs":
+        write_configs()
+    elif a.cmd == "build":
+        print(json.dumps(build(Path(a.work))), flush=True)
+    else:
+        run(Path(a.work), Path(a.out), [x for x in a.only.split(",") if x], a.budget_s,
+            [int(b) for b in a.batches.split(",")], a.max_tokens, a.prompt_len)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
