@@ -322,6 +322,9 @@ class DFlashOutput(ModelOutput):
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     loss: torch.Tensor | None = None
+    # DFlash2 with a candidate selector, forward(select=True): per block row the token the selector's greedy path
+    # drafts there (row 0 of each block: its bonus token), [1, A*block_size]; None otherwise
+    selected: torch.Tensor | None = None
 
 
 class DFlashDrafter(PreTrainedModel):
@@ -436,8 +439,12 @@ class DFlashDrafter(PreTrainedModel):
         return DraftKVCache(self.config.num_hidden_layers)
 
     def forward(self, input_ids, hidden_states, position_ids, document_ids, anchor_positions, anchor_valid,
-                loss_mask=None, **unused) -> DFlashOutput:
+                loss_mask=None, select: bool = False, **unused) -> DFlashOutput:
         """Calibration/training path: every anchored block of a packed sequence at once.
+
+        `select` (DFlash2 with a candidate selector; ignored otherwise): also the selector's greedy path through
+        every block (`select_blocks`, in `selected`). Calibration leaves it off: the selector reads the head's
+        logits and the final hidden states, after every quantized layer, so it changes no calibration statistic.
 
         Shapes (batch 1): input_ids/position_ids/document_ids/loss_mask [1, T]; hidden_states
         [1, T, n_aux, H] or [1, T, n_aux*H]; anchor_positions/anchor_valid [1, A] (or [A]).
@@ -456,4 +463,17 @@ class DFlashDrafter(PreTrainedModel):
         mask = block_attention_mask(document_ids[0], anchors, bs)
         hidden = self._run_layers(x, ctx, (cos_q, sin_q), rope_kv, mask[None, None].to(x.device),
                                   block=bs if self.config.has_conv else None)
-        return DFlashOutput(logits=self.lm_head(hidden), hidden_states=hidden)
+        logits = self.lm_head(hidden)
+        if not (select and self.config.has_selector):
+            return DFlashOutput(logits=logits, hidden_states=hidden)
+        return DFlashOutput(logits=logits, hidden_states=hidden, selected=self.select_blocks(hidden, logits, block_ids))
+
+    def select_blocks(self, hidden: torch.Tensor, logits: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """DFlash2: the candidate selector's greedy path through every anchored block of `forward` (hidden
+        [1, A*bs, H], logits [1, A*bs, V], block_ids [A*bs]) -> [1, A*bs] token ids, each block's row 0 its
+        bonus token and rows 1.. the path, as `draft_path` drafts one block when serving."""
+        bs = self.config.block_size
+        rows = hidden.reshape(-1, bs, hidden.shape[-1])
+        anchors = block_ids.reshape(-1, bs)[:, 0]
+        path = self.candidate_selector.select(rows[:, 1:], logits.reshape(-1, bs, logits.shape[-1])[:, 1:], anchors)
+        return torch.cat([anchors[:, None], path.tokens], 1).reshape(1, -1)

@@ -5,6 +5,11 @@ activations quantized per 16 values with the stored input_global_scale), the num
 serves; `weights_only` disables activation quantization. Rows are the draft slots (1..block-1)
 of held-apart anchored blocks where the loss mask is 1. `agreement_length` is tau measured against
 the bf16 drafter instead of the target: 1 + the leading run of draft slots whose argmax matches.
+
+A DFlash2 drafter with a candidate selector drafts the selector's greedy path, not the head's argmax, so its
+top-1 agreement, agreement length and match bits compare the tokens each drafter's selector chooses
+(`DFlashDrafter.select_blocks`: the quantized drafter's hidden states and logits through its own dense
+selector) with the bf16 drafter's; KL stays on the head's logits.
 """
 
 from __future__ import annotations
@@ -34,23 +39,40 @@ class _Agreement:
         self.matches: list[torch.Tensor] = []
         self.ref_ids: list[torch.Tensor] = []
 
-    def add(self, ref: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> None:
+    def add(self, ref: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor,
+            ref_selected: torch.Tensor | None = None, selected: torch.Tensor | None = None) -> None:
+        """Logits [1, rows, V]; with `ref_selected` / `selected` (DFlash2's selector path per row, [1, rows]) the
+        top-1 numbers compare those tokens instead of the argmax."""
         from pipeline.models.calibration import block_metrics
 
-        # leading run of draft slots that match the bf16 drafter's argmax, +1 (tau against bf16)
-        blocks = block_metrics(logits, ref, mask.float(), self.block_size)
-        self.run_sum += blocks["eal_sum"]
-        self.blocks += blocks["eal_total"]
         m = mask.reshape(-1) > 0
         v = ref.shape[-1]
         r, q = ref.reshape(-1, v)[m].float(), logits.reshape(-1, v)[m].float()
+        if ref_selected is None:
+            # leading run of draft slots that match the bf16 drafter's argmax, +1 (tau against bf16)
+            blocks = block_metrics(logits, ref, mask.float(), self.block_size)
+            self.run_sum += blocks["eal_sum"]
+            self.blocks += blocks["eal_total"]
+            ref_ids, match = r.argmax(-1), r.argmax(-1) == q.argmax(-1)
+        else:
+            self._add_runs(ref_selected.reshape(-1) == selected.reshape(-1), mask)
+            ref_ids = ref_selected.reshape(-1)[m]
+            match = ref_ids == selected.reshape(-1)[m]
         logp = torch.log_softmax(r, -1)
         self.kl += float((logp.exp() * (logp - torch.log_softmax(q, -1))).sum())
-        match = r.argmax(-1) == q.argmax(-1)
         self.top1 += int(match.sum())
         self.rows += int(m.sum())
         self.matches.append(match.cpu())
-        self.ref_ids.append(r.argmax(-1).to(torch.int64).cpu())
+        self.ref_ids.append(ref_ids.to(torch.int64).cpu())
+
+    def _add_runs(self, correct: torch.Tensor, mask: torch.Tensor) -> None:
+        """`block_metrics`' agreement length over per-row matches: 1 + the leading run of matching draft slots
+        of every block with at least one counted slot."""
+        m = mask.reshape(-1, self.block_size) > 0
+        good = (correct.reshape(-1, self.block_size) & m)[:, 1:].long()
+        has = m[:, 1:].any(1)
+        self.run_sum += float((1 + torch.cumprod(good, dim=1).sum(1))[has].sum())
+        self.blocks += float(has.sum())
 
     def result(self) -> dict:
         n = self.rows
@@ -88,15 +110,16 @@ def compare(reference, quantized, batches, block_size: int, band_factors=(), obs
         for batch in tqdm(batches, desc="held-apart checks", unit="sample"):
             mask = _rows_mask(batch, block_size).to(device)
             batch = {k: v.to(device) for k, v in batch.items()}
-            ref = reference(**batch).logits  # the only forward of `reference`: what the observers see
-            served.add(ref, quantized(**batch).logits, mask)
+            # the only forward of `reference`: what the observers see (select: DFlash2's selector path as well)
+            ref = reference(**batch, select=True)
+            _add(served, ref, quantized(**batch, select=True), mask)
             for f, agree in zip(factors, band):
                 _set_scales(modules, kept, f)
-                agree.add(ref, quantized(**batch).logits, mask)
+                _add(agree, ref, quantized(**batch, select=True), mask)
             _set_scales(modules, kept, 1.0)
             quantized.apply(disable_quantization)
             try:
-                weights_only.add(ref, quantized(**batch).logits, mask)
+                _add(weights_only, ref, quantized(**batch, select=True), mask)
             finally:
                 quantized.apply(enable_quantization)
     finally:
@@ -110,6 +133,16 @@ def compare(reference, quantized, batches, block_size: int, band_factors=(), obs
                                        "agreement_length": [a.result()["agreement_length"] for a in band],
                                        "top1_min": min(top1), "top1_max": max(top1)}
     return out
+
+
+def _add(agreement: _Agreement, ref, out, mask: torch.Tensor) -> None:
+    """One batch of the two drafters' outputs: their logits, and both selector paths where the drafters have a
+    candidate selector (DFlash2)."""
+    ref_selected = getattr(ref, "selected", None)
+    if ref_selected is None:
+        agreement.add(ref.logits, out.logits, mask)
+    else:
+        agreement.add(ref.logits, out.logits, mask, ref_selected, out.selected)
 
 
 def _set_scales(modules: dict, kept: dict, factor: float) -> None:

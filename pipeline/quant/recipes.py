@@ -66,10 +66,28 @@ def _observer_key(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
-def resolve_ignore(q) -> list[str]:
-    """The ignore list written into the recipe: the user's entries plus what must stay dense."""
-    ignore = list(q.ignore) + ([] if q.quantize_qkv else [QKV_IGNORE]) + list(ALWAYS_IGNORE)
+def resolve_ignore(q, dconf=None) -> list[str]:
+    """The ignore list written into the recipe: the user's entries plus what must stay dense (for a DFlash2
+    drafter `dconf`, its kernel and hidden projections: `dflash2_dense`)."""
+    ignore = list(q.ignore) + dflash2_dense(dconf) + ([] if q.quantize_qkv else [QKV_IGNORE]) + list(ALWAYS_IGNORE)
     return list(dict.fromkeys(ignore))  # de-duplicated, order kept
+
+
+def dflash2_dense(dconf) -> list[str]:
+    """A DFlash2 drafter's Linears that stay dense, by exact name (each written under vLLM's name as well,
+    `pipeline.serving.contract.serving_ignore`): every convolution's `kernel_projection` (its per-row kernel
+    coefficients; vLLM 0.31+ builds it with the draft's quant config unless ignored) and the candidate
+    selector's `hidden_projection` (vLLM builds it dense). The base kernels and codebooks are Parameters,
+    never touched by a recipe (it targets Linear). Empty for a DFlash drafter (or None)."""
+    if dconf is None or not getattr(dconf, "is_dflash2", False):
+        return []
+    names = []
+    if dconf.has_conv:
+        names += [f"layers.{i}.{conv}.kernel_projection" for i in range(int(dconf.num_hidden_layers))
+                  for conv in ("attention_conv", "mlp_conv")]
+    if dconf.has_selector:
+        names.append("candidate_selector.hidden_projection")
+    return names
 
 
 def group_size(q) -> int:

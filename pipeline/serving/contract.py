@@ -21,6 +21,15 @@ Read the same way in every supported version (0.26.0 lines; 0.34.0 in brackets):
   split only through a `packed_modules_mapping`, which the draft's quant config does not get (vLLM #53116).
 - `transformers_utils/configs/speculators/algos.py:124-125` [`:92-93`]: `dflash_config.causal = not
   sliding_window_non_causal` (absent = true), applied to EVERY draft layer (`qwen3_dflash.py:55-59`).
+
+DFlash2 (`model_executor/models/qwen3_dflash2.py`, from 0.28; each profile's `dflash2_cites`): the DFlash layers
+above plus, per draft layer, `model.layers.{i + T}.{attention,mlp}_conv.kernel_projection` and one
+`model.candidate_selector.hidden_projection` (ReplicatedLinear each; `base_kernel` and the codebooks are bare
+Parameters). `hidden_projection` is built without a quant config in every release (always dense);
+`kernel_projection` without one in 0.28-0.30 and with the draft's quant config from 0.31, so a checkpoint for
+a range reaching 0.31 stores it dense and names it in `ignore`. q/k/v follow the DFlash rules (the DFlash2
+layer is the DFlash one). A speculators `dflash2` config is read from 0.29 (0.28 reads DFlash2 only as
+z-lab's `DFlash2DraftModel`).
 """
 
 from __future__ import annotations
@@ -56,6 +65,13 @@ class Profile:
     hub_id_verifier: bool  # some release needs a Hub-id verifier for `vllm serve <drafter dir>`
     nvfp4_hopper_kernel: str  # what runs NVFP4 weights on Hopper (weight-only)
     cites: dict[str, str] = field(default_factory=dict)
+    # DFlash2: the first release of the range that builds vLLM's DFlash2 model from a speculators `dflash2`
+    # checkpoint (None: no release of the range has a DFlash2 model class)
+    dflash2_first: str | None = None
+    # DFlash2's `kernel_projection`: some release of the range builds it with the draft's quant config (so it is
+    # dense only where `ignore` names it); the releases before build it dense whatever the checkpoint says
+    conv_draft_quant: bool = False
+    dflash2_cites: dict[str, str] = field(default_factory=dict)
 
     @property
     def versions(self) -> str:
@@ -64,11 +80,24 @@ class Profile:
             return f"{self.first} and newer (read in {self.first}-{self.last})"
         return self.first if self.first == self.last else f"{self.first}-{self.last}"
 
-    def record(self) -> dict[str, Any]:
-        """What a stage record, the manifest and the card say about the range a checkpoint is written for."""
-        return {"profile": self.name, "versions": self.versions, "first": self.first, "last": self.last,
-                "open_ended": self.open_ended, "quantized_qkv": self.quantized_qkv,
-                "is_causal_written": self.reads_is_causal, "rules": dict(self.cites)}
+    @property
+    def dflash2_versions(self) -> str:
+        """The releases of the range that serve a speculators DFlash2 checkpoint, in words."""
+        if self.dflash2_first is None:
+            return "none"
+        if self.open_ended:
+            return f"{self.dflash2_first} and newer (read in {self.dflash2_first}-{self.last})"
+        return f"{self.dflash2_first}-{self.last}"
+
+    def record(self, dflash2: bool = False) -> dict[str, Any]:
+        """What a stage record, the manifest and the card say about the range a checkpoint is written for
+        (`dflash2`: a DFlash2 drafter's, with the DFlash2 releases and rules)."""
+        out = {"profile": self.name, "versions": self.versions, "first": self.first, "last": self.last,
+               "open_ended": self.open_ended, "quantized_qkv": self.quantized_qkv,
+               "is_causal_written": self.reads_is_causal, "rules": dict(self.cites)}
+        if dflash2:
+            out.update(dflash2_versions=self.dflash2_versions, rules={**self.cites, **self.dflash2_cites})
+        return out
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -81,7 +110,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                 "causality": "0.26.0 transformers_utils/configs/speculators/algos.py:124-125, "
                              "model_executor/models/qwen3_dflash.py:55-59",
                 "verifier": "0.26.0 transformers_utils/config.py:682-683 (taken verbatim, relative to the cwd)",
-                "nvfp4_hopper": "0.26.0 model_executor/kernels/linear/__init__.py:446-460 (Marlin, weight-only)"}),
+                "nvfp4_hopper": "0.26.0 model_executor/kernels/linear/__init__.py:446-460 (Marlin, weight-only)"},
+            dflash2_cites={"dflash2": "0.26.0 has no model_executor/models/qwen3_dflash2.py (0.28.0 adds it)"}),
     Profile("0.28-0.31", "0.28.0", "0.31.0", False, quantized_qkv=False, shared_qkv_scale=True, split_shards=True,
             reads_is_causal=True, refused_actorder=("group", "dynamic"), hub_id_verifier=False,
             nvfp4_hopper_kernel="Marlin",
@@ -94,7 +124,16 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                             "(group/dynamic refused; 0.28-0.29 read them)",
                 "ignore_matching": "0.28.0 layers/quantization/compressed_tensors/utils.py:50-103, :175-192 (shards "
                                    "split; 0.31.0 :53 reads the fused name first)",
-                "verifier": "0.28.0 transformers_utils/config.py:681-682, 0.31.0 :843-844 (taken verbatim)"}),
+                "verifier": "0.28.0 transformers_utils/config.py:681-682, 0.31.0 :843-844 (taken verbatim)"},
+            dflash2_first="0.29.0", conv_draft_quant=True,
+            dflash2_cites={
+                "dflash2": "0.29.0 transformers_utils/configs/speculators/algos.py:133-154, base.py:137-138 "
+                           "(speculators `dflash2` read; 0.28.0 has no such reader)",
+                "kernel_projection": "0.28.0-0.30.0 model_executor/models/qwen3_dflash2.py:69-77 (quant_config=None: "
+                                     "always dense); 0.31.0 :194-202, :258 (the draft's quant config, "
+                                     "qwen3_dflash.py:428, :470: dense only where ignored)",
+                "hidden_projection": "0.28.0 model_executor/models/qwen3_dflash2.py:206-214, 0.31.0 :332-340 "
+                                     "(quant_config=None: always dense)"}),
     Profile("0.32+", "0.32.0", "0.34.0", True, quantized_qkv=True, shared_qkv_scale=True, split_shards=False,
             reads_is_causal=True, refused_actorder=("group", "dynamic"), hub_id_verifier=True,
             nvfp4_hopper_kernel="Humming",
@@ -111,7 +150,16 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                 "verifier": "0.33.0 transformers_utils/config.py:860-873, 0.34.0 :905-918 (`vllm serve <drafter "
                             "dir>`: a Hub id that is no local path)",
                 "nvfp4_hopper": "0.34.0 model_executor/layers/quantization/utils/humming/priority.py:11 (Humming "
-                                "ahead of Marlin on sm90, weight-only)"}),
+                                "ahead of Marlin on sm90, weight-only)"},
+            dflash2_first="0.32.0", conv_draft_quant=True,
+            dflash2_cites={
+                "dflash2": "0.32.0 transformers_utils/configs/speculators/algos.py:129-130, base.py:135; 0.34.0 "
+                           "algos.py:97-98, base.py:135 (speculators `dflash2` read)",
+                "kernel_projection": "0.32.0 model_executor/models/qwen3_dflash2.py:194-202, :258; 0.34.0 :195-203, "
+                                     ":259 (the draft's quant config, qwen3_dflash.py:464, :512: dense only where "
+                                     "ignored)",
+                "hidden_projection": "0.32.0 model_executor/models/qwen3_dflash2.py:332-340, 0.34.0 :481-489 "
+                                     "(quant_config=None: always dense)"}),
 )}
 DEFAULT = "0.32+"  # the newest supported range (QuantConfig.vllm's default)
 
@@ -152,13 +200,29 @@ def refuse_settings(q, field_name: str = "quant") -> Profile:
     return prof
 
 
-def vllm_linears(num_layers: int, num_target_layers: int) -> list[str]:
-    """Every linear layer vLLM builds for a Qwen3 DFlash drafter, under vLLM's names."""
+def refuse_dflash2(prof: Profile, field_name: str = "quant") -> None:
+    """A DFlash2 drafter written for a range with no DFlash2 model class, refused before any work."""
+    if prof.dflash2_first is None:
+        raise bad_value(f"{field_name}.vllm", prof.name, f"vLLM {prof.versions} has no DFlash2 model class "
+                        f"({prof.dflash2_cites['dflash2']}), so it cannot serve this DFlash2 drafter",
+                        f"write it for vLLM 0.29 and newer with {field_name}.vllm=0.28-0.31 or 0.32+")
+
+
+def vllm_linears(num_layers: int, num_target_layers: int, conv: bool = False, selector: bool = False) -> list[str]:
+    """Every linear layer vLLM builds for a Qwen3 DFlash drafter, under vLLM's names (`conv`, `selector`: a
+    DFlash2 drafter's convolutions' kernel projections and its candidate selector's hidden projection)."""
     names = ["model.fc"]
     for i in range(num_layers):
         p = f"model.layers.{i + num_target_layers}"
         names += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.mlp.gate_up_proj", f"{p}.mlp.down_proj"]
+        if conv:
+            names += [f"{p}.attention_conv.kernel_projection", f"{p}.mlp_conv.kernel_projection"]
+    if selector:
+        names.append(SELECTOR_PROJECTION)
     return names
+
+
+SELECTOR_PROJECTION = "model.candidate_selector.hidden_projection"  # vLLM's name; ours has no `model.`
 
 
 def matches(name: str, ignore: Iterable[str]) -> bool:
@@ -185,8 +249,8 @@ def vllm_ignores(name: str, ignore: Iterable[str], split_shards: bool = True) ->
 
 def hf_shards(vllm_name: str, num_target_layers: int) -> list[str]:
     """The checkpoint (HF / llm-compressor) module names behind one vLLM layer."""
-    if vllm_name == "model.fc":
-        return ["fc"]
+    if vllm_name in ("model.fc", SELECTOR_PROJECTION):
+        return [vllm_name.removeprefix("model.")]
     m = _LAYER.match(vllm_name)
     if m is None:
         raise ValueError(f"not a draft layer name: {vllm_name}")
@@ -210,8 +274,8 @@ def serving_ignore(quantized_ignore: list[str], user_ignore: Iterable[str], num_
         out.append(e)
         if e.startswith("re:"):
             continue
-        if e == "fc":
-            out.append("model.fc")
+        if e in ("fc", SELECTOR_PROJECTION.removeprefix("model.")):
+            out.append(f"model.{e}")
             continue
         m = _LAYER.match(e)
         if m is None:
@@ -279,7 +343,16 @@ def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num
     names = set(tensor_names)
     ignore = list((inner or {}).get("ignore") or [])
     num_layers = int(tlc.get("num_hidden_layers") or 0)
-    for layer in vllm_linears(num_layers, num_target_layers):
+    dflash2 = config.get("speculators_model_type") == "dflash2"
+    if dflash2 and prof.dflash2_first is None:
+        problems.append(f"it is a DFlash2 drafter and {where} has no DFlash2 model class "
+                        f"({prof.dflash2_cites['dflash2']})")
+    conv, selector = dflash2 and config.get("conv_kernel_size") is not None, dflash2 and config.get("selector_rank") is not None
+    for layer in vllm_linears(num_layers, num_target_layers, conv, selector):
+        if layer.endswith(DFLASH2_DENSE):
+            problems += _dflash2_dense_problems(layer, hf_shards(layer, num_target_layers)[0], names, ignore, prof,
+                                                inner is not None)
+            continue
         shards = hf_shards(layer, num_target_layers)
         stored = {("quantized" if f"{s}.weight_packed" in names else
                    "dense" if f"{s}.weight" in names else "missing") for s in shards}
@@ -313,6 +386,26 @@ def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num
                                     f"({prof.cites.get('shared_qkv_scale', 'compressed_tensors_w4a4_nvfp4.py')}), "
                                     "so every shard but one is served off its calibrated scale")
     return problems
+
+
+DFLASH2_DENSE = (".kernel_projection", ".hidden_projection")  # DFlash2 Linears every checkpoint keeps dense
+
+
+def _dflash2_dense_problems(layer: str, shard: str, names: set[str], ignore: list[str], prof: Profile,
+                            quantized: bool) -> list[str]:
+    """A DFlash2 kernel or hidden projection: stored dense, and, where some release of the range builds it with
+    the draft's quant config (kernel_projection from 0.31), named in `ignore` so that vLLM builds it dense."""
+    where = f"vLLM {prof.versions}"
+    rule = prof.dflash2_cites.get(layer.rsplit(".", 1)[-1], "")
+    if f"{shard}.weight_packed" in names:
+        return [f"{layer}: the checkpoint stores it quantized but {where} builds it dense ({rule}); keep it dense"]
+    if f"{shard}.weight" not in names:
+        return [f"{layer}: the checkpoint has no weights for {[shard]}"]
+    if (quantized and layer.endswith(".kernel_projection") and prof.conv_draft_quant
+            and not vllm_ignores(layer, ignore, prof.split_shards)):
+        return [f"{layer}: the checkpoint stores it dense but {where} builds it quantized unless `ignore` names it "
+                f"({rule}; ignore = {ignore})"]
+    return []
 
 
 GLOBAL_SCALES = ("weight_global_scale", "input_global_scale")

@@ -114,8 +114,10 @@ def validate(cfg):
         raise bad_value(f"{FIELD}.calibration_target", q.calibration_target, f"quant `{str(q.name).rsplit('-on-', 1)[0]}` is data-free (it reads no "
                         "cached hidden states), so no target's states can calibrate it",
                         "leave calibration_target=bf16, or pick a calibrated preset (e.g. quant=w4a16-gptq)")
-    ignore = recipes.resolve_ignore(q)
     dconf = drafter_config(cfg)
+    if dconf.is_dflash2:  # a range without a DFlash2 model class, in one sentence before any weight is read
+        contract.refuse_dflash2(contract.profile(q.vllm, f"{FIELD}.vllm"), FIELD)
+    ignore = recipes.resolve_ignore(q, dconf)
     recipes.validate_group_size(q, FIELD, drafter_linears(dconf, ignore))
     n_target = num_target_layers(cfg)
     with torch.device("meta"):
@@ -279,7 +281,8 @@ def run(cfg) -> dict:
         "group_size": recipes.group_size(q), "ignore": ignore, "calibration": q.calibration,
         "ignore_written": read_json(out / "config.json", "config.json")["quantization_config"]["ignore"],
         "ignore_compressed_tensors": native_ignore,
-        "vllm": contract_profile(q).record(),  # the vLLM range the checkpoint is written and checked for
+        # the vLLM range the checkpoint is written and checked for
+        "vllm": contract_profile(q).record(dflash2=True) if dconf.is_dflash2 else contract_profile(q).record(),
         "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
         "seeds": {"seed": seed, "split_permutation": seed, "torch_manual_seed": seed,
                   "anchors": f"{seed} * {cache_batches.SAMPLE_SEED_STRIDE} + cache index",

@@ -1,0 +1,314 @@
+"""quantize-drafter on a DFlash2 drafter (issue 33): the real stage on a cached fixture world, per scheme.
+
+The world: the DFlash2 golden fixture's drafter (tests/fixtures/dflash2/speculators/checkpoint, or
+`SPECQUANT_DFLASH2_FIXTURES`) and a Qwen3 target of the fixture's geometry (geometry.json) with the fixture's
+own embed_tokens / lm_head and seeded random layers, a synthetic blend, and the real cache stage. Every size
+is read from the fixture, so the tests run on any geometry `tests/gen_dflash2_fixtures.py` writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pipeline.core.config import compose
+from pipeline.core.errors import SpecquantError
+from pipeline.serving import contract
+
+FIXTURES = Path(os.environ.get("SPECQUANT_DFLASH2_FIXTURES")
+                or Path(__file__).resolve().parent / "fixtures" / "dflash2").resolve()
+DRAFTER = FIXTURES / "speculators" / "checkpoint"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def geometry() -> dict:
+    return json.loads((FIXTURES / "geometry.json").read_text())
+
+
+def write_target(out: Path) -> Path:
+    """A Qwen3 target of the fixture's geometry: the fixture's embed_tokens / lm_head, seeded random layers."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    g = geometry()
+    config = Qwen3Config(vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["intermediate"],
+                         num_hidden_layers=g["target_layers"], num_attention_heads=g["heads"],
+                         num_key_value_heads=g["kv_heads"], head_dim=g["head_dim"], max_position_embeddings=256,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(1234)
+    model = Qwen3ForCausalLM(config)
+    inputs = load_file(str(FIXTURES / "zlab" / "inputs.safetensors"))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(inputs["embed_tokens_weight"])
+        model.lm_head.weight.copy_(inputs["lm_head_weight"])
+        for name, p in model.named_parameters():  # layers large enough that hidden states carry signal
+            if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    model.save_pretrained(str(out))
+    return out
+
+
+def write_blend(data_dir: Path, num_samples: int = 30, seq_len: int = 40, seed: int = 0) -> None:
+    """The data stage's files: random ids below the mask id, loss mask 1 after a short prompt."""
+    from pipeline.artifacts import samples as samples_file
+
+    g, geo = torch.Generator().manual_seed(seed), geometry()
+    samples = []
+    for i in range(num_samples):
+        n = seq_len - int(torch.randint(0, 8, (1,), generator=g))
+        ids = torch.randint(2, geo["mask_token_id"], (n,), generator=g).tolist()
+        prompt = 6 + i % 5
+        samples.append({"id": f"synthetic/{i}", "input_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt),
+                        "source": "synthetic"})
+    kept = Counter(s["source"] for s in samples)
+    counts = {n: samples_file.SourceCounts(
+        requested=kept[n], available=kept[n], examined=kept[n], kept=kept[n], dropped={}, dropped_examples={},
+        location="synthetic", revision=None, format="synthetic", weight=1.0) for n in kept}
+    samples_file.write(
+        data_dir, samples, counts, seed=seed, max_seq_len=seq_len,
+        tokenizer=samples_file.TokenizerRecord(name_or_path="synthetic", revision=None, files=None, sha256=None,
+                                               vocab_size=geo["vocab"]),
+        sources=[samples_file.SourceRecord(name=n, path=None, hub_id=None, revision=None, split="train",
+                                           format="synthetic", weight=1.0) for n in kept],
+        blend_name="synthetic")
+
+
+def world_cfg(root: Path, *overrides: str):
+    target = root / "target"
+    return compose([f"runs_root={root}", "run_name=qw", f"target.path={target}", f"target.tokenizer={target}",
+                    f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32",
+                    "quant.num_samples=12", "quant.heldout_samples=12", "quant.anchors_per_sequence=8",
+                    "quant.max_seq_len=64", *overrides])
+
+
+def build_world(root: Path) -> Path:
+    from pipeline.stages import cache
+
+    write_target(root / "target")
+    cfg = world_cfg(root)
+    write_blend(Path(cfg.run_dir) / "data")
+    cache.run(cfg)
+    return root
+
+
+def w4a16_group() -> int:
+    """A W4A16 group size dividing every quantized width of the fixture drafter (fc's n_aux x hidden included)."""
+    g = geometry()
+    return math.gcd(128, g["hidden"], g["intermediate"], g["heads"] * g["head_dim"],
+                    len(g["zlab_target_layer_ids"]) * g["hidden"])
+
+
+# quantize-drafter variants run on the world: (quant name, overrides); w4a16-gptq at the fixture's group size,
+# nvfp4a16-imatrix with q/k/v quantized (vLLM 0.32+ serves that)
+VARIANTS = {"nvfp4": ("quant=nvfp4",),
+            "w4a16-gptq": ("quant=w4a16-gptq", f"quant.group_size={w4a16_group()}"),
+            "nvfp4a16-imatrix": ("quant=nvfp4a16-imatrix", "quant.quantize_qkv=true")}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> tuple[Path, dict]:
+    """(runs root, {variant: quantize-drafter's result}): the fixture world, cached, with every VARIANTS entry."""
+    from pipeline.stages import quantize_drafter
+
+    root = build_world(tmp_path_factory.mktemp("dflash2-world"))
+    return root, {v: quantize_drafter.run(world_cfg(root, *ov)) for v, ov in VARIANTS.items()}
+
+
+def _layers(g: dict | None = None) -> range:
+    return range(json.loads((DRAFTER / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"])
+
+
+def expected_sets(qkv: bool) -> tuple[set[str], set[str]]:
+    """(quantized, dense) Linear names of the fixture drafter as quantize-drafter writes it."""
+    g = geometry()
+    quantized, dense = {"fc"}, {"candidate_selector.hidden_projection"}
+    for i in _layers(g):
+        quantized |= {f"layers.{i}.self_attn.o_proj", *(f"layers.{i}.mlp.{p}_proj" for p in ("gate", "up", "down"))}
+        dense |= {f"layers.{i}.{c}.kernel_projection" for c in ("attention_conv", "mlp_conv")}
+        (quantized if qkv else dense).update(f"layers.{i}.self_attn.{p}_proj" for p in "qkv")
+    return quantized, dense
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_written_layers_ignore_and_codebooks(world, variant):
+    from pipeline.models.formats import read_tensors
+
+    root, results = world
+    out = root / "qw" / "drafter" / variant
+    tensors = _tensors(out)
+    quantized, dense = expected_sets("quant.quantize_qkv=true" in VARIANTS[variant])
+    assert {k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")} == quantized
+    linears = {k.removesuffix(".weight") for k in tensors if k.endswith(".weight") and tensors[k].dim() == 2}
+    assert linears == dense
+    # base kernels and codebooks: bare Parameters, the source drafter's bytes (neither a recipe nor a rename
+    # touched them); the dense projections too
+    source = read_tensors(DRAFTER)
+    untouched = [k for k in source if k.endswith((".base_kernel", "_codebook"))] + [f"{n}.weight" for n in dense]
+    assert any(k.endswith("_codebook") for k in untouched) and not any(k.endswith("_codebook.weight") for k in tensors)
+    for k in untouched:
+        assert torch.equal(tensors[k], source[k]), k
+    # ignore: the dense projections under vLLM's runtime names (model.layers.{i+T}..., model.candidate_selector...)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash2"
+    ignore = config["quantization_config"]["ignore"]
+    assert ignore == config["transformer_layer_config"]["quantization_config"]["ignore"]
+    t = geometry()["target_layers"]
+    runtime = {"model.candidate_selector.hidden_projection"} | {
+        f"model.layers.{i + t}.{c}.kernel_projection" for i in _layers(geometry()) for c in ("attention_conv", "mlp_conv")}
+    assert runtime <= set(ignore)
+    assert results[variant]["ignore_written"] == ignore
+    assert results[variant]["vllm"]["dflash2_versions"].startswith("0.32.0")
+    assert "kernel_projection" in results[variant]["vllm"]["rules"]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_contract_reads_what_was_written(world, variant):
+    root, _ = world
+    out, t = root / "qw" / "drafter" / variant, geometry()["target_layers"]
+    assert contract.check_dir(out, t, "0.32+") == []
+    qkv = "quant.quantize_qkv=true" in VARIANTS[variant]
+    problems = contract.check_dir(out, t, "0.28-0.31")
+    assert (problems != []) == qkv and all("qkv_proj" in p for p in problems)
+    assert any("DFlash2 model class" in p for p in contract.check_dir(out, t, "0.26"))
+    assert contract.check_dir(root / "qw" / "drafter" / "bf16", t) == []
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_reload_through_our_model_gives_close_logits(world, variant):
+    from pipeline.models.formats import load_drafter
+    from pipeline.quant import cache_batches, checks
+    from pipeline.stages.cache import CacheReader
+
+    root, _ = world
+    target = root / "target"
+    reference = load_drafter(root / "qw" / "drafter" / "bf16", target=target, dtype=torch.float32)
+    source = load_drafter(DRAFTER, target=target, dtype=torch.float32)
+    own = source.state_dict()
+    for k, a in reference.state_dict().items():  # drafter/bf16 is the source drafter in bf16 (its own tensors)
+        if k not in ("embed_tokens.weight", "lm_head.weight") and a.is_floating_point():
+            assert torch.equal(a, own[k].to(torch.bfloat16).float()), k
+    quantized = checks.load_dequantized(copy.deepcopy(reference), root / "qw" / "drafter" / variant)
+    _, dense = expected_sets("quant.quantize_qkv=true" in VARIANTS[variant])
+    mods = dict(quantized.named_modules())
+    assert all(getattr(mods[n], "quantization_scheme", None) is None for n in dense)
+    reader = CacheReader(root / "qw" / "cache")
+    g = geometry()
+    batch = next(iter(cache_batches.drafter_batches(reader, [0, 1], 8, g["block_size"], g["mask_token_id"], 64, 0)))
+    from compressed_tensors.quantization import disable_quantization
+
+    with torch.no_grad():
+        ref, got = reference(**batch, select=True), quantized(**batch, select=True)
+        quantized.apply(disable_quantization)
+        weights_only = quantized(**batch, select=True)
+    err = {k: float((o.logits - ref.logits).norm() / ref.logits.norm()) for k, o in
+           (("served", got), ("weights_only", weights_only))}
+    # the fixture's random weights lose ~8% per quantized layer (and the convolutions multiply sublayer outputs
+    # by coefficients from quantized inputs): measured 0.16 (w4a16-gptq) to 0.33 (nvfp4 served) here
+    assert 0.0 < err["weights_only"] <= err["served"] + 1e-6 < 0.5, err
+    assert got.selected.shape == ref.selected.shape == (1, 8 * g["block_size"])
+    # the reloaded layers are the ones the stage's check measured (its report: same weights, same errors)
+    from pipeline.artifacts.check_report import load_report
+
+    report = load_report(root / "qw" / "checks", "drafter", variant)
+    assert checks.weight_errors(quantized, reference) == pytest.approx(report.weight_error, rel=1e-6)
+    assert max(report.weight_error.values()) < 0.2
+
+
+def test_checks_report_top1_through_the_selector(world):
+    """The held-apart check compares the selector's chosen tokens: a drafter whose codebooks differ (same logits)
+    has KL 0 and top-1 below 1; the written report has one match bit per counted row."""
+    from pipeline.artifacts.check_report import load_report
+    from pipeline.models.formats import load_drafter
+    from pipeline.quant import cache_batches, drafter_checks
+    from pipeline.stages.cache import CacheReader
+
+    root, _ = world
+    reference = load_drafter(root / "qw" / "drafter" / "bf16", target=root / "target", dtype=torch.float32)
+    other = copy.deepcopy(reference)
+    with torch.no_grad():
+        other.candidate_selector.successor_codebook.mul_(-1.0)
+    g = geometry()
+    reader = CacheReader(root / "qw" / "cache")
+    batches = list(cache_batches.drafter_batches(reader, list(range(6)), 8, g["block_size"], g["mask_token_id"], 64, 0))
+    same = drafter_checks.compare(reference, copy.deepcopy(reference), batches, g["block_size"])["served"]
+    assert same["top1_agreement"] == 1.0 and same["kl"] == 0.0 and same["agreement_length"] > 1
+    flipped = drafter_checks.compare(reference, other, batches, g["block_size"])["served"]
+    assert flipped["kl"] == 0.0 and flipped["top1_agreement"] < 1.0 and flipped["rows"] == same["rows"]
+    report = load_report(root / "qw" / "checks", "drafter", "nvfp4")
+    assert report.served.rows > 0 and 0.0 < report.served.top1_agreement <= 1.0
+    assert len(report.weight_error) == 1 + 4 * len(_layers(g))  # fc + (o, gate, up, down) per layer
+
+
+def test_dflash2_for_vllm_026_is_refused_before_work(world, tmp_path):
+    from pipeline.stages import quantize_drafter
+
+    root, _ = world
+    with pytest.raises(SpecquantError) as e:
+        quantize_drafter.run(world_cfg(root, "quant=nvfp4", "quant.vllm=0.26", "quant.name=nvfp4-026"))
+    msg = str(e.value)
+    assert "DFlash2" in msg and "quant.vllm" in msg and "\n" not in msg
+    assert not (root / "qw" / "drafter" / "nvfp4-026").exists()
+    with pytest.raises(SpecquantError, match="quantize_qkv"):  # q/k/v for a range that needs them dense
+        quantize_drafter.run(world_cfg(root, "quant=nvfp4", "quant.vllm=0.28-0.31", "quant.quantize_qkv=true",
+                                       "quant.name=nvfp4-qkv-031"))
+
+
+def _problems(config: dict, names: set[str], prof: str) -> list[str]:
+    return contract.checkpoint_problems(config, names, geometry()["target_layers"], prof)
+
+
+def test_contract_refuses_the_known_dflash2_failures(world):
+    """The failure forms users hit, on the written nvfp4 checkpoint's config and tensor names: a kernel_projection
+    vLLM 0.31+ builds quantized (not in ignore), a quantized kernel/hidden projection, an `fc` entry that does
+    not match vLLM's `model.fc`, quantized q/k/v before 0.32."""
+    root, _ = world
+    config, names, _ = contract.read_dir(root / "qw" / "drafter" / "nvfp4")
+    names, t = set(names), geometry()["target_layers"]
+    qc = config["quantization_config"]
+
+    def with_ignore(ignore):
+        new = {**qc, "ignore": ignore}
+        return {**config, "quantization_config": new,
+                "transformer_layer_config": {**config["transformer_layer_config"], "quantization_config": new}}
+
+    # kernel_projection under its HF name only: vLLM 0.31+ builds model.layers.{i+T}...kernel_projection quantized
+    hf_only = with_ignore([e for e in qc["ignore"] if not (e.startswith("model.") and "kernel_projection" in e)])
+    for prof in ("0.28-0.31", "0.32+"):
+        problems = _problems(hf_only, names, prof)
+        assert len(problems) == 2 * len(_layers(geometry())) and all("kernel_projection" in p for p in problems)
+    # a quantized kernel or hidden projection: no release builds one quantized (hidden) / 0.28-0.30 do not (kernel)
+    for layer in ("layers.0.attention_conv.kernel_projection", "candidate_selector.hidden_projection"):
+        packed = names - {f"{layer}.weight"} | {f"{layer}.weight_packed"}
+        for prof in ("0.28-0.31", "0.32+"):
+            assert any(layer.split(".")[-1] in p and "quantized" in p for p in _problems(config, packed, prof))
+    # fc kept dense and named `fc` only: vLLM reads `model.fc` and builds it quantized
+    dense_fc = names - {n for n in names if n.startswith("fc.")} | {"fc.weight"}
+    assert _problems(with_ignore(["fc", *qc["ignore"]]), dense_fc, "0.32+") != []
+    assert _problems(with_ignore(["fc", "model.fc", *qc["ignore"]]), dense_fc, "0.32+") == []
+    # q/k/v quantized: 0.32+ reads them, 0.28-0.31 needs them dense
+    qkv = {f"layers.{i}.self_attn.{p}_proj" for i in _layers(geometry()) for p in "qkv"}
+    packed = names - {f"{n}.weight" for n in qkv} | {f"{n}.weight_packed" for n in qkv}
+    no_qkv = with_ignore([e for e in qc["ignore"] if "qkv" not in e])
+    assert _problems(no_qkv, packed, "0.32+") == []
+    assert any("dense qkv_proj" in p for p in _problems(no_qkv, packed, "0.28-0.31"))
+    assert contract.checkpoint_problems(config, names, t, "0.32+") == []
