@@ -254,14 +254,12 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
                               capture_output=True, text=True)
         jf.unlink(missing_ok=True)
         r = json.loads(rf.read_text()) if rf.is_file() else {"ok": False, "error": proc.stderr[-3000:]}
-        r.pop("subsets", None)
         r["process_s"] = round(time.perf_counter() - t0, 1)
         r["env"] = env_extra
         r["drafter_kernels"] = sorted({x["kernel"] for x in r.get("layers", []) if x.get("root", "").startswith("drafter")
                                        and x.get("kernel")})
         r["target_kernels"] = sorted({x["kernel"] for x in r.get("layers", []) if x.get("root") == "model"
                                       and x.get("kernel")})
-        r.pop("layers", None)
         if not r.get("ok"):
             r["stderr_tail"] = proc.stderr[-3000:]
         res["engines"][name] = r

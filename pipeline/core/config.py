@@ -216,6 +216,14 @@ class ServeConfig:
     # fail a pair whose outputs differ from the target alone; false = report only (random-weight models,
     # whose near-tie logits flip between vLLM's batch shapes)
     require_lossless: bool = True
+    # speed (GPU only): CUDA graphs on (enforce_eager off), one engine at a time, decode timed at batch 1 and
+    # speed_batch with speed_max_tokens tokens per sequence; the CPU build says "not measured"
+    speed: bool = False
+    speed_batch: int = 16  # the larger batch size timed beside batch 1
+    speed_max_tokens: int = 128  # tokens generated per sequence for each timing (ignore_eos)
+    # acceptance length for the estimated speedup tau x t(target alone) / t(pair); null = the reference
+    # loop's tau for the pair (eval/results.json), where evaluate ran
+    speed_tau: float | None = None
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""From the serve-check workers' result files to verdicts: lossless count, vLLM tau, kernels, failures."""
+"""From the serve-check workers' result files to verdicts: lossless count, vLLM tau, kernels, failures;
+and, where the engines were timed (`serve.speed`), the speed table (`speed_summary`, `render_speed`)."""
 
 from __future__ import annotations
 
@@ -273,7 +274,8 @@ def render(summary: dict) -> str:
         some = " that this engine can load" if summary.get("unsupported") else ""
         lines += ["", f"Every pair{some} loads, {lossless} and keeps tau >= {summary['min_tau_ratio']} x bf16's "
                   f"and >= {summary['min_tau']}."]
-    return "\n".join(lines) + "\n"
+    speed = render_speed(summary.get("speed"))
+    return "\n".join(lines) + "\n" + ("\n" + speed if speed else "")
 
 
 def pair_comparison(summary: dict, calibrated_on: dict[str, tuple[str, str]]) -> list[dict]:
@@ -314,3 +316,86 @@ def variant_status(summary: dict, variant: str) -> dict[str, Any]:
     run = [p for p in mine.values() if "unsupported" not in p]
     return {"checked": bool(run), "ok": all(p["ok"] for p in run) if run else None, "pairs": sorted(mine),
             "engine": engine_words(v), "summary": f"{engine_words(v)}: " + "; ".join(parts)}
+
+
+def _pair_key(job: dict) -> str:
+    backend = job.get("linear_backend", "auto")
+    return f"{job['target_variant']}/{job.get('variant')}" + ("" if backend == "auto" else f"/{backend}")
+
+
+def speed_summary(results: list[dict], summary: dict, user_tau: float | None = None) -> dict[str, Any]:
+    """The timed engines as rows (target, drafter, batch): ms per step, decode tokens/s, tau of the same run,
+    weight bytes, peak memory; for a pair, the same target alone's figures at the same batch and the speedup,
+    measured (decode tokens/s over the target alone's) and estimated as tau x t(target alone) / t(pair) per
+    step, with tau the user's (`serve.speed_tau`) or else the reference loop's for the pair (none: no estimate).
+    `{"measured": false, "reason": ...}` where no engine was timed (the CPU build, or every timing failed)."""
+    timed = [r for r in results if (r.get("speed") or {}).get("measured")]
+    if not timed:
+        reason = next(((r.get("speed") or {}).get("reason") for r in results if r.get("speed")), None)
+        return {"measured": False, "reason": reason or "no engine was timed (each failed before its timing)"}
+    alone = {r["job"]["target_variant"]: r for r in timed if r["job"].get("variant") is None}
+    rows = []
+    for r in timed:
+        job, v = r["job"], r["job"].get("variant")
+        pair = summary.get("pairs", {}).get(_pair_key(job)) if v is not None else None
+        ref = float(user_tau) if user_tau is not None else ((pair or {}).get("reference_tau") or {}).get("all")
+        wb = r.get("weight_bytes") or {}
+        for b, x in sorted(r["speed"]["batches"].items(), key=lambda kv: int(kv[0])):
+            row = {"target": job["target_variant"], "drafter": v, "linear_backend": job.get("linear_backend", "auto"),
+                   "batch": int(b), "ms_per_step": x["ms_per_step"], "ms_per_token": x["ms_per_token"],
+                   "tok_s": x["tok_s"], "tau": x.get("tau"), "steps_per_seq": x.get("steps_per_seq"),
+                   "weight_bytes_target": wb.get("target"), "weight_bytes_drafter": wb.get("drafter"),
+                   "peak_gpu_bytes": r.get("peak_gpu_bytes"), "gpu_used_bytes": r.get("gpu_used_bytes")}
+            base = ((alone.get(job["target_variant"]) or {}).get("speed") or {}).get("batches", {}).get(b)
+            if v is not None and base:
+                row.update(target_ms_per_step=base["ms_per_step"], target_tok_s=base["tok_s"],
+                           step_overhead_ms=round(x["ms_per_step"] - base["ms_per_step"], 4),
+                           speedup_measured=round(x["tok_s"] / base["tok_s"], 4))
+                if ref:
+                    row.update(speedup_estimated=round(float(ref) * base["ms_per_step"] / x["ms_per_step"], 4),
+                               tau_estimate=round(float(ref), 4),
+                               tau_estimate_source="serve.speed_tau" if user_tau is not None else "reference loop")
+            rows.append(row)
+    first = timed[0]
+    versions = first.get("versions") or {}
+    return {"measured": True, "date": first["speed"].get("date"), "versions": versions,
+            "engine": engine_words(versions), "max_tokens": first["speed"].get("max_tokens"),
+            "batches": sorted({row["batch"] for row in rows}), "rows": rows,
+            "not_timed": sorted(r.get("name", "?") for r in results if r not in timed)}
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f}"
+
+
+def render_speed(speed: dict | None) -> str:
+    """The report's speed section: one line where nothing was timed, else the table with its provenance."""
+    if not speed:
+        return ""
+    lines = ["### Speed as served", ""]
+    if not speed.get("measured"):
+        return "\n".join(lines + [f"Not measured: {speed.get('reason')}. No figure is given.", ""])
+    v = speed.get("versions") or {}
+    lines += [f"Measured {speed.get('date')} on {v.get('gpu')} (sm {v.get('capability')}), vLLM {v.get('vllm')}, "
+              f"torch {v.get('torch')}, CUDA {v.get('cuda')}; CUDA graphs (enforce_eager off), one engine at a time, "
+              f"greedy, {speed.get('max_tokens')} tokens per sequence (ignore_eos), the run's prompts. ms/step = decode "
+              "time per engine step; tok/s = decode tokens per second over the batch; tau from the same run; "
+              "speedup = decode tok/s over the same target alone at the same batch; estimated = tau x "
+              "t(target alone) / t(pair) per step, tau from the reference loop or serve.speed_tau. "
+              "Timings of this run's models on this GPU, nothing more.", "",
+              "| target | drafter | batch | ms/step | +ms vs alone | tok/s | tau | speedup | est. speedup (tau) "
+              "| weights GB (target + drafter) | peak GB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in speed["rows"]:
+        drafter = "-" if r["drafter"] is None else r["drafter"] + ("" if r["linear_backend"] == "auto"
+                                                                    else f" [{r['linear_backend']}]")
+        est = "-" if r.get("speedup_estimated") is None else f"{r['speedup_estimated']:.2f}x ({r['tau_estimate']:.2f})"
+        lines.append(f"| {r['target']} | {drafter} | {r['batch']} | {r['ms_per_step']:.2f} | "
+                     + ("-" if r.get("step_overhead_ms") is None else f"{r['step_overhead_ms']:+.2f}") + " | "
+                     f"{r['tok_s']:.1f} | {_fmt(r.get('tau'))} | "
+                     + ("-" if r.get("speedup_measured") is None else f"{r['speedup_measured']:.2f}x") + f" | {est} | "
+                     f"{_gb(r.get('weight_bytes_target'))} + {_gb(r.get('weight_bytes_drafter'))} | "
+                     f"{_gb(r.get('peak_gpu_bytes'))} |")
+    if speed.get("not_timed"):
+        lines += ["", "Not timed (failed before the timing): " + ", ".join(speed["not_timed"])]
+    return "\n".join(lines) + "\n"

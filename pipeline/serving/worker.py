@@ -281,7 +281,8 @@ def measure_speed(llm, prompts: list[list[int]], spec: dict, drafter: bool) -> d
 
     tokens = int(spec.get("max_tokens", 128))
     seed = int(spec.get("seed", 0))
-    out: dict = {"measured": True, "max_tokens": tokens, "batches": {}}
+    out: dict = {"measured": True, "max_tokens": tokens, "batches": {},
+                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if not prompts:
         return {"measured": False, "reason": "no prompts"}
     for batch in [int(b) for b in spec.get("batches", [1])]:

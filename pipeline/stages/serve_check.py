@@ -11,6 +11,12 @@ alone, vLLM's tau per subset and acceptance per position, the kernel of every qu
 `eval/serve_check.json`, the per-job files under `eval/serve_check/`, a section in `eval/report.md`
 -> exit non-zero naming every variant that does not load, is not lossless or whose tau falls below
 `serve.min_tau_ratio` of the bf16 drafter's (same target, same kernel) or below `serve.min_tau`.
+
+With `serve.speed` on a GPU every engine is also timed as served (CUDA graphs: enforce_eager off, one
+engine at a time): decode ms per step and tokens/s at batch 1 and `serve.speed_batch`, tau from the same
+run, weight bytes, peak memory; the speedup over the same target alone, measured and estimated as
+tau x t(target alone) / t(pair) (`verdict.speed_summary`). Never a pass/fail criterion. On the CPU
+build the section says it was not measured.
 """
 
 from __future__ import annotations
@@ -158,9 +164,17 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
             "kv_cache_memory_bytes": int(s.kv_cache_memory_bytes), "seed": int(cfg.seed), "dtype": s.dtype,
             "gpu_memory_utilization": float(s.gpu_memory_utilization or round(0.9 / max(1, parallel(cfg, info)), 3)),
             "cpu_nvfp4_emulation": bool(s.cpu_nvfp4_emulation), "cpu_int4_emulation": bool(s.cpu_int4_emulation),
-            "attention_backend": s.attention_backend, "enforce_eager": bool(s.enforce_eager),
+            "attention_backend": s.attention_backend, "enforce_eager": bool(s.enforce_eager) and not speed_on(cfg, info),
             "tokenizer": str(Path(str(cfg.target.tokenizer or cfg.target.path)).resolve())
             if Path(str(cfg.target.tokenizer or cfg.target.path)).exists() else str(cfg.target.tokenizer or cfg.target.path)}
+    if s.speed:  # the worker says "not measured" on the CPU build
+        if int(s.speed_batch) < 1 or int(s.speed_max_tokens) < 2:
+            raise bad_value("serve.speed_batch/speed_max_tokens", [s.speed_batch, s.speed_max_tokens],
+                            "the batch must be >= 1 and the tokens >= 2", "use e.g. 16 and 128")
+        if s.speed_tau is not None and not float(s.speed_tau) >= 1:
+            raise bad_value("serve.speed_tau", s.speed_tau, "an acceptance length is at least 1",
+                            "give the tau of your own run (e.g. 3.2) or null for the reference loop's")
+        base["speed"] = {"batches": sorted({1, int(s.speed_batch)}), "max_tokens": int(s.speed_max_tokens)}
     jobs = []
     for t, tpath in targets.items():
         target = str(tpath.resolve()) if tpath.exists() else str(tpath)
@@ -180,9 +194,16 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
     return jobs
 
 
+def speed_on(cfg, info: dict) -> bool:
+    """Whether engines are timed here: `serve.speed` on a GPU (the CPU build is not timed)."""
+    return bool(cfg.serve.speed) and info.get("platform") != "cpu"
+
+
 def parallel(cfg, info: dict) -> int:
     """Engines at once: `serve.parallel`, or by default 4 on a GPU and 1 on the CPU build (each engine
-    takes every core)."""
+    takes every core); always 1 when timing (`serve.speed` on a GPU), engines sharing a GPU skew each other."""
+    if speed_on(cfg, info):
+        return 1
     p = cfg.serve.parallel
     return int(p) if p else (1 if info.get("platform") == "cpu" else 4)
 
@@ -298,6 +319,8 @@ def run(cfg) -> dict:
     ref_target, ref_tau, ref_matrix = _reference_tau(rd)
     summary = verdict.summarize(results, prompts, float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau,
                                 require_lossless=bool(s.require_lossless), ref_matrix=ref_matrix)
+    if s.speed:
+        summary["speed"] = verdict.speed_summary(results, summary, s.speed_tau)
     summary["pairing_warnings"] = pairing_warnings
     summary["pair_comparison"] = verdict.pair_comparison(summary, calibrated_on)
     summary["probe"] = info
@@ -311,7 +334,8 @@ def run(cfg) -> dict:
                              + "; ".join(failed[:4]) + (" ..." if len(failed) > 4 else "")
                              + f" (details: {rd.eval / 'serve_check.json'})")
     return {"output": str(rd.eval / "serve_check.json"), "engines": len(jobs), "gpu": info.get("gpu"),
-            "platform": info.get("platform"), "vllm": info.get("vllm"), "pairs": {k: {"ok": p["ok"], "tau": p.get("tau", {}).get("all"),
+            "platform": info.get("platform"), "vllm": info.get("vllm"),
+            "speed": {k: v for k, v in (summary.get("speed") or {}).items() if k != "rows"} or None, "pairs": {k: {"ok": p["ok"], "tau": p.get("tau", {}).get("all"),
                                                     "lossless": p.get("lossless")}
                                                 for k, p in summary["pairs"].items()}}
 
