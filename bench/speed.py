@@ -237,7 +237,9 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
         if elapsed > budget_s:
             print(f"[speed] budget spent ({elapsed:.0f}s): skipping {name}", flush=True)
             continue
-        job = {"name": name, "target": str(work / target), "tokenizer": str(work / "target-bf16"),
+        job = {"name": name, "target_variant": name.split("/")[0], "linear_backend": "auto",
+               "variant": name.split("/", 1)[1] if drafter else None,  # serve-check's job fields (verdict reads them)
+               "target": str(work / target), "tokenizer": str(work / "target-bf16"),
                "drafter": str(work / drafter) if drafter else None, "num_speculative_tokens": k,
                "enforce_eager": False, "max_model_len": prompt_len + max_tokens + 64,
                "kv_cache_memory_bytes": 8 << 30, "dtype": "bfloat16", "attention_backend": "FLASH_ATTN",
