@@ -179,6 +179,7 @@ def test_written_layers_ignore_and_codebooks(world, variant):
     assert results[variant]["ignore_written"] == ignore
     assert results[variant]["vllm"]["dflash2_versions"].startswith("0.32.0")
     assert "kernel_projection" in results[variant]["vllm"]["rules"]
+    assert results[variant]["check"]["top1_of"] == "candidate_selector path"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -6,6 +6,12 @@ samples (seeded); run llm-compressor's oneshot with the drafter's own calibratio
 anchored blocks; write a compressed-tensors checkpoint in speculators format to
 runs/<name>/drafter/<quant.name>/ (and the unquantized reference to drafter/bf16/ if missing);
 reload and check both against the held-apart samples.
+
+A DFlash2 drafter (`pipeline.models.dflash`: convolutions and candidate selector) goes through the same recipe:
+its calibration forward runs the convolutions; its `kernel_projection`s and `hidden_projection` stay dense
+and are written in `ignore` under both names (`recipes.dflash2_dense`), base kernels and codebooks are
+written as they were; the check's top-1 compares the selectors' chosen tokens (`drafter_checks`). It needs a
+vLLM range with a DFlash2 model class (`quant.vllm` 0.28-0.31 or 0.32+; `contract.refuse_dflash2`).
 """
 
 from __future__ import annotations
@@ -299,9 +305,11 @@ def run(cfg) -> dict:
         "inputs": {"drafter": hashed["drafter"], "cache_content_hash": index.get("content_hash"),
                    "target_head": hashed["target_head"]},
         "outputs": export.output_hashes(out),
-        "check": {k: v for k, v in report.to_json().items()
-                  if k in ("weight_error_summary", "layer_output_error_summary", "served", "weights_only",
-                           "served_rounding_band", "activation_error_summary")},
+        "check": {**{k: v for k, v in report.to_json().items()
+                     if k in ("weight_error_summary", "layer_output_error_summary", "served", "weights_only",
+                              "served_rounding_band", "activation_error_summary")},
+                  # DFlash2: what the top-1 numbers compare (a DFlash record is left as it was)
+                  **({"top1_of": "candidate_selector path"} if dconf.has_selector else {})},
         "timings": clock.finish(),
         "device": str(recipes.resolve_device(q.device)),
     }
