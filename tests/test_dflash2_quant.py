@@ -313,3 +313,15 @@ def test_contract_refuses_the_known_dflash2_failures(world):
     assert _problems(no_qkv, packed, "0.32+") == []
     assert any("dense qkv_proj" in p for p in _problems(no_qkv, packed, "0.28-0.31"))
     assert contract.checkpoint_problems(config, names, t, "0.32+") == []
+
+
+def test_awq_is_refused_for_a_dflash2_drafter(tmp_path):
+    """AWQ's norm -> gate/up smoothing would rescale the MLP convolution's kernel_projection input (CUDA-only, so
+    the refusal is checked directly; the stage calls it before any weight is read)."""
+    from pipeline.models.formats import load_drafter_config
+    from pipeline.quant import recipes
+
+    dconf = load_drafter_config(DRAFTER)
+    with pytest.raises(SpecquantError, match="kernel_projection"):
+        recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-awq").quant, dconf, "quant")
+    recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-gptq").quant, dconf, "quant")

@@ -90,6 +90,16 @@ def dflash2_dense(dconf) -> list[str]:
     return names
 
 
+def check_dflash2(q, dconf, field: str) -> None:
+    """Settings a DFlash2 drafter cannot take, in one sentence before any weight is read: AWQ's smoothing of
+    gate/up folds a scale into `post_attention_layernorm`, whose output also feeds the MLP convolution's
+    `kernel_projection` (its per-row coefficients), which nothing would compensate."""
+    if getattr(dconf, "has_conv", False) and q.algorithm == "awq":
+        raise bad_value(f"{field}.algorithm", q.algorithm, "AWQ's smoothing scale folded into post_attention_layernorm "
+                        "would also scale the input of a DFlash2 drafter's mlp_conv.kernel_projection, changing "
+                        "its convolution coefficients", f"use {field}.algorithm=gptq (e.g. quant=w4a16-gptq)")
+
+
 def group_size(q) -> int:
     return int(q.group_size) if q.group_size is not None else SCHEMES[q.scheme].default_group_size
 

@@ -123,6 +123,7 @@ def validate(cfg):
     dconf = drafter_config(cfg)
     if dconf.is_dflash2:  # a range without a DFlash2 model class, in one sentence before any weight is read
         contract.refuse_dflash2(contract.profile(q.vllm, f"{FIELD}.vllm"), FIELD)
+        recipes.check_dflash2(q, dconf, FIELD)
     ignore = recipes.resolve_ignore(q, dconf)
     recipes.validate_group_size(q, FIELD, drafter_linears(dconf, ignore))
     n_target = num_target_layers(cfg)
