@@ -151,6 +151,7 @@ def test_quant_run_manifest_fields(run):
     assert ck["checks"]["report"] == load_report(run / "checks", "drafter", "nvfp4").to_json()
     bf16 = by[("drafter", "bf16")]
     assert bf16["scheme"] == "unquantized" and bf16["quant_config"] is None and bf16["ignore"] is None
+    assert bf16["vllm"] is None  # the reference is written for no vLLM range (no quantize-drafter record names one)
     assert bf16["stage"]["record"] == "stages/quantize-drafter-nvfp4.json"  # the stage that wrote it
     assert bf16["inputs"]["drafter"] == ck["inputs"]["drafter"] and bf16["inputs"]["calibration_cache"] is None
     env = q["environment"]
@@ -393,3 +394,19 @@ def test_a_manifest_of_another_schema_or_shape_is_one_sentence(run, tmp_path):
     (tmp_path / manifests.CALIBRATION).write_text("{not json")
     with pytest.raises(SpecquantError, match=r"^`calibration_manifest.json` = .*not valid JSON"):
         manifests.read_calibration(tmp_path / manifests.CALIBRATION)
+
+
+def test_checkpoint_states_the_vllm_range_it_is_written_for(run):
+    """checkpoints[].vllm is the range quantize-drafter's record says the checkpoint was written and checked for
+    (quant.vllm, pipeline.serving.contract), read back through the manifest reader; null for the bf16 reference."""
+    from pipeline.artifacts import manifests
+    from pipeline.serving import contract
+
+    rec = read_record(run / "stages" / "quantize-drafter-nvfp4.json")
+    doc = json.loads((run / manifests.QUANT_RUN).read_text())
+    ck = next(c for c in doc["checkpoints"] if (c["kind"], c["variant"]) == ("drafter", "nvfp4"))
+    assert ck["vllm"] == rec.result["vllm"] == contract.profile(rec.config("quant")["vllm"]).record()
+    assert ck["vllm"]["profile"] == rec.config("quant")["vllm"] and ck["vllm"]["versions"].startswith("0.")
+    assert ck["vllm"]["rules"] and all(":" in cite for cite in ck["vllm"]["rules"].values())  # file:line pinned
+    q = manifests.read_quant_run(run / manifests.QUANT_RUN)
+    assert q.checkpoint("drafter", "nvfp4").vllm == ck["vllm"] and q.checkpoint("drafter", "bf16").vllm is None

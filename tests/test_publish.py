@@ -244,3 +244,26 @@ def test_tokens_in_env_are_forwarded_only_to_the_endpoint(run_root, hub, tmp_pat
         monkeypatch.setenv("HF_TOKEN", "the-right-token")
         assert publish.run(push_cfg(run_root, strict.url))["variants"]["nvfp4"]["status"] == "pushed"
     assert os.environ["HF_TOKEN"] == "the-right-token"
+
+
+def test_card_and_vllm_commands_state_the_vllm_range(run_root):
+    """The card says the vLLM range the drafter was written and checked for, as quant_run_manifest.json's
+    checkpoints[].vllm and the quantize-drafter record hold it; eval/vllm_commands.sh says it per drafter."""
+    from pipeline.artifacts import manifests
+    from pipeline.artifacts.stage_record import load_record
+    from pipeline.stages import publish
+
+    publish.run(publish_cfg(run_root))
+    rd, folder = run_root / "tiny", run_root / "tiny" / "publish" / "nvfp4"
+    rec = load_record(rd, "quantize-drafter-nvfp4")
+    entry = manifests.read_quant_run(folder / manifests.QUANT_RUN).checkpoint("drafter", "nvfp4")
+    assert entry.vllm == rec.result["vllm"] and entry.vllm["profile"] == rec.config("quant")["vllm"]
+    readme = (folder / "README.md").read_text()
+    assert f"Written and checked for **vLLM {entry.vllm['versions']}**" in readme
+    assert f"contract profile `{entry.vllm['profile']}`" in readme and "is not recorded" not in readme
+    cmds = (folder / "eval" / "vllm_commands.sh").read_text()
+    assert cmds == (rd / "eval" / "vllm_commands.sh").read_text()
+    assert f"#   nvfp4: vLLM {entry.vllm['versions']} (profile {entry.vllm['profile']})" in cmds
+    assert "#   bf16: not recorded" in cmds  # the reference: no quantize-drafter record names a range
+    head = cmds.split("set -euo pipefail")[0]
+    assert all(line.startswith("#") for line in head.splitlines() if line)  # comments, before any command

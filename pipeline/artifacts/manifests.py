@@ -119,6 +119,9 @@ class CheckpointEntry:
     ignore: list[str] | None
     seeds: dict[str, Any]  # always holds "seed" (int or None); others as the stage reported them
     files: dict[str, Digest]  # relative to `path`
+    # drafters: the vLLM range written and checked for (pipeline.serving.contract.Profile.record: profile,
+    # versions, first, last, open_ended, quantized_qkv, is_causal_written, rules); None: not recorded
+    vllm: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,8 @@ def parse_quant_run(doc: Any, where: str = QUANT_RUN) -> QuantRunManifest:
         CheckpointEntry(kind=c["kind"], variant=c["variant"], path=c["path"], scheme=c["scheme"],
                         quant_config=c["quant_config"], observer=c["observer"], observer_kwargs=c["observer_kwargs"],
                         group_size=c["group_size"], ignore=c["ignore"], seeds=dict(c["seeds"]),
-                        files={r: Digest(e["sha256"], e["bytes"]) for r, e in c["files"].items()})
+                        files={r: Digest(e["sha256"], e["bytes"]) for r, e in c["files"].items()},
+                        vllm=c.get("vllm"))
         for c in doc["checkpoints"]])
 
 

@@ -311,7 +311,32 @@ def _tree(path: str | Path) -> dict | None:
     return {k: v["sha256"] for k, v in hash_tree(p).items()} if p.is_dir() else None
 
 
-def _write_outputs(out: Path, doc: eval_results.EvalResults, timings: dict, subsets) -> list[str]:
+def _vllm_ranges(rd: RunDir, variants) -> dict[str, dict | None]:
+    """{variant: the vLLM range its checkpoint is written for} from each quantize-drafter record's `vllm`
+    (pipeline.serving.contract.Profile.record); None where no record says (the bf16 reference, a given drafter)."""
+    from pipeline.artifacts.stage_record import load_record
+
+    out = {}
+    for v in variants:
+        record = load_record(rd.root, f"quantize-drafter-{v}")
+        out[v] = record.result.get("vllm") if record is not None else None
+    return out
+
+
+def with_vllm_ranges(text: str, ranges: dict[str, dict | None]) -> str:
+    """vllm_commands.sh with a comment, above its first command, naming the vLLM range each drafter variant was
+    written for (quant.vllm) or saying that none is recorded."""
+    lines = text.split("\n")
+    at = next((i for i, line in enumerate(lines) if i and not line.startswith("#")), len(lines))
+    note = ["# The vLLM range each drafter was written and checked for (quant.vllm, pipeline/serving/contract.py):"]
+    note += [f"#   {v}: " + (f"vLLM {r['versions']} (profile {r['profile']})" if r and r.get("versions") else
+                              "not recorded (no quantize-drafter record names one)")
+             for v, r in ranges.items()]
+    return "\n".join(lines[:at] + note + lines[at:])
+
+
+def _write_outputs(out: Path, doc: eval_results.EvalResults, timings: dict, subsets,
+                   ranges: dict[str, dict | None] | None = None) -> list[str]:
     from pipeline.evaluation import plots, report
 
     results = doc.to_json()
@@ -327,7 +352,8 @@ def _write_outputs(out: Path, doc: eval_results.EvalResults, timings: dict, subs
     eval_results.write_results(out, doc)
     atomic_write_json(out / "timings.json", timings)
     atomic_write_text(out / "report.md", report.render_report(results))
-    eval_results.write_vllm_commands(out, report.render_vllm_commands(results, prompt_files))
+    eval_results.write_vllm_commands(out, with_vllm_ranges(report.render_vllm_commands(results, prompt_files),
+                                                           ranges or {v: None for v in results["variant_order"]}))
     plots.tau_bars(results, out / "tau_per_subset.png")
     plots.acceptance_curves(results, out / "acceptance_per_position.png")
     plots.calibration_pairs(results, out / "calibration_vs_datafree.png")
@@ -440,7 +466,7 @@ def run(cfg) -> dict:
                "warnings": {t: w for t, w in warnings.items() if w},
                "comparison": pair_comparison(rd, matrix, pair_prompts, int(cfg.seed))})
     results = doc.to_json()
-    written = _write_outputs(rd.eval, doc, timings, subsets)
+    written = _write_outputs(rd.eval, doc, timings, subsets, _vllm_ranges(rd, results["variant_order"]))
     lossless = all(n == 0 for row in matrix.values() for d in row.values() for n in d["lossless_mismatches"].values())
     return {"output": str(rd.eval), "files": written, "lossless": lossless,
             "tau": {v: {s: d["subsets"][s]["tau"] for s in d["subsets"]} | {"all": d["overall"]["tau"]}

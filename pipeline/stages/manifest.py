@@ -245,6 +245,9 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
                     "report": check_report.read_report(rd.root / check_rel).to_json()} if check_rel in tree else None),
         "stage": ({**_stage_summary(name, rec), "result": _untimed(rec.result)} if rec else None),
         "serving": serve_check.status_for(rd, variant) if kind == "drafter" else None,
+        # drafters: the vLLM range the checkpoint is written and checked for (quantize-drafter's record,
+        # pipeline.serving.contract.Profile.record); null for targets and a drafter no quantize-drafter wrote
+        "vllm": res.get("vllm") if kind == "drafter" else None,
     }
 
 

@@ -224,6 +224,9 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "calibration_comparison": modelcard.calibration_lines(results, variant),
         "plots": sorted(p.relative_to(folder).as_posix() for p in (folder / "eval").glob("*.png")),
         "serving": serve_check.status_for(rd, variant),
+        # the vLLM range the checkpoint is written and checked for: the manifest's copy of the quantize-drafter
+        # record's (pipeline.serving.contract.Profile.record), the record's own where the manifest has none
+        "vllm": (entry.vllm if entry else None) or (record.result.get("vllm") if record else None),
         "pairing": pairing_info(cfg, rd, variant, target, results),
         "signature": {"file": signing.SIGNATURE, "public_key_sha256": signer.fingerprint,
                       "tool": f"model-signing {signing.tool_version()}",
