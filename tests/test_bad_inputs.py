@@ -315,6 +315,12 @@ CASES = [
     # ---- quantize-drafter: settings checked on a weightless drafter
     quant_case("unknown_scheme", "quant.scheme=int3", needles=("quant.scheme", "int3", "nvfp4")),
     quant_case("unknown_observer", "quant.observer=minmaxx", needles=("quant.observer", "minmaxx")),
+    # an observer tuned to the other 4-bit format (pipeline.quant.recipes.FORMAT_OBSERVERS): the fix is its twin
+    quant_case("fp4_observer_on_int4_scheme", "quant=w4a16", "quant.observer=nvfp4_expanded_mse",
+               needles=("`quant.observer` = 'nvfp4_expanded_mse'", "w4a16 stores INT4", "use quant.observer=mse")),
+    quant_case("int4_observer_on_fp4_scheme", "quant=nvfp4a16", "quant.observer=imatrix_mse",
+               needles=("`quant.observer` = 'imatrix_mse'", "nvfp4a16 stores FP4",
+                        "use quant.observer=nvfp4_expanded_imatrix")),
     quant_case("group_size_not_dividing_a_layer", "quant=w4a16", f"quant.group_size={BAD_GROUP}",
                needles=("quant.group_size", str(BAD_GROUP), "does not divide the in-features")),
     quant_case("nvfp4_group_size_not_16", "quant.group_size=32", needles=("quant.group_size", "32", "16")),
@@ -370,6 +376,8 @@ WHAT = {
     "pickle_target_weights": "cache: a target with only pytorch_model.bin (a pickle): refused, never unpickled.",
     "unknown_scheme": "quantize-drafter: an unknown scheme.",
     "unknown_observer": "quantize-drafter: an observer llm-compressor does not register.",
+    "fp4_observer_on_int4_scheme": "quantize-drafter: an FP4 observer (nvfp4_expanded_mse) on the int4 W4A16 scheme.",
+    "int4_observer_on_fp4_scheme": "quantize-drafter: an int4 observer (imatrix_mse) on the FP4 NVFP4A16 scheme.",
     "group_size_not_dividing_a_layer": f"quantize-drafter: a W4A16 group size ({BAD_GROUP}) that divides no layer width.",
     "nvfp4_group_size_not_16": "quantize-drafter: NVFP4 with group size 32.",
     "gptq_without_calibration": "quantize-drafter: GPTQ with calibration=none.",

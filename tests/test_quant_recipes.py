@@ -148,3 +148,48 @@ def test_every_preset_builds_the_compressed_tensors_scheme(group, preset):
     base = preset_name_to_scheme(recipes.SCHEMES[q.scheme].preset, ["Linear"])
     assert dict(base.weights) | observer == dict(scheme.weights)
     assert base.input_activations == scheme.input_activations
+
+
+@pytest.mark.faults("bad_input")
+@pytest.mark.parametrize("stage, field, preset, observer, fmt, twin", [
+    (quantize_drafter, "quant", "w4a16", "nvfp4_expanded_mse", "FP4", "mse"),
+    (quantize_drafter, "quant", "w4a16", "nvfp4_expanded_imatrix", "FP4", "imatrix_mse"),
+    (quantize_drafter, "quant", "w4a16", "fouroversix", "FP4", "mse"),
+    (quantize_drafter, "quant", "nvfp4", "imatrix_mse", "INT4", "nvfp4_expanded_imatrix"),
+    (quantize_drafter, "quant", "nvfp4a16", "imatrix_mse", "INT4", "nvfp4_expanded_imatrix"),
+    (quantize_target, "target_quant", "w4a16", "nvfp4_expanded_mse", "FP4", "mse"),
+    (quantize_target, "target_quant", "nvfp4", "imatrix_mse", "INT4", "nvfp4_expanded_imatrix"),
+])
+def test_observer_of_the_other_4bit_format_is_refused_before_loading(tmp_path, broken_drafter, stage, field,
+                                                                     preset, observer, fmt, twin):
+    """An FP4-tuned observer on an int4 scheme, or the int4-tuned one on an FP4 scheme, is one sentence naming the
+    observer, the scheme's format and the twin to use, before any weight is read (the drafter's are junk)."""
+    cfg = world_cfg(tmp_path / "runs", f"drafter.path={broken_drafter}", f"{field}={preset}",
+                    f"{field}.observer={observer}")
+    msg = _fails(cfg, stage)
+    scheme = cfg[field].scheme
+    other = "INT4" if fmt == "FP4" else "FP4"
+    assert msg.startswith(f"`{field}.observer` = {observer!r}: it is tuned to {fmt} weights but {field}.scheme "
+                          f"{scheme} stores {other} weights; use {field}.observer={twin} for {scheme}, or an {fmt} "
+                          f"scheme ({field}.scheme="), msg
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_every_format_tuned_observer_and_twin_is_registered_and_every_preset_passes():
+    """The table names observers llm-compressor registers, each twin of the format it is offered for; every
+    shipped preset (conf/quant, conf/target_quant) passes the check as it is."""
+    from pipeline.core.config import compose
+
+    known = set(recipes._registered_observers())
+    for key, (made_for, twins) in recipes.FORMAT_OBSERVERS.items():
+        assert key in known, key
+        for fmt, twin in twins.items():
+            assert fmt != made_for and recipes._observer_key(twin) in known
+            assert recipes.FORMAT_OBSERVERS.get(recipes._observer_key(twin), (fmt,))[0] == fmt  # tuned to fmt, or either
+    conf = quantize_drafter.__file__.rsplit("/pipeline/", 1)[0] + "/conf"
+    import pathlib
+
+    for group in ("quant", "target_quant"):
+        for preset in sorted(pathlib.Path(conf, group).glob("*.yaml")):
+            q = compose([f"{group}={preset.stem}"])[group]
+            recipes.check_observer_format(q, group)  # raises on a mismatched preset

@@ -36,6 +36,12 @@ class Scheme:
     def quantize_activations(self) -> bool:
         return self.base().input_activations is not None
 
+    @property
+    def number_format(self) -> str:
+        """`fp4` (NVFP4, NVFP4A16: float 4-bit weights) or `int4` (W4A16), from the preset's weight args."""
+        w = self.base().weights
+        return f"{'fp' if str(getattr(w.type, 'value', w.type)) == 'float' else 'int'}{int(w.num_bits)}"
+
 
 SCHEMES: dict[str, Scheme] = {
     "nvfp4": Scheme("nvfp4", "NVFP4", True),  # fp4 weights and local-dynamic fp4 activations, FP8 block scales
@@ -53,6 +59,36 @@ PIPELINES = ("basic", "sequential", "independent", "datafree")
 QKV_IGNORE = r"re:.*self_attn\.(q|k|v|qkv)_proj$"
 # never quantized: the embedding (vLLM shares the target's) and the output head
 ALWAYS_IGNORE = (r"re:(.*\.)?lm_head$", r"re:(.*\.)?embed_tokens$")
+
+
+# observers tuned to one 4-bit number format, with their twin for the other (registry keys, as _observer_key
+# gives them): llm-compressor's nvfp4_expanded_* search 1.8x-0.8x of each group's range, the expansion FP4's
+# non-uniform grid gains from (observers/mse.py NVFP4ExpandedMSEObserver, imatrix.py; fouroversix is an alias);
+# imatrix_mse's defaults (no expansion, llama.cpp's int grid search) are the int4 twin of nvfp4_expanded_imatrix.
+# minmax, mse and the rest read either format.
+FORMAT_OBSERVERS: dict[str, tuple[str, dict[str, str]]] = {
+    "nvfp4-expanded-mse": ("fp4", {"int4": "mse"}),
+    "nvfp4-expanded-imatrix": ("fp4", {"int4": "imatrix_mse"}),
+    "fouroversix": ("fp4", {"int4": "mse"}),
+    "imatrix-mse": ("int4", {"fp4": "nvfp4_expanded_imatrix"}),
+}
+
+
+def check_observer_format(q, field: str) -> None:
+    """An observer tuned to FP4 on an int4 scheme, or one tuned to int4 on an FP4 scheme, is one sentence naming
+    the observer made for the scheme's format (both are registered, so llm-compressor would run either)."""
+    key = _observer_key(str(q.observer))
+    if key not in FORMAT_OBSERVERS:
+        return
+    made_for, twins = FORMAT_OBSERVERS[key]
+    fmt = SCHEMES[q.scheme].number_format
+    if made_for == fmt:
+        return
+    others = " or ".join(s.name for s in SCHEMES.values() if s.number_format == made_for)
+    raise bad_value(f"{field}.observer", q.observer, f"it is tuned to {made_for.upper()} weights but "
+                    f"{field}.scheme {q.scheme} stores {fmt.upper()} weights",
+                    f"use {field}.observer={twins[fmt]} for {q.scheme}, or an {made_for.upper()} scheme "
+                    f"({field}.scheme={others})")
 
 
 def _registered_observers() -> list[str]:
@@ -114,6 +150,7 @@ def validate_settings(q, field: str) -> None:
     if _observer_key(str(q.observer)) not in known:
         raise bad_value(f"{field}.observer", q.observer, "llm-compressor registers no observer of that name",
                         f"use one of {', '.join(k.replace('-', '_') for k in known)}")
+    check_observer_format(q, field)
     if q.algorithm not in ALGORITHMS:
         raise bad_value(f"{field}.algorithm", q.algorithm, "it is not a known algorithm",
                         f"use one of {', '.join(ALGORITHMS)}")
