@@ -271,9 +271,56 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
             f"b{b}={v['ms_per_step']}ms/step" for b, v in sp.items()) + f" {r.get('error', '')}", flush=True)
 
 
+def report(inputs: list[Path], out_json: Path) -> str:
+    """The runs' speed.json files -> bench/results/<date>-h200-speed.json (`pairs`: target, drafter, batch,
+    ms_per_step, tok_s, weight_bytes, peak_bytes, ...) and the markdown table for docs/benchmarks.md."""
+    engines, meta = {}, []
+    for f in inputs:
+        d = json.loads(f.read_text())
+        meta.append({k: d.get(k) for k in ("date", "command", "batches", "max_tokens", "prompt_tokens", "shapes")})
+        engines.update(d["engines"])
+    alone = {}
+    pairs = []
+    for name, r in engines.items():
+        target, drafter, k, env = CONFIGS[name]
+        for b, x in sorted(((r.get("speed") or {}).get("batches") or {}).items(), key=lambda kv: int(kv[0])):
+            row = {"config": name, "target": target.removeprefix("target-"),
+                   "drafter": drafter.removeprefix("drafter-") if drafter else None, "num_speculative_tokens": k,
+                   "env": env, "batch": int(b), "ms_per_step": x["ms_per_step"], "tok_s": x["tok_s"],
+                   "tau": x.get("tau"), "steps_per_seq": x.get("steps_per_seq"),
+                   "decode_s_source": x.get("decode_s_source"), "weight_bytes": r.get("weight_bytes"),
+                   "peak_bytes": r.get("peak_gpu_bytes"), "gpu_used_bytes": r.get("gpu_used_bytes"),
+                   "load_s": r.get("load_s"), "drafter_kernels": r.get("drafter_kernels"),
+                   "target_kernels": r.get("target_kernels")}
+            if drafter is None:
+                alone[(row["target"], row["batch"])] = row
+            pairs.append(row)
+    for row in pairs:
+        a = alone.get((row["target"], row["batch"]))
+        if row["drafter"] and a:
+            row["overhead_ms"] = round(row["ms_per_step"] - a["ms_per_step"], 3)
+            row["overhead_ratio_to_target_step"] = round(row["overhead_ms"] / a["ms_per_step"], 3)
+    first = next(iter(engines.values()), {})
+    out = {"issue": 34, "runs": meta, "versions": first.get("versions"), "pairs": pairs}
+    out_json.write_text(json.dumps(out, indent=1) + "\n")
+    lines = ["| config | target | drafter | k | batch | ms/step | + vs target alone | tok/s | drafter kernel | "
+             "weights GB (target + drafter own) | peak GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in pairs:
+        wb = r["weight_bytes"] or {}
+        lines.append(f"| {r['config']} | {r['target']} | {r['drafter'] or '-'} | {r['num_speculative_tokens'] or '-'} | "
+                     f"{r['batch']} | {r['ms_per_step']:.2f} | "
+                     + (f"{r['overhead_ms']:+.2f}" if "overhead_ms" in r else "-")
+                     + f" | {r['tok_s']:.0f} | {', '.join(r['drafter_kernels'] or []) or '-'} | "
+                     f"{(wb.get('target') or 0) / 1e9:.2f} + {(wb.get('drafter') or 0) / 1e9:.2f} | "
+                     f"{(r['peak_bytes'] or 0) / 1e9:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cmd", choices=("configs", "build", "run"))
+    p.add_argument("cmd", choices=("configs", "build", "run", "report"))
+    p.add_argument("inputs", nargs="*", help="report: the runs' speed.json files")
+    p.add_argument("--json", default=None, help="report: where the bench/results JSON goes")
     p.add_argument("--work", default="/dev/shm/speed")
     p.add_argument("--out", default="speed-out")
     p.add_argument("--only", default="", help="comma-separated CONFIGS names (default all, in order)")
@@ -284,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "configs":
         write_configs()
+    elif a.cmd == "report":
+        print(report([Path(x) for x in a.inputs], Path(a.json)))
     elif a.cmd == "build":
         print(json.dumps(build(Path(a.work))), flush=True)
     else:
