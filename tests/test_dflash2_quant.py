@@ -113,11 +113,23 @@ def w4a16_group() -> int:
                     len(g["zlab_target_layer_ids"]) * g["hidden"])
 
 
-# quantize-drafter variants run on the world: (quant name, overrides); w4a16-gptq at the fixture's group size,
-# nvfp4a16-imatrix with q/k/v quantized (vLLM 0.32+ serves that)
-VARIANTS = {"nvfp4": ("quant=nvfp4",),
-            "w4a16-gptq": ("quant=w4a16-gptq", f"quant.group_size={w4a16_group()}"),
-            "nvfp4a16-imatrix": ("quant=nvfp4a16-imatrix", "quant.quantize_qkv=true")}
+def _variants() -> dict[str, tuple[str, ...]]:
+    """Every drafter preset in conf/quant/ (every scheme and algorithm: RTN, GPTQ, imatrix, calibration-free),
+    W4A16 ones at the fixture's group size; nvfp4a16-imatrix also with q/k/v quantized (vLLM 0.32+ serves that).
+    AWQ needs CUDA and is refused for DFlash2 (`test_awq_is_refused_for_a_dflash2_drafter`)."""
+    out = {}
+    for f in sorted((Path(__file__).resolve().parent.parent / "conf" / "quant").glob("*.yaml")):
+        name = f.stem
+        if name.endswith("-awq"):
+            continue
+        out[name] = (f"quant={name}",) + ((f"quant.group_size={w4a16_group()}",) if name.startswith("w4a16") else ())
+    out["nvfp4a16-imatrix-qkv"] = ("quant=nvfp4a16-imatrix", "quant.quantize_qkv=true",
+                                   "quant.name=nvfp4a16-imatrix-qkv")
+    return out
+
+
+# quantize-drafter variants run on the world: quant name -> overrides
+VARIANTS = _variants()
 
 
 @pytest.fixture(scope="module")
