@@ -376,3 +376,32 @@ def test_awq_is_refused_for_a_dflash2_drafter(tmp_path):
     with pytest.raises(SpecquantError, match="kernel_projection"):
         recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-awq").quant, dconf, "quant")
     recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-gptq").quant, dconf, "quant")
+
+
+def test_reference_loop_drafts_the_selector_path_and_is_lossless(world):
+    """spec_decode (the reference loop tau is measured with) drafts a DFlash2 drafter's selector path, as vLLM
+    serves it, and stays the target's greedy output; for the source and a quantized drafter alike."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.models import spec_decode
+    from pipeline.models.formats import load_drafter
+    from pipeline.quant import checks
+
+    root, _ = world
+    target = AutoModelForCausalLM.from_pretrained(str(root / "target"), dtype=torch.float32).eval()
+    source = load_drafter(DRAFTER, target=root / "target", dtype=torch.float32)
+    quantized = checks.load_dequantized(copy.deepcopy(source), root / "qw" / "drafter" / "w4a16-gptq")
+    g = geometry()
+    prompt = torch.randint(2, g["mask_token_id"], (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    greedy = spec_decode.greedy_generate(target, prompt, 24)
+    for drafter in (source, quantized):
+        res = spec_decode.spec_generate(target, drafter, prompt, 24, trace=True)
+        assert res.output_ids == greedy and len(res.acceptance_lengths) >= 1
+        first = res.draft_calls[0]  # the first block, from the prompt's aux hidden states and an empty cache
+        with torch.no_grad():
+            hs = target(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+            block = torch.full((1, g["block_size"]), g["mask_token_id"])
+            block[0, 0] = greedy[len(prompt)]
+            path = drafter.draft_path(spec_decode.aux_hidden(hs, list(drafter.config.aux_layer_ids)), block,
+                                      torch.tensor([first["position_ids"]]), drafter.new_cache())
+        assert first["draft_tokens"] == path.tokens[0].tolist()

@@ -6,9 +6,10 @@ The loop follows z-lab's `dflash_generate` at temperature 0: prefill the target;
 - the target verifies the block in one forward pass; the longest prefix of drafted tokens that
   equals the target's argmax is accepted, plus the target's own token after it (the bonus);
 - tau for the step = accepted + 1.
-The output is therefore exactly the target's plain greedy output. Any module with the
-drafter's `draft_block` / `new_cache` / `config` interface can be passed (e.g. a fake-quantized
-drafter), so evaluation can compare tau across drafter variants.
+A DFlash2 drafter with a candidate selector drafts its selector's greedy path (`draft_path`) instead
+of the head's argmax, as it is served. The output is therefore exactly the target's plain greedy output.
+Any module with the drafter's `draft_block` / `new_cache` / `config` interface can be passed (e.g. a
+fake-quantized drafter), so evaluation can compare tau across drafter variants.
 
 CLI: `python -m pipeline.models.spec_decode --target DIR --drafter DIR --prompts DIR_OR_JSONL`.
 """
@@ -87,6 +88,7 @@ def spec_generate(target, drafter, input_ids: list[int], max_new_tokens: int, st
         raise bad_value("block_size", bs, f"the drafter drafts blocks of at most {cfg.block_size} tokens",
                         f"use 2 <= block_size <= {cfg.block_size}")
     dev, mask_id, aux_ids = target.device, int(cfg.mask_token_id), list(cfg.aux_layer_ids)
+    selector = bool(getattr(cfg, "has_selector", False)) and hasattr(drafter, "draft_path")  # DFlash2
     stop = set(stop_token_ids)
     prompt_len = len(input_ids)
     max_len = prompt_len + max_new_tokens
@@ -102,8 +104,11 @@ def spec_generate(target, drafter, input_ids: list[int], max_new_tokens: int, st
         block = torch.full((1, bs), mask_id, dtype=torch.long, device=dev)
         block[0, 0] = tokens[start]
         pos = torch.arange(cache_len, start + bs, device=dev)[None]
-        dlogits = drafter.draft_block(ctx.to(drafter.fc.weight.dtype), block, pos, dcache)
-        draft = dlogits[0, 1:].argmax(-1)
+        if selector:
+            draft = drafter.draft_path(ctx.to(drafter.fc.weight.dtype), block, pos, dcache).tokens[0]
+        else:
+            dlogits = drafter.draft_block(ctx.to(drafter.fc.weight.dtype), block, pos, dcache)
+            draft = dlogits[0, 1:].argmax(-1)
         if trace:
             res.draft_calls.append({"cache_len_before": cache_len, "ctx_len": int(ctx.shape[1]),
                                     "position_ids": pos[0].tolist(), "draft_tokens": draft.tolist()})
