@@ -405,3 +405,39 @@ def test_reference_loop_drafts_the_selector_path_and_is_lossless(world):
             path = drafter.draft_path(spec_decode.aux_hidden(hs, list(drafter.config.aux_layer_ids)), block,
                                       torch.tensor([first["position_ids"]]), drafter.new_cache())
         assert first["draft_tokens"] == path.tokens[0].tolist()
+
+
+def test_every_dflash2_rule_cites_a_wheel():
+    for prof in contract.PROFILES.values():
+        assert set(prof.dflash2_cites) >= {"dflash2"}
+        if prof.dflash2_first is None:
+            continue
+        assert prof.first <= prof.dflash2_first <= prof.last and prof.conv_draft_quant
+        assert set(prof.dflash2_cites) == {"dflash2", "kernel_projection", "hidden_projection"}
+        for rule, cite in prof.dflash2_cites.items():  # a release of the range, a wheel file and its line numbers
+            assert prof.first <= cite.split()[0] <= prof.last and ".py:" in cite, (prof.name, rule)
+
+
+VLLM_SRC = Path(os.environ.get("SPECQUANT_VLLM_SRC") or "/tmp/cq_wheels/src")  # <version>/vllm/... unpacked wheels
+
+
+def _linear_quant_config(source: str, attribute: str) -> str:
+    """The `quant_config=` argument of `self.<attribute> = ReplicatedLinear(...)` in a vLLM source file."""
+    body = source.split(f"self.{attribute} = ReplicatedLinear(", 1)[1].split(")\n", 1)[0]
+    return body.split("quant_config=", 1)[1].split(",", 1)[0].strip()
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"])
+def test_profiles_agree_with_the_wheels_dflash2_model(version):
+    """Where the unpacked wheels are at hand (`SPECQUANT_VLLM_SRC`): kernel_projection takes the draft's quant
+    config from 0.31 (None before), hidden_projection never; a speculators `dflash2` reader from 0.29."""
+    model = VLLM_SRC / version / "vllm" / "model_executor" / "models" / "qwen3_dflash2.py"
+    if not model.is_file():
+        pytest.skip(f"no unpacked vLLM {version} wheel under {VLLM_SRC}")
+    source = model.read_text()
+    assert _linear_quant_config(source, "kernel_projection") == ("None" if version < "0.31.0" else "quant_config")
+    assert _linear_quant_config(source, "hidden_projection") == "None"
+    algos = (VLLM_SRC / version / "vllm" / "transformers_utils" / "configs" / "speculators" / "algos.py").read_text()
+    assert ('@register_speculator("dflash2")' in algos) == (version >= "0.29.0")
+    prof = next(p for p in contract.PROFILES.values() if p.first <= version <= p.last)
+    assert prof.dflash2_first is not None and prof.dflash2_first <= max(version, "0.29.0")

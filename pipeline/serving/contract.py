@@ -111,7 +111,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                              "model_executor/models/qwen3_dflash.py:55-59",
                 "verifier": "0.26.0 transformers_utils/config.py:682-683 (taken verbatim, relative to the cwd)",
                 "nvfp4_hopper": "0.26.0 model_executor/kernels/linear/__init__.py:446-460 (Marlin, weight-only)"},
-            dflash2_cites={"dflash2": "0.26.0 has no model_executor/models/qwen3_dflash2.py (0.28.0 adds it)"}),
+            dflash2_cites={"dflash2": "no model_executor/models/qwen3_dflash2.py in 0.26.0; 0.28.0 adds it"}),
     Profile("0.28-0.31", "0.28.0", "0.31.0", False, quantized_qkv=False, shared_qkv_scale=True, split_shards=True,
             reads_is_causal=True, refused_actorder=("group", "dynamic"), hub_id_verifier=False,
             nvfp4_hopper_kernel="Marlin",
