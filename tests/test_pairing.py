@@ -243,3 +243,17 @@ def test_a_pair_cache_of_other_target_files_or_a_misspelt_target_is_refused(worl
         quantize_drafter.calibration_cache(cfg, run_dir(tmp_path))
     with pytest.raises(SpecquantError, match=r"^`cache.target` = 'W4A16': no quantized target .*; did you mean w4a16 \(names are case-sensitive\)\.$"):
         cache.run(compose([*base, "cache.target=W4A16"]))
+
+
+def test_serve_check_without_vllm_refuses_first_and_alone(world, tmp_path):
+    """Issue 36: on a machine without vLLM the one-sentence refusal comes before any pairing warning, alone (the
+    pairs here would each warn: drafters calibrated on one target served beside the other)."""
+    import sys
+
+    copy = tmp_path / "runs"
+    shutil.copytree(world / "qw", copy / "qw")
+    rc, _, err = run_main("serve-check", *_base(copy), f"serve.python={sys.executable}")
+    assert rc == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: `serve.python`") and "cannot import vLLM" in err, err
+    assert "warning" not in err
+    assert not (copy / "qw" / "eval" / "serve_check.json").exists()

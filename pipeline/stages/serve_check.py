@@ -33,6 +33,7 @@ from typing import Any
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core.errors import SpecquantError, bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text
+from pipeline.quant import pairing
 from pipeline.serving import verdict
 
 REFERENCE = "bf16"
@@ -273,13 +274,14 @@ def _reference_tau(rd: RunDir) -> tuple[str | None, dict, dict]:
 def check_pairing(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str, Path]) -> tuple[list[str], dict]:
     """Every drafter against every target it will be served with (a refusal or a warning sentence each),
     and {variant: (calibration target, base variant)} for the drafters calibrated on a quantized target."""
-    from pipeline.quant import pairing
-
     warnings = []
     for t, path in targets.items():
         served = pairing.target_identity(path, t, cfg.target.revision if t == REFERENCE else None,
                                          bool(cfg.target.trust_remote_code))
-        warnings += list(pairing.check_pairs(rd, list(drafters), served, "serve-check").values())
+        for v in drafters:  # a refusal raises here; the warnings are printed once vLLM is known to be there
+            sentence = pairing.check_pair(v, pairing.drafter_record(rd, v), served)
+            if sentence:
+                warnings.append(sentence)
     calibrated_on = {}
     for v in drafters:
         rec = pairing.drafter_record(rd, v)
@@ -308,8 +310,10 @@ def run(cfg) -> dict:
     if not rd.root.is_dir():
         raise bad_value("run_dir", str(rd.root), "the run directory does not exist", "run the earlier stages first")
     targets, drafters = _targets(cfg, rd), _drafters(cfg, rd)  # bad names fail before the probe
+    pairing_warnings, calibrated_on = check_pairing(cfg, rd, targets, drafters)  # an unservable pair: refused
     info = probe(s.python)  # no vLLM: one sentence alone, before any pairing warning, nothing written
-    pairing_warnings, calibrated_on = check_pairing(cfg, rd, targets, drafters)
+    for sentence in pairing_warnings:
+        pairing.warn(sentence, "serve-check")
     prompts, stop = _prompts(cfg)
     jobs = build_jobs(cfg, rd, info, prompts, stop)
     n = parallel(cfg, info)
