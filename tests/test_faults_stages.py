@@ -186,6 +186,105 @@ def test_quantize_drafter_on_a_full_disk_then_rerun(run, tmp_path):
         assert leftovers(qw) == []
 
 
+# ---------------------------------------------------------------- a full disk under every other writing stage
+def _files(root: Path) -> dict[str, str]:
+    """{run-relative path: sha256} of every file under root (directories, empty or not, aside)."""
+    from pipeline.core.io import sha256_file
+
+    return {p.relative_to(root).as_posix(): sha256_file(p, reuse=False) for p in sorted(root.rglob("*"))
+            if p.is_file()} if root.is_dir() else {}
+
+
+# stage -> (the runs root copied onto the small disk: none | blend | pristine (the publish tests' run: cache,
+# quantize-drafter nvfp4, evaluate, manifest), the call before which the disk fills (`<module>:<function>`,
+# looked up at call time), the run-relative path the sentence names, the files whose bytes the re-run gives again
+# (evaluate's name the run's paths, so its tau table is compared instead))
+FULL_DISK = {
+    # data/samples.jsonl, the first of the stage's three atomic files (hashed while written)
+    "data": ("none", "pipeline.artifacts.samples:write", "data/samples.jsonl", ("data/meta.json",)),
+    # target/<v>/model.safetensors through compressed-tensors' save_pretrained (safetensors' own error type)
+    "quantize-target": ("blend", "transformers.modeling_utils:safe_save_file", "target/w4a16", ()),
+    # eval/results.json, after the prompts were rewritten (same bytes) and before report, plots and commands
+    "evaluate": ("pristine", "pipeline.artifacts.eval_results:write_results", "eval/results.json", ()),
+    # calibration_manifest.json, the first file the stage writes (both manifests validated before it)
+    "manifest": ("pristine", "pipeline.artifacts.manifests:write", "calibration_manifest.json",
+                 ("calibration_manifest.json",)),
+    # publish/nvfp4/README.md inside the assembly folder, after the checkpoint and eval files were copied in
+    "publish": ("pristine", "pipeline.provenance.modelcard:render", "publish/", ()),
+}
+
+
+def _full_disk_overrides(stage: str, runs: Path, tokenizer: Path) -> list[str]:
+    from tests._support import HUB_BASE, HUB_TARGET, publish_overrides, target_w4a16_group, world_cfg
+
+    if stage == "data":
+        return [f"runs_root={runs}", "run_name=qw", "seed=3", f"target.tokenizer={tokenizer}", "data.num_samples=6"]
+    if stage == "quantize-target":
+        return world_cfg(runs, "target_quant=w4a16", f"target_quant.group_size={target_w4a16_group()}",
+                         overrides_only=True)
+    extra = [f"publish.base_model={HUB_BASE}", f"publish.target_model={HUB_TARGET}",
+             "publish.namespace=specquant-test"] if stage == "publish" else []
+    return [*publish_overrides(runs), *extra]
+
+
+@pytest.mark.faults("disk_full")
+@pytest.mark.parametrize("stage", list(FULL_DISK))
+def test_writing_stage_on_a_full_disk_then_rerun(stage, pristine_runs, chat_tokenizer, tmp_path):
+    """The disk fills while this stage writes its outputs: one `error:` line naming the file, exit 2, no traceback, the run directory's files as they were (no partial or temp file); a re-run with space succeeds."""
+    from pipeline.artifacts.eval_results import read_results
+    from pipeline.core.io import hash_tree
+    from tests._support import PUBLISH_TOKEN, write_blend
+
+    base, writer, named, compared = FULL_DISK[stage]
+    src = pristine_runs if base == "pristine" else None
+    room_kb = ((_tree_bytes(src) >> 10) if src else 0) + 64 * 1024  # the copied run, and room for what comes first
+    with small_disk(tmp_path / "disk", room_kb) as grow:
+        runs = tmp_path / "disk" / "runs"
+        if src:
+            shutil.copytree(src, runs, symlinks=True)
+        elif base == "blend":
+            write_blend(runs / "qw" / "data")
+        else:
+            runs.mkdir()
+        ov = _full_disk_overrides(stage, runs, chat_tokenizer)
+        run_dir = runs / ("tiny" if base == "pristine" else "qw")
+        before = _files(run_dir)
+        table = read_results(run_dir / "eval").table if stage == "evaluate" else None
+        fault = f"fill={writer}:{tmp_path / 'disk'}" if grow else f"fsize={writer}:1024"
+        env = {**ENV, "TMPDIR": str(tmp_path), "HF_TOKEN": PUBLISH_TOKEN}
+        cmd = [sys.executable, "-m", "tests.faults", fault, "--", "-m", "pipeline", stage, *ov]
+        full = warm.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
+        assert full.returncode == 2, full.stderr[-3000:]
+        assert "Traceback" not in full.stderr and len(errors) == 1, full.stderr[-3000:]
+        print(f"{stage}: {errors[0]}")
+        assert f"`{stage}`: no space left to write {run_dir / named}" in errors[0], errors[0]
+        assert "point runs_root at a larger disk" in errors[0] or not grow, errors[0]  # the key the user set
+        assert _files(run_dir) == before, "the failed stage changed or left files in the run directory"
+        assert leftovers(run_dir) == []
+
+        (tmp_path / "disk" / "filler").unlink(missing_ok=True)  # space again
+        rc, _, err = run_main(stage, *ov, env={"TMPDIR": str(tmp_path), "HF_TOKEN": PUBLISH_TOKEN,
+                                               **{k: ENV[k] for k in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE",
+                                                                      "TRANSFORMERS_OFFLINE")}})
+        assert rc == 0, err[-3000:]
+        assert leftovers(run_dir) == []
+        record = "publish/nvfp4.json" if stage == "publish" else f"stages/{stage}" + (
+            "-w4a16.json" if stage == "quantize-target" else ".json")
+        assert (run_dir / record).is_file()
+        after = _files(run_dir)
+        for rel in compared:  # the same bytes as the uninterrupted run's
+            assert after[rel] == (before.get(rel) or after[rel]), rel
+        if stage == "evaluate":
+            assert read_results(run_dir / "eval").table == table  # the pristine run's tau per variant and subset
+        if stage == "quantize-target":
+            assert set(hash_tree(run_dir / "target" / "w4a16")) >= {"config.json", "model.safetensors"}
+        if stage == "publish":
+            from pipeline.stages.verify import verify_dir
+
+            assert verify_dir(run_dir / "publish" / "nvfp4") == []
+
+
 @contextlib.contextmanager
 def _read_only_fs(path: Path):
     """A read-only tmpfs at path (root, where mount works), else the test is skipped: a root process
