@@ -48,11 +48,10 @@ class LayerCapture:
     forward right after the deepest one."""
 
     def __init__(self, model, aux_layer_ids: list[int]):
-        self.base = model.base_model
-        if not all(hasattr(self.base, a) for a in ("layers", "norm", "get_input_embeddings")):
-            raise bad_value("target.path", getattr(model.config, "name_or_path", "?"),
-                            f"its base model ({type(self.base).__name__}) has no `layers`/`norm` to hook",
-                            "use a decoder-only HF causal LM (Llama/Qwen family layout)")
+        from pipeline.models.targets import decoder
+
+        # the text decoder of any family (pipeline.models.targets): a vision tower or MTP head is never run
+        self.base = decoder(model)
         n = len(self.base.layers)
         modules = {0: self.base.get_input_embeddings(), n: self.base.norm}
         modules.update({m: self.base.layers[m - 1] for m in range(1, n)})
@@ -298,7 +297,9 @@ def run(cfg) -> dict:
     samples = samples_file.load_samples(rd.data, data_meta)
     if not samples:
         raise bad_value("data", str(rd.data), "it holds no samples", "re-run `make data` with a non-empty blend")
-    tconf = target_config(tcfg).get_text_config()
+    from pipeline.models.targets import text_config
+
+    tconf = text_config(target_config(tcfg))
     field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
     aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field)
     if not cfg.cache.get("aux_layer_ids"):

@@ -1,0 +1,124 @@
+"""Targets by family, not by class: the one place that knows how a target model is laid out.
+
+A stage asks this module, never `model.model.layers` or a class name, for
+- `text_config(config)`: the decoder's config (a multimodal config keeps it in `text_config`);
+- `family_of(config)`: the `Family` of a target config (by `model_type`, text config included);
+- `decoder(model)`: the text decoder module holding `embed_tokens`, `layers` and `norm`, whichever wrapper
+  (`*ForCausalLM`, the base model, `*ForConditionalGeneration` / its `language_model`) was loaded;
+- `layer_types(config)`: each decoder layer's kind (`full_attention`, `linear_attention`, ...);
+- `dense_modules(config)`: the llm-compressor ignore entries a family adds to quantize-target (the
+  vision tower, the MTP head, the linear-attention gates: docs/hybrid.md);
+- `check_fits(aux_layer_ids, vocab_size, config, field)`: a drafter whose aux layers or vocabulary do not
+  fit the target is refused in one sentence.
+
+Aux layer ids mean decoder layer outputs in HF `output_hidden_states` convention (0 = embeddings,
+m = output of decoder layer m-1, L = the final norm's output) whatever the mix of layer types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.core.errors import bad_value
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # config.model_type values (outer or text config)
+    # module-name patterns (llm-compressor `re:` syntax) never run by the cache stage nor quantized
+    never_run: tuple[str, ...] = ()
+    # Linear layers kept dense by quantize-target beyond recipes.ALWAYS_IGNORE (embed_tokens, lm_head)
+    dense_linears: tuple[str, ...] = ()
+    hybrid: bool = False  # some decoder layers are not softmax attention
+
+
+DENSE = Family("dense", ("qwen3", "qwen2", "llama", "mistral"))
+QWEN3_5 = Family(
+    "qwen3_5", ("qwen3_5", "qwen3_5_text", "qwen3_next"),
+    never_run=(r"re:(.*\.)?visual\..*", r"re:(.*\.)?mtp\..*"),
+    # in_proj_a / in_proj_b make the decay and beta gates (one output per value head): kept dense, as
+    # A_log, dt_bias, conv1d and the gated norm are (those are not Linear layers at all)
+    dense_linears=(r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$"),
+    hybrid=True)
+FAMILIES = (DENSE, QWEN3_5)
+
+
+def _get(cfg: Any, key: str, default=None):
+    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config: `get_text_config()` of an HF config, `text_config` of a config.json dict."""
+    if hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return _get(config, "text_config") or config
+
+
+def family_of(config: Any) -> Family:
+    """The target's family by model_type (outer, then text config); unknown types are treated as dense
+    decoders, whose layout `decoder` still checks."""
+    types = {_get(config, "model_type"), _get(text_config(config), "model_type")}
+    for fam in FAMILIES:
+        if types & set(fam.model_types):
+            return fam
+    return DENSE
+
+
+def layer_types(config: Any) -> list[str]:
+    tc = text_config(config)
+    n = int(_get(tc, "num_hidden_layers"))
+    kinds = _get(tc, "layer_types")
+    return list(kinds) if kinds else ["full_attention"] * n
+
+
+def num_layers(config: Any) -> int:
+    return int(_get(text_config(config), "num_hidden_layers"))
+
+
+def decoder(model) -> Any:
+    """The text decoder (`embed_tokens`, `layers`, `norm`) inside whatever wrapper was loaded."""
+    seen = []
+    for path in ("", "model", "language_model", "model.language_model", "base_model", "base_model.language_model"):
+        mod = model
+        for part in filter(None, path.split(".")):
+            mod = getattr(mod, part, None)
+        if mod is None or any(mod is s for s in seen):
+            continue
+        seen.append(mod)
+        if all(hasattr(mod, a) for a in ("layers", "norm", "get_input_embeddings")):
+            return mod
+    raise bad_value("target.path", getattr(getattr(model, "config", None), "name_or_path", "?"),
+                    f"its model ({type(model).__name__}) has no text decoder with `layers`/`norm` to hook",
+                    "use a decoder-only HF causal LM (Llama/Qwen family layout) or a Qwen3.5-family model")
+
+
+def dense_modules(config: Any) -> list[str]:
+    """quantize-target's extra ignore entries for this family (none for a dense target)."""
+    fam = family_of(config)
+    return list(fam.never_run) + list(fam.dense_linears)
+
+
+def check_fits(aux_layer_ids, vocab_size: int | None, config: Any, field: str = "drafter") -> None:
+    """Refuse a drafter whose aux layers (HF hidden-state indices) or vocabulary do not fit the target."""
+    n, v = num_layers(config), _get(text_config(config), "vocab_size")
+    bad = [m for m in aux_layer_ids if not 0 <= int(m) <= n]
+    if bad:
+        raise bad_value(f"{field}.aux_layer_ids", list(aux_layer_ids), f"index {bad[0]} is outside the target's "
+                        f"hidden states 0..{n} ({n} decoder layers: {describe(config)})",
+                        "use a drafter made for this target (index m = output of decoder layer m-1)")
+    if vocab_size is not None and v is not None and int(vocab_size) != int(v):
+        raise bad_value(f"{field}.vocab_size", vocab_size, f"the target's vocabulary has {v} tokens",
+                        "use a drafter built for the target's tokenizer")
+
+
+def describe(config: Any) -> str:
+    """e.g. `qwen3_5: 3 linear_attention + 1 full_attention`."""
+    kinds = layer_types(config)
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    return f"{family_of(config).name}: " + " + ".join(f"{c} {k}" for k, c in counts.items())
+
+
+__all__ = ["Family", "FAMILIES", "DENSE", "QWEN3_5", "text_config", "family_of", "layer_types", "num_layers",
+           "decoder", "dense_modules", "check_fits", "describe"]
