@@ -125,3 +125,40 @@ def test_multimodal_wrapper_runs_the_text_tower_only():
         ref = dec(input_ids=ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(got[0], ref[1])
     torch.testing.assert_close(got[1], ref[4])
+
+
+def test_w4a16_quantizes_the_deltanet_projections_and_keeps_gates_dense(tmp_path, hybrid):
+    """quantize-target W4A16 (data-free RTN) on the hybrid: in_proj_qkv / in_proj_z / out_proj, attention
+    and MLP quantized; in_proj_a / in_proj_b (the gates), conv1d, A_log, dt_bias, norms, lm_head dense."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from pipeline.core.io import read_json
+    from pipeline.models import targets
+    from pipeline.stages import quantize_target
+    from tests._support import world_cfg
+
+    conf = AutoConfig.from_pretrained(hybrid)
+    result = quantize_target.run(world_cfg(tmp_path, "target_quant=w4a16", target=hybrid, tokenizer=hybrid))
+    assert set(targets.dense_modules(conf)) <= set(result["ignore"]) | set(targets.QWEN3_5.never_run)
+    out = tmp_path / "qw" / "target" / "w4a16"
+    quantized = set(read_json(tmp_path / "qw" / "checks" / "target-w4a16.json")["weight_error"])
+    kinds = targets.layer_types(conf)
+    expect = set()
+    for i, kind in enumerate(kinds):
+        mixer = (["linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"]
+                 if kind == "linear_attention" else [f"self_attn.{p}_proj" for p in "qkvo"])
+        expect |= {f"model.layers.{i}.{m}" for m in mixer + ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]}
+    assert quantized == expect
+    model = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    dense = AutoModelForCausalLM.from_pretrained(hybrid)
+    i = kinds.index("linear_attention")
+    for name in ("in_proj_a", "in_proj_b", "conv1d"):
+        got = getattr(model.model.layers[i].linear_attn, name).weight
+        assert torch.equal(got.float(), getattr(dense.model.layers[i].linear_attn, name).weight), name
+    for name in ("A_log", "dt_bias"):
+        assert torch.equal(getattr(model.model.layers[i].linear_attn, name).float(),
+                           getattr(dense.model.layers[i].linear_attn, name)), name
+    assert torch.equal(model.lm_head.weight.float(), dense.lm_head.weight)
+    assert not torch.equal(model.model.layers[i].linear_attn.out_proj.weight.float(),
+                           dense.model.layers[i].linear_attn.out_proj.weight)

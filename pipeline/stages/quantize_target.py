@@ -37,13 +37,29 @@ def target_config(cfg):
                         "point target.path at a model directory or Hub repo with config.json") from None
 
 
-def target_linears(config, ignore: list[str]) -> list[tuple[str, int]]:
-    """Quantized layers and their widths from a meta-device model: shapes only, no weights read."""
+def _meta_model(config):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return recipes.quantized_linears(model, ignore)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def target_linears(config, ignore: list[str]) -> list[tuple[str, int]]:
+    """Quantized layers and their widths from a meta-device model: shapes only, no weights read."""
+    return recipes.quantized_linears(_meta_model(config), ignore)
+
+
+def family_ignore(config) -> list[str]:
+    """What the target's family keeps dense beyond the recipe's ignore list (pipeline.models.targets:
+    a hybrid's linear-attention gates, vision tower, MTP head; docs/hybrid.md), only the entries that
+    match a Linear of this model. A dense target adds nothing, so its recipe is unchanged."""
+    from pipeline.models.targets import dense_modules
+
+    extra = dense_modules(config)
+    if not extra:
+        return []
+    unmatched = set(recipes.quantized_linears(_meta_model(config), extra).unmatched_ignore)
+    return [e for e in extra if e not in unmatched]
 
 
 def calibration_batches(samples: list[dict], num_samples: int, max_seq_len: int, seed: int) -> list[dict]:
@@ -63,8 +79,8 @@ def run(cfg) -> dict:
         raise bad_value(f"{FIELD}.calibration_target", q.calibration_target, "a target calibrates on its own "
                         "forward over the blend, not on cached hidden states", "leave it at bf16 (the drafter's "
                         "choice is quant.calibration_target)")
-    ignore = recipes.resolve_ignore(q)
     config = target_config(cfg)
+    ignore = list(dict.fromkeys(recipes.resolve_ignore(q) + family_ignore(config)))
     from pipeline.core.loading import check_safetensors_dir
 
     check_safetensors_dir(cfg.target.path, "target.path")  # pickles, truncated files, missing shards: before any load
