@@ -50,7 +50,9 @@ def target_identity(path: str | Path, variant: str, revision: str | None = None,
     from pipeline.core.loading import checkpoint_hashes, load_config
 
     files = (checkpoint_hashes(path, revision) or {}) if hashed else {}
-    conf = load_config(str(path), revision, trust_remote_code, "target.path").get_text_config()
+    from pipeline.models.targets import text_config
+
+    conf = text_config(load_config(str(path), revision, trust_remote_code, "target.path"))
     return {"variant": variant, "path": str(path),
             "files_sha256": sha256_text(dumps_json({rel: e["sha256"] for rel, e in files.items()})) if files else None,
             "shape": {k: int(getattr(conf, k)) for k in SHAPE_KEYS if getattr(conf, k, None) is not None}}
