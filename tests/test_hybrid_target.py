@@ -162,3 +162,17 @@ def test_w4a16_quantizes_the_deltanet_projections_and_keeps_gates_dense(tmp_path
     assert torch.equal(model.lm_head.weight.float(), dense.lm_head.weight)
     assert not torch.equal(model.model.layers[i].linear_attn.out_proj.weight.float(),
                            dense.model.layers[i].linear_attn.out_proj.weight)
+
+
+def test_cache_refuses_aux_layers_past_the_hybrid_depth_in_one_sentence(tmp_path, hybrid):
+    from transformers import AutoConfig
+
+    from pipeline.stages import cache
+
+    n = AutoConfig.from_pretrained(hybrid).num_hidden_layers
+    _samples(tmp_path, 16, n=2)
+    with pytest.raises(SpecquantError) as exc:
+        cache.run(compose([f"run_dir={tmp_path}", f"target.path={hybrid}", f"drafter.path={TINY_DRAFTER}",
+                           f"cache.aux_layer_ids=[1,{n + 1}]"]))
+    assert "\n" not in str(exc.value) and f"0..{n}" in str(exc.value) and "cache.aux_layer_ids" in str(exc.value)
+    assert not (tmp_path / "cache").exists()
