@@ -86,18 +86,24 @@ def test_cached_states_equal_output_hidden_states(tmp_path, hybrid):
 
 
 def test_drafter_aux_layers_and_vocab_must_fit(hybrid):
-    from transformers import AutoConfig
+    """The tiny dense world's drafter fits the hybrid by shape; one past its depth or of another vocabulary
+    is refused in one sentence naming the field (and, for a hybrid, its layer mix)."""
+    from types import SimpleNamespace
 
-    from pipeline.models import targets
+    from pipeline.core.io import read_json
+    from pipeline.models.compat import check_compatible
+    from pipeline.models.layout import light_config
 
-    conf = AutoConfig.from_pretrained(hybrid)
-    targets.check_fits([1, conf.num_hidden_layers - 1], conf.vocab_size, conf)
+    conf = read_json(hybrid / "config.json", "target")
+    n = conf["num_hidden_layers"]
+    drafter = light_config(TINY_DRAFTER)
+    check_compatible(drafter, conf)
     with pytest.raises(SpecquantError) as exc:
-        targets.check_fits([1, conf.num_hidden_layers + 1], conf.vocab_size, conf)
+        check_compatible(SimpleNamespace(**{**vars(drafter), "aux_layer_ids": [1, n + 1]}), conf)
     msg = str(exc.value)
-    assert "\n" not in msg and "drafter.aux_layer_ids" in msg and "linear_attention" in msg
+    assert "\n" not in msg and "drafter.aux_layer_ids" in msg and "linear_attention" in msg and f"{n}-layer" in msg
     with pytest.raises(SpecquantError, match="drafter.vocab_size"):
-        targets.check_fits([1], conf.vocab_size + 1, conf)
+        check_compatible(SimpleNamespace(**{**vars(drafter), "vocab_size": conf["vocab_size"] + 1}), conf)
 
 
 def test_multimodal_wrapper_runs_the_text_tower_only():

@@ -89,8 +89,11 @@ def _check_layers(d, t, err) -> None:
                   "set the aux layers (z-lab target_layer_ids / speculators aux_hidden_state_layer_ids)")
     bad = [m for m in ids if not 1 <= m <= n - 1]
     if bad:
+        from pipeline.models.targets import describe, family_of
+
+        mix = f" ({describe(t)})" if family_of(t).hybrid else ""  # a dense target's sentence is unchanged
         raise err("drafter.aux_layer_ids", ids, f"HF hidden-state indices {bad} are outside 1..{n - 1} for a "
-                  f"{n}-layer target (z-lab target_layer_ids = these - 1)", "use a drafter trained for this target")
+                  f"{n}-layer target{mix} (z-lab target_layer_ids = these - 1)", "use a drafter trained for this target")
     if d.num_target_layers is not None and d.num_target_layers != n:
         raise err("drafter.num_target_layers", d.num_target_layers, f"the target has {n} layers",
                   "use a drafter trained for this target")

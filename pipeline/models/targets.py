@@ -8,8 +8,8 @@ A stage asks this module, never `model.model.layers` or a class name, for
 - `layer_types(config)`: each decoder layer's kind (`full_attention`, `linear_attention`, ...);
 - `dense_modules(config)`: the llm-compressor ignore entries a family adds to quantize-target (the
   vision tower, the MTP head, the linear-attention gates: docs/hybrid.md);
-- `check_fits(aux_layer_ids, vocab_size, config, field)`: a drafter whose aux layers or vocabulary do not
-  fit the target is refused in one sentence.
+A drafter whose aux layers or vocabulary do not fit the target is refused in one sentence by
+`pipeline.models.compat.check_compatible` (from configs, any family; a hybrid's layer mix is named).
 
 Aux layer ids mean decoder layer outputs in HF `output_hidden_states` convention (0 = embeddings,
 m = output of decoder layer m-1, L = the final norm's output) whatever the mix of layer types.
@@ -100,19 +100,6 @@ def dense_modules(config: Any) -> list[str]:
     return list(fam.never_run) + list(fam.dense_linears)
 
 
-def check_fits(aux_layer_ids, vocab_size: int | None, config: Any, field: str = "drafter") -> None:
-    """Refuse a drafter whose aux layers (HF hidden-state indices) or vocabulary do not fit the target."""
-    n, v = num_layers(config), _get(text_config(config), "vocab_size")
-    bad = [m for m in aux_layer_ids if not 0 <= int(m) <= n]
-    if bad:
-        raise bad_value(f"{field}.aux_layer_ids", list(aux_layer_ids), f"index {bad[0]} is outside the target's "
-                        f"hidden states 0..{n} ({n} decoder layers: {describe(config)})",
-                        "use a drafter made for this target (index m = output of decoder layer m-1)")
-    if vocab_size is not None and v is not None and int(vocab_size) != int(v):
-        raise bad_value(f"{field}.vocab_size", vocab_size, f"the target's vocabulary has {v} tokens",
-                        "use a drafter built for the target's tokenizer")
-
-
 def describe(config: Any) -> str:
     """e.g. `qwen3_5: 3 linear_attention + 1 full_attention`."""
     kinds = layer_types(config)
@@ -121,4 +108,4 @@ def describe(config: Any) -> str:
 
 
 __all__ = ["Family", "FAMILIES", "DENSE", "QWEN3_5", "text_config", "family_of", "layer_types", "num_layers",
-           "decoder", "dense_modules", "check_fits", "describe"]
+           "decoder", "dense_modules", "describe"]
