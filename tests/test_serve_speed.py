@@ -1,0 +1,115 @@
+"""serve-check's speed plumbing on real vLLM output: worker result files timed on an H200.
+
+`tests/fixtures/vllm/8b-h200-speed-worker-results.tar.xz` holds result files that
+`pipeline.serving.worker` wrote inside vLLM 0.26.0 with a `speed` block (CUDA graphs, batch 1 and 16),
+recorded by `python -m bench.speed run` at Qwen3-8B / DFlash-b16 shapes with random weights (nothing is
+accepted; docs/benchmarks.md "Speed in the engine"). CI has no GPU: the timings are never asserted, only
+what the stage does with them - the speedup arithmetic, the rows, the report section - and that the
+CPU build says "not measured".
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.serving import verdict
+from pipeline.stages import serve_check
+
+FIXTURE = Path(__file__).parent / "fixtures" / "vllm" / "8b-h200-speed-worker-results.tar.xz"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("speed")
+    with tarfile.open(FIXTURE) as tar:
+        tar.extractall(d, filter="data")
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
+
+
+def _prompts(results):
+    alone = next(r for r in results if r["job"]["variant"] is None)
+    return {s: [None] * len(d["outputs"]) for s, d in alone["subsets"].items()}
+
+
+def _summary(results, ref=None):
+    return verdict.summarize(results, _prompts(results), 0.01, 1.0, "bf16", ref or {}, require_lossless=False)
+
+
+def test_the_recorded_results_are_timed_engines_with_graphs(results):
+    assert {r["job"]["variant"] for r in results} >= {None, "bf16/k15"}
+    for r in results:
+        assert r["ok"] and r["speed"]["measured"] and r["job"]["enforce_eager"] is False
+        assert r["versions"]["vllm"] == "0.26.0" and "H200" in r["versions"]["gpu"]
+        assert set(r["speed"]["batches"]) == {"1", "16"}
+        assert r["weight_bytes"]["target"] > 0
+
+
+def test_speedup_arithmetic_on_recorded_timings(results):
+    s = _summary(results)
+    speed = verdict.speed_summary(results, s, user_tau=3.5)
+    assert speed["measured"] and speed["batches"] == [1, 16]
+    alone = {r["batch"]: r for r in speed["rows"] if r["drafter"] is None and r["target"] == "bf16"}
+    pairs = [r for r in speed["rows"] if r["drafter"] is not None and r["target"] == "bf16"]
+    assert pairs and set(alone) == {1, 16}
+    for r in pairs:
+        a = alone[r["batch"]]
+        assert r["target_ms_per_step"] == a["ms_per_step"]
+        assert r["step_overhead_ms"] == pytest.approx(r["ms_per_step"] - a["ms_per_step"], abs=1e-3)
+        assert r["speedup_measured"] == pytest.approx(r["tok_s"] / a["tok_s"], rel=1e-3)
+        assert r["speedup_estimated"] == pytest.approx(3.5 * a["ms_per_step"] / r["ms_per_step"], rel=1e-3)
+        assert r["tau_estimate_source"] == "serve.speed_tau"
+        assert r["weight_bytes_target"] > 0
+    # random weights: nothing is accepted, so a pair's measured speedup is its step cost ratio
+    assert all(r["tau"] == 1.0 for r in pairs)
+
+
+def test_estimate_takes_the_reference_loops_tau_and_none_without_one(results):
+    pair = next(r for r in results if r["job"]["variant"] == "bf16/k15")
+    ref = {"bf16/k15": {"all": 4.2, **{s: 4.2 for s in pair["subsets"]}}}
+    s = _summary(results, ref)
+    rows = [r for r in verdict.speed_summary(results, s)["rows"] if r["drafter"] == "bf16/k15"]
+    assert rows and all(r["tau_estimate"] == 4.2 and r["tau_estimate_source"] == "reference loop" for r in rows)
+    assert all(r["speedup_estimated"] == pytest.approx(4.2 * r["target_ms_per_step"] / r["ms_per_step"], rel=1e-3)
+               for r in rows)
+    bare = verdict.speed_summary(results, _summary(results))
+    assert all("speedup_estimated" not in r for r in bare["rows"])  # no tau, no estimate: nothing invented
+
+
+def test_report_section_names_gpu_versions_date_and_every_row(results):
+    s = _summary(results)
+    s["speed"] = verdict.speed_summary(results, s, user_tau=3.0)
+    text = verdict.render(s)
+    section = text.split("### Speed as served", 1)[1]
+    v = results[0]["versions"]
+    for word in (v["gpu"], "vLLM 0.26.0", f"torch {v['torch']}", s["speed"]["date"], "CUDA graphs"):
+        assert word in section
+    assert section.count("\n| bf16 |") == len([r for r in s["speed"]["rows"] if r["target"] == "bf16"])
+
+
+def test_without_a_gpu_the_section_says_not_measured(results):
+    cpu = copy.deepcopy(results)
+    for r in cpu:  # what the worker writes on the CPU build
+        r["speed"] = {"measured": False, "reason": "not measured on the cpu platform"}
+    s = _summary(cpu)
+    s["speed"] = verdict.speed_summary(cpu, s)
+    assert s["speed"] == {"measured": False, "reason": "not measured on the cpu platform"}
+    text = verdict.render(s)
+    assert "Not measured: not measured on the cpu platform. No figure is given." in text
+    assert "ms/step" not in text
+    assert verdict.render({**s, "speed": None}).count("Speed as served") == 0
+
+
+def test_speed_turns_graphs_on_and_one_engine_at_a_time_on_a_gpu_only():
+    def cfg(speed, parallel=None):
+        return SimpleNamespace(serve=SimpleNamespace(speed=speed, parallel=parallel))
+
+    gpu, cpu = {"platform": "cuda"}, {"platform": "cpu"}
+    assert serve_check.speed_on(cfg(True), gpu) and not serve_check.speed_on(cfg(True), cpu)
+    assert serve_check.parallel(cfg(True, 4), gpu) == 1
+    assert serve_check.parallel(cfg(False), gpu) == 4 and serve_check.parallel(cfg(True), cpu) == 1
