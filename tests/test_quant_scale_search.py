@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from pipeline.core.errors import SpecquantError
 from pipeline.core.io import read_json
 from pipeline.quant import act_scale, cache_batches
 from pipeline.stages import quantize_drafter
@@ -104,11 +105,17 @@ def test_search_reads_only_the_first_activation_scale_samples(world, searched):
 
 
 def test_minmax_mode_keeps_static_minmax_scales(world, searched):
-    plain = quantize_drafter.run(world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true",
-                                           "quant.activation_scale=minmax", "quant.name=plain"))
+    # with q/k/v quantized, minmax writes q and k/v scales vLLM 0.32+ cannot serve apart: refused before any work
+    with pytest.raises(SpecquantError, match=r"^`quant.activation_scale` = 'minmax': with quantized q/k/v"):
+        quantize_drafter.run(world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true",
+                                       "quant.activation_scale=minmax", "quant.name=refused"))
+    assert not (world / "qw" / "drafter" / "refused").exists()
+    plain = quantize_drafter.run(world_cfg(world, "quant=nvfp4", "quant.activation_scale=minmax", "quant.name=plain"))
     assert plain["activation_scale_search"] is None and plain["activation_scale"] == "minmax"
     assert plain["input_global_scales"] == plain["minmax_input_global_scales"]
-    assert plain["minmax_input_global_scales"] == searched["minmax_input_global_scales"]
+    # the same static minmax statistics as the searched run's, on every layer both quantize (q/k/v dense here)
+    mine = plain["minmax_input_global_scales"]
+    assert mine and {k: v for k, v in searched["minmax_input_global_scales"].items() if k in mine} == mine
 
 
 def test_hooks_leave_the_forward_alone_and_qdq_is_the_served_one(world, searched):

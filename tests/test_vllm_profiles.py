@@ -185,10 +185,11 @@ def test_profile_records_are_plain_json():
 
 def test_minmax_input_scales_of_quantized_qkv_are_refused_from_032(world):
     """q reads the block, k/v also the context: static_minmax gives q/k/v different input global scales, which
-    0.32+ would serve at their max; the written checkpoint is refused in one sentence (mse shares one)."""
+    0.32+ would serve at their max; refused in one sentence before any work (mse shares one). The write-time
+    check of the scales themselves: test_a_per_layer_nvfp4_global_scale_is_refused_from_032."""
     cfg = world_cfg(world, "quant=nvfp4", "quant.quantize_qkv=true", "quant.activation_scale=minmax",
                     "quant.name=nvfp4-qkv-minmax")
-    with pytest.raises(SpecquantError, match=r"`quant.ignore` = .*qkv_proj: its shards' NVFP4 input_global_scale "
-                                             r"differ"):
+    with pytest.raises(SpecquantError, match=r"^`quant.activation_scale` = 'minmax': with quantized q/k/v it "
+                                             r"calibrates different input scales .* use quant.activation_scale=mse"):
         quantize_drafter.run(cfg)
     assert not (world / "qw" / "drafter" / "nvfp4-qkv-minmax").exists()

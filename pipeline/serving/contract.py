@@ -185,6 +185,10 @@ def written_config(config: dict[str, Any], prof: str | Profile | None = None) ->
     return config
 
 
+# schemes whose activations are quantized to FP4 with a static global scale (pipeline.quant.recipes.SCHEMES)
+ACTIVATION_FP4_SCHEMES = ("nvfp4",)
+
+
 def refuse_settings(q, field_name: str = "quant") -> Profile:
     """Settings the chosen range cannot serve, refused before any work; returns the profile."""
     prof = profile(q.vllm, f"{field_name}.vllm")
@@ -192,6 +196,14 @@ def refuse_settings(q, field_name: str = "quant") -> Profile:
         raise bad_value(f"{field_name}.quantize_qkv", True, f"vLLM {prof.versions} (quant.vllm={prof.name}) needs a "
                         f"dense qkv_proj for the DFlash context-KV precompute ({prof.cites['dense_qkv']})",
                         "leave it false, or write for vLLM 0.32 and newer with quant.vllm=0.32+")
+    if (bool(q.quantize_qkv) and prof.shared_qkv_scale and str(getattr(q, "activation_scale", "")) == "minmax"
+            and str(q.scheme) in ACTIVATION_FP4_SCHEMES):
+        # q reads the block only, k/v also the context: their static minmax input scales differ
+        raise bad_value(f"{field_name}.activation_scale", "minmax", f"with quantized q/k/v it calibrates different "
+                        f"input scales for q and for k/v, and vLLM {prof.versions} serves the fused qkv_proj at one "
+                        f"({prof.cites.get('shared_qkv_scale', 'a shared q/k/v scale')})",
+                        f"use {field_name}.activation_scale=mse (its search writes one shared q/k/v scale) or "
+                        f"{field_name}.quantize_qkv=false")
     actorder = getattr(q, "actorder", None)
     if actorder is not None and str(actorder) in prof.refused_actorder:
         raise bad_value(f"{field_name}.actorder", actorder, f"vLLM {prof.versions} (quant.vllm={prof.name}) refuses "
