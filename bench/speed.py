@@ -258,10 +258,7 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
         r = json.loads(rf.read_text()) if rf.is_file() else {"ok": False, "error": proc.stderr[-3000:]}
         r["process_s"] = round(time.perf_counter() - t0, 1)
         r["env"] = env_extra
-        r["drafter_kernels"] = sorted({x["kernel"] for x in r.get("layers", []) if x.get("root", "").startswith("drafter")
-                                       and x.get("kernel")})
-        r["target_kernels"] = sorted({x["kernel"] for x in r.get("layers", []) if x.get("root") == "model"
-                                      and x.get("kernel")})
+        r.update(_kernels(r))
         if not r.get("ok"):
             r["stderr_tail"] = proc.stderr[-3000:]
         res["engines"][name] = r
@@ -271,6 +268,17 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
             f"b{b}={v['ms_per_step']}ms/step" for b, v in sp.items()) + f" {r.get('error', '')}", flush=True)
 
 
+def _kernels(r: dict) -> dict:
+    """The linear kernels vLLM built for the target (root `model`) and the drafter (any other root:
+    `drafter.model` on the V1 runner, `speculator.model` on vLLM 0.26's V2 runner), with layer counts."""
+    out: dict = {"drafter_kernels": {}, "target_kernels": {}}
+    for x in r.get("layers") or []:
+        if x.get("kernel"):
+            side = out["target_kernels" if x.get("root") == "model" else "drafter_kernels"]
+            side[x["kernel"]] = side.get(x["kernel"], 0) + 1
+    return out
+
+
 def report(inputs: list[Path], out_json: Path) -> str:
     """The runs' speed.json files -> bench/results/<date>-h200-speed.json (`pairs`: target, drafter, batch,
     ms_per_step, tok_s, weight_bytes, peak_bytes, ...) and the markdown table for docs/benchmarks.md."""
@@ -278,7 +286,7 @@ def report(inputs: list[Path], out_json: Path) -> str:
     for f in inputs:
         d = json.loads(f.read_text())
         meta.append({k: d.get(k) for k in ("date", "command", "batches", "max_tokens", "prompt_tokens", "shapes")})
-        engines.update(d["engines"])
+        engines.update({k: {**v, **_kernels(v)} for k, v in d["engines"].items()})
     alone = {}
     pairs = []
     for name, r in engines.items():
@@ -310,7 +318,7 @@ def report(inputs: list[Path], out_json: Path) -> str:
         lines.append(f"| {r['config']} | {r['target']} | {r['drafter'] or '-'} | {r['num_speculative_tokens'] or '-'} | "
                      f"{r['batch']} | {r['ms_per_step']:.2f} | "
                      + (f"{r['overhead_ms']:+.2f}" if "overhead_ms" in r else "-")
-                     + f" | {r['tok_s']:.0f} | {', '.join(r['drafter_kernels'] or []) or '-'} | "
+                     + f" | {r['tok_s']:.0f} | {', '.join(f'{k} x{n}' for k, n in (r['drafter_kernels'] or {}).items()) or '-'} | "
                      f"{(wb.get('target') or 0) / 1e9:.2f} + {(wb.get('drafter') or 0) / 1e9:.2f} | "
                      f"{(r['peak_bytes'] or 0) / 1e9:.1f} |")
     return "\n".join(lines) + "\n"

@@ -238,7 +238,7 @@ def _register_cpu_int4_emulation() -> str | None:
 
 def _weight_bytes(worker) -> dict:
     """Bytes of parameters and buffers each model holds on the GPU: the target (`model`) and the drafter
-    (`drafter.model`), the drafter counting only tensors the target does not share with it (DFlash reuses
+    (`drafter.model` or `speculator.model`), the drafter counting only tensors the target does not share with it (DFlash reuses
     the target's embedding and LM head)."""
     import torch
 
@@ -255,7 +255,8 @@ def _weight_bytes(worker) -> dict:
         return out
 
     target = tensors(getattr(runner, "model", None))
-    proposer = getattr(runner, "drafter", None)
+    # the V1 runner holds the drafter as `drafter`, vLLM 0.26's V2 runner (DFlash) as `speculator`
+    proposer = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
     drafter = tensors(getattr(proposer, "model", None))
     return {"target": sum(target.values()),
             "drafter": sum(b for ptr, b in drafter.items() if ptr not in target) if drafter else 0,
