@@ -35,39 +35,16 @@ import os
 import shutil
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 import torch
+
+# run as a script from the checkout (sys.path[0] = tests/): the DFlash generator's stub of speculators' unused imports
+from gen_dflash_fixtures import _stub_unused_speculators_imports  # noqa: E402
 from safetensors.torch import save_file
 
 SEEDS = {"target": 1234, "drafter": 4321, "tokens": 7}
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
-
-
-def _stub_unused_speculators_imports() -> None:
-    class _Any(types.ModuleType):
-        __path__: list = []
-
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return type(name, (), {})
-
-    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            top = name.split(".")[0]
-            if top in ("openai", "hs_connectors") and importlib.machinery.PathFinder.find_spec(top) is None:
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            return _Any(spec.name)
-
-        def exec_module(self, module):
-            pass
-
-    sys.meta_path.insert(0, _Finder())
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

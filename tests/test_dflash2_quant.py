@@ -22,18 +22,13 @@ from safetensors import safe_open
 from pipeline.core.config import compose
 from pipeline.core.errors import SpecquantError
 from pipeline.serving import contract
+from tests._support import one_thread  # noqa: F401 - autouse: one thread, as the other quantize tests
 
 FIXTURES = Path(os.environ.get("SPECQUANT_DFLASH2_FIXTURES")
                 or Path(__file__).resolve().parent / "fixtures" / "dflash2").resolve()
 DRAFTER = FIXTURES / "speculators" / "checkpoint"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def geometry() -> dict:
