@@ -543,3 +543,19 @@ def target_w4a16_group() -> int:
 # the variants conftest's `quantized_world` writes once per session (quantize-drafter, real stage)
 SHARED_VARIANTS = {"nvfp4": ("quant=nvfp4",), "nvfp4a16": ("quant=nvfp4a16",),
                    "w4a16": ("quant=w4a16", f"quant.group_size={w4a16_group()}")}
+
+
+# ---------------------------------------------------------------- recorded vLLM worker results
+def worker_results(archive: Path, into: Path) -> list[dict]:
+    """The serve-check worker's result files recorded in a tar.xz under tests/fixtures/vllm/, unpacked into `into`."""
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return [json.loads(p.read_text()) for p in sorted(into.glob("*.json"))]
+
+
+def worker_prompts(results: list[dict]) -> dict[str, list]:
+    """{subset: one placeholder per prompt}, read off the target-alone result (what verdict.summarize counts)."""
+    alone = next(r for r in results if r["job"]["variant"] is None)
+    return {s: [None] * len(d["outputs"]) for s, d in alone["subsets"].items()}

@@ -11,8 +11,6 @@ CPU build says "not measured".
 from __future__ import annotations
 
 import copy
-import json
-import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,21 +18,17 @@ import pytest
 
 from pipeline.serving import verdict
 from pipeline.stages import serve_check
+from tests._support import worker_prompts, worker_results
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm" / "8b-h200-speed-worker-results.tar.xz"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("speed")
-    with tarfile.open(FIXTURE) as tar:
-        tar.extractall(d, filter="data")
-    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
+    return worker_results(FIXTURE, tmp_path_factory.mktemp("speed"))
 
 
-def _prompts(results):
-    alone = next(r for r in results if r["job"]["variant"] is None)
-    return {s: [None] * len(d["outputs"]) for s, d in alone["subsets"].items()}
+_prompts = worker_prompts
 
 
 def _summary(results, ref=None):

@@ -10,28 +10,23 @@ checked here on them.
 from __future__ import annotations
 
 import json
-import tarfile
 from pathlib import Path
 
 import pytest
 
 from pipeline.core.errors import SpecquantError
 from pipeline.serving import verdict
+from tests._support import worker_prompts, worker_results
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm" / "tiny-h200-worker-results.tar.xz"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("vllm")
-    with tarfile.open(FIXTURE) as tar:
-        tar.extractall(d, filter="data")
-    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
+    return worker_results(FIXTURE, tmp_path_factory.mktemp("vllm"))
 
 
-def _prompts(results):
-    alone = next(r for r in results if r["job"]["variant"] is None)
-    return {s: [None] * len(d["outputs"]) for s, d in alone["subsets"].items()}
+_prompts = worker_prompts
 
 
 def test_every_pair_loads_is_lossless_and_bf16_matches_the_reference_loop(results):
