@@ -5,8 +5,9 @@ Both are pure functions of results.json, so the same results give the same bytes
 
 from __future__ import annotations
 
-import json
 import shlex
+
+from pipeline.serving import command
 
 REFERENCE = "bf16"
 
@@ -302,13 +303,10 @@ def render_vllm_commands(results: dict, prompt_files: dict[str, str]) -> str:
              "set -euo pipefail", "", f"TARGET={shlex.quote(t['serve_path'])}", "PORT=${PORT:-8000}", ""]
     for v in variants:
         d = results["variants"][v]
-        spec = {"method": "dflash", "model": d["path"], "num_speculative_tokens": k}
-        if d["quantization"].get("quantized"):
-            spec["quantization"] = "compressed-tensors"  # else vLLM applies the target's quantization to the draft
-        lines += [f"{_fn('serve', v)}() {{  # drafter variant {v}",
-                  "  vllm serve \"$TARGET\" --port \"$PORT\" --attention-backend FLASH_ATTN \\",
-                  f"    --speculative-config {shlex.quote(json.dumps(spec))}",
-                  "}", ""]
+        # the run's one serving command (pipeline.serving.command), then the port the benchmarks use
+        serve = command.serve_command("$TARGET", d["path"], k, bool(d["quantization"].get("quantized")),
+                                      t.get("revision"), variables=("TARGET",))
+        lines += [f"{_fn('serve', v)}() {{  # drafter variant {v}", f"  {serve} \\", '    --port "$PORT"', "}", ""]
     for s in results["subsets"]:
         lines += [f"{_fn('bench', s['name'])}() {{  # subset {s['name']}, {s['num_prompts']} prompts",
                   "  vllm bench serve --model \"$TARGET\" --port \"$PORT\" --backend openai-chat "

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from pipeline.core.errors import bad_value
+from pipeline.models.targets import decode_cache
 
 
 @dataclass
@@ -64,7 +65,7 @@ def _finish(tokens: list[int], prompt_len: int, max_new_tokens: int, stop_ids: s
 def greedy_generate(target, input_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> list[int]:
     """Plain greedy decoding of the target with its KV cache (the reference for losslessness)."""
     dev = target.device
-    cache = DynamicCache()
+    cache = decode_cache(target).cache
     tokens = list(input_ids)
     ids = torch.tensor([tokens], device=dev)
     stop = set(stop_token_ids)
@@ -92,7 +93,8 @@ def spec_generate(target, drafter, input_ids: list[int], max_new_tokens: int, st
     stop = set(stop_token_ids)
     prompt_len = len(input_ids)
     max_len = prompt_len + max_new_tokens
-    tcache, dcache = DynamicCache(), drafter.new_cache()
+    tstate, dcache = decode_cache(target), drafter.new_cache()  # the family's cache and its rollback
+    tcache = tstate.cache
 
     logits, hs = _target_step(target, torch.tensor([list(input_ids)], device=dev), tcache, True)
     tokens = list(input_ids) + [int(logits[0, -1].argmax())]
@@ -113,6 +115,7 @@ def spec_generate(target, drafter, input_ids: list[int], max_new_tokens: int, st
             res.draft_calls.append({"cache_len_before": cache_len, "ctx_len": int(ctx.shape[1]),
                                     "position_ids": pos[0].tolist(), "draft_tokens": draft.tolist()})
         block[0, 1:] = draft
+        tstate.checkpoint()
         tlogits, hs = _target_step(target, block, tcache, True)
         posterior = tlogits[0].argmax(-1)
         acc = int(torch.cumprod((draft == posterior[:-1]).long(), 0).sum())
@@ -122,7 +125,7 @@ def spec_generate(target, drafter, input_ids: list[int], max_new_tokens: int, st
             res.accepted[k] += int(acc > k)
         res.acceptance_lengths.append(acc + 1)
         start += acc + 1
-        tcache.crop(start - tcache.get_seq_length())  # negative = tokens to drop (transformers >= 5.17)
+        tstate.keep(acc + 1, block, target)  # the block's first token and the accepted draft stay
         ctx = aux_hidden(hs, aux_ids)[:, : acc + 1]
         if any(t in stop for t in tokens[start - acc:start + 1]):
             break

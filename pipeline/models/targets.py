@@ -8,6 +8,9 @@ A stage asks this module, never `model.model.layers` or a class name, for
 - `layer_types(config)`: each decoder layer's kind (`full_attention`, `linear_attention`, ...);
 - `dense_modules(config)`: the llm-compressor ignore entries a family adds to quantize-target (the
   vision tower, the MTP head, the linear-attention gates: docs/hybrid.md);
+- `decode_cache(model)`: the target's cache for (speculative) greedy decoding and the rollback after a
+  rejected draft its family needs (`DecodeCache`: crop the K/V of a dense target; restore the recurrent
+  and convolution states of a hybrid's linear-attention layers and re-run the accepted tokens);
 A drafter whose aux layers or vocabulary do not fit the target is refused in one sentence by
 `pipeline.models.compat.check_compatible` (from configs, any family; a hybrid's layer mix is named).
 
@@ -100,6 +103,64 @@ def dense_modules(config: Any) -> list[str]:
     return list(fam.never_run) + list(fam.dense_linears)
 
 
+class DecodeCache:
+    """A dense target's HF cache for greedy decoding: `cache` goes to the forward as `past_key_values`;
+    `checkpoint()` before a verify forward, `keep(n, fed, target)` after it keeps the first `n` of the
+    `fed` ids [1, F] (the accepted draft and its first token) and forgets the rest: K/V rows are cropped."""
+
+    def __init__(self, model) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+
+    def checkpoint(self) -> None:
+        """Nothing to save: attention K/V can be cropped."""
+
+    def keep(self, n: int, fed, target) -> None:
+        self.cache.crop(n - int(fed.shape[-1]))  # negative = tokens to drop (transformers >= 5.17)
+
+
+class RecurrentDecodeCache(DecodeCache):
+    """A hybrid target's cache (built from its config: linear-attention layers hold a convolution and a
+    recurrent state, not one row per token). A recurrent state cannot be cropped, so `checkpoint()` copies
+    the linear-attention states before the verify forward and `keep` after a rejection puts them back,
+    crops the attention layers' K/V to where they were and runs the `n` kept ids through the target again;
+    a fully accepted block is kept as the verify forward left it."""
+
+    def __init__(self, model) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=model.config)
+        self._saved: list = []
+
+    def _linear(self):
+        return [layer for layer in self.cache.layers if hasattr(layer, "recurrent_states")]
+
+    def checkpoint(self) -> None:
+        def copy(states: dict) -> dict:
+            return {i: (t.clone() if t is not None else None) for i, t in states.items()}
+        self._saved = [(copy(layer.conv_states), copy(layer.recurrent_states), dict(layer.has_previous_state))
+                       for layer in self._linear()]
+
+    def keep(self, n: int, fed, target) -> None:
+        fed_len = int(fed.shape[-1])
+        if n == fed_len:
+            return
+        linear = self._linear()
+        for layer, (conv, rec, prev) in zip(linear, self._saved, strict=True):
+            layer.conv_states, layer.recurrent_states = conv, rec
+            layer.has_previous_state = prev
+        for layer in self.cache.layers:
+            if not any(layer is lin for lin in linear):
+                layer.crop(-fed_len)
+        target(input_ids=fed[:, :n], past_key_values=self.cache, use_cache=True)
+
+
+def decode_cache(model) -> DecodeCache:
+    """The decoding cache the target's family needs (see `DecodeCache`, `RecurrentDecodeCache`)."""
+    return RecurrentDecodeCache(model) if family_of(model.config).hybrid else DecodeCache(model)
+
+
 def describe(config: Any) -> str:
     """e.g. `qwen3_5: 3 linear_attention + 1 full_attention`."""
     kinds = layer_types(config)
@@ -108,4 +169,4 @@ def describe(config: Any) -> str:
 
 
 __all__ = ["Family", "FAMILIES", "DENSE", "QWEN3_5", "text_config", "family_of", "layer_types", "num_layers",
-           "decoder", "dense_modules", "describe"]
+           "decoder", "dense_modules", "describe", "DecodeCache", "RecurrentDecodeCache", "decode_cache"]

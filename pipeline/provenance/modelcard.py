@@ -9,12 +9,12 @@ dict. What is absent is said to be absent rather than guessed.
 from __future__ import annotations
 
 import json
-import shlex
 from typing import Any
 
 import yaml
 
 from pipeline.artifacts.eval_results import EvalResults
+from pipeline.serving import command
 
 SCHEME_TAGS = {"nvfp4": "nvfp4", "nvfp4a16": "nvfp4", "w4a16": "w4a16", "fp8": "fp8"}
 
@@ -88,14 +88,14 @@ def acceptance_table(results: EvalResults | None, variant: str) -> str | None:
     return "\n".join(lines)
 
 
-def vllm_command(target: str, repo_id: str, block_size: int | None, quantized: bool = True) -> str:
-    n = block_size - 1 if block_size else 15
-    spec = {"method": "dflash", "model": repo_id, "num_speculative_tokens": n}
-    if quantized:  # else vLLM applies the target's quantization to the draft (as eval/vllm_commands.sh says)
-        spec["quantization"] = "compressed-tensors"
-    spec = json.dumps(spec, separators=(",", ":"))
-    # DFlash drafts non-causally: FLASH_ATTN supports it (serve-check runs with it)
-    return f"vllm serve {shlex.quote(target)} --attention-backend FLASH_ATTN --speculative-config {shlex.quote(spec)}"
+def serve_command(target: str, repo_id: str, info: dict[str, Any]) -> str:
+    """The card's `vllm serve`: the run's one command (pipeline.serving.command) with the Hub ids of the target
+    and of this repo, its drafter settings read from the published checkpoint (card_info's `serving_command`)."""
+    settings = info.get("serving_command") or {}
+    k = settings.get("num_speculative_tokens")
+    if k is None:  # no config.json to read it from: the block size the card states, else said to be unknown
+        k = info["block_size"] - 1 if info.get("block_size") else "<block size - 1>"
+    return command.serve_command(target, repo_id, k, bool(settings.get("quantized")), info.get("target_revision"))
 
 
 def _calibration_lines(c: dict[str, Any]) -> list[str]:
@@ -194,13 +194,12 @@ def render(info: dict[str, Any]) -> str:
         out += ["## Calibrated vs data-free", "Paired on the same prompts and held-apart rows (details and the "
                 "verdict rule in `eval/report.md`):", "", *info["calibration_comparison"], ""]
     out += pairing_lines(info.get("pairing") or {})
-    quantized = str(scheme).lower() not in ("unquantized", "bf16")
     vllm = info.get("vllm") or {}
     out += ["## Serving with vLLM",
             (f"Written and checked for **vLLM {vllm['versions']}** (specquant's contract profile "
              f"`{vllm['profile']}`, `pipeline/serving/contract.py`)." if vllm.get("versions") else
              "The vLLM range this checkpoint was written for is not recorded."),
-            "", "```bash", vllm_command(target, repo, info.get("block_size"), quantized), "```",
+            "", "```bash", serve_command(target, repo, info), "```",
             "Needs an attention backend that supports non-causal attention (e.g. `flash_attn`). "
             "vLLM copies the target's quantization to the draft unless the draft's own is used; this "
             "checkpoint carries its own `quantization_config`.", "",

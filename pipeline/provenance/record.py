@@ -27,7 +27,6 @@ can check it against the run's attestation. Write it last with `write_file_list`
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 from pathlib import Path
@@ -48,6 +47,7 @@ from pipeline.core.io import (  # noqa: F401 - list_files, hash_files, TMP_PREFI
     sha256_file,
 )
 from pipeline.core.secrets import scrub_config_text, scrub_obj, scrub_values
+from pipeline.serving import command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FILE_LIST = file_list.PATH  # its format: pipeline/artifacts/file_list.py
@@ -203,30 +203,21 @@ def write_source_snapshot(dest: Path, info: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- serving and evaluation commands
-def drafter_block_size(ckpt: Path) -> int | None:
-    try:
-        cfg = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return cfg.get("block_size") or (cfg.get("dflash_config") or {}).get("block_size")
-
-
-def vllm_serve_sh(target: dict, drafters: dict[str, int | None]) -> str:
-    """One `vllm serve` per drafter variant; drafter paths are relative to the run dir this script sits in."""
+def vllm_serve_sh(target: dict, drafters: dict[str, tuple[int | None, bool]]) -> str:
+    """One `vllm serve` per drafter variant ({variant: (num_speculative_tokens, quantized)}, as
+    `pipeline.serving.command.drafter_settings` reads them), each the run's one serving command
+    (`pipeline.serving.command`); drafter paths are relative to the run dir this script sits in."""
     tgt = target.get("path") or "<target>"
-    rev = f" --revision {shlex.quote(target['revision'])}" if target.get("revision") else ""
     lines = ["#!/usr/bin/env bash", "# Serve the target with each drafter variant of this run as its DFlash drafter.",
              "# Pick one variant: bash vllm_serve.sh <variant>. Needs an attention backend that supports",
              "# non-causal attention (e.g. flash_attn). A relative target path is relative to the specquant",
              "# checkout; drafter paths are inside this run directory.", "set -euo pipefail",
              'RUN_DIR="${RUN_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"', 'VARIANT="${1:?usage: vllm_serve.sh <variant>}"',
              'case "$VARIANT" in']
-    for variant, block in drafters.items():
-        n = (block - 1) if block else "<block_size-1>"
-        spec = ('{"method":"dflash","model":"\'"$RUN_DIR"\'/drafter/' + variant
-                + f'","num_speculative_tokens":{n}}}')
-        lines.append(f"  {shlex.quote(variant)}) exec vllm serve {shlex.quote(tgt)}{rev} --attention-backend FLASH_ATTN "
-                     f"--speculative-config '{spec}' ;;")
+    for variant, (k, quantized) in drafters.items():
+        line = command.serve_command(tgt, f"$RUN_DIR/drafter/{variant}", k if k is not None else "<block_size-1>",
+                                     quantized, target.get("revision"), variables=("RUN_DIR",))
+        lines.append(f"  {shlex.quote(variant)}) exec {line} ;;")
     lines += ['  *) echo "unknown variant $VARIANT; choose one of: ' + " ".join(drafters) + '" >&2; exit 2 ;;', "esac", ""]
     return "\n".join(lines)
 

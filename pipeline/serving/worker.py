@@ -324,6 +324,24 @@ def measure_speed(llm, prompts: list[list[int]], spec: dict, drafter: bool) -> d
     return out
 
 
+def _engine_settings(llm, kwargs: dict) -> dict:
+    """What the engine was asked for (`requested`: the LLM arguments, prompts aside) and what vLLM resolved:
+    the target model, its quantization, and the drafter's speculative config (method, model, tokens, the
+    draft's quantization). Compared with the serving commands a run writes (pipeline/serving/command.py)."""
+    out: dict = {"requested": {k: v for k, v in kwargs.items() if k != "compilation_config"}}
+    try:
+        conf = llm.llm_engine.vllm_config
+        out.update(model=conf.model_config.model, quantization=conf.model_config.quantization,
+                   attention_backend=kwargs.get("attention_backend"))
+        spec = conf.speculative_config
+        out["speculative_config"] = None if spec is None else {
+            "method": spec.method, "model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens,
+            "quantization": spec.draft_model_config.quantization if spec.draft_model_config else spec.quantization}
+    except Exception as exc:  # noqa: BLE001 - a report of the settings, not the check
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def run_job(job: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the model can be inspected
     import torch
@@ -360,6 +378,7 @@ def run_job(job: dict) -> dict:
                                             "num_speculative_tokens": int(job["num_speculative_tokens"])}
         llm = LLM(**kwargs)
         result["load_s"] = round(time.perf_counter() - t0, 3)
+        result["engine"] = _engine_settings(llm, kwargs)
         try:
             result["layers"] = [r for rs in llm.collective_rpc(_layer_kernels) for r in rs]
         except Exception as exc:  # noqa: BLE001 - the kernel table is a report, not the check

@@ -22,6 +22,7 @@ from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
 from pipeline.core.secrets import scrub, scrub_obj
 from pipeline.provenance import record as prov
+from pipeline.serving import command
 from pipeline.stages import serve_check
 
 OWN_OUTPUTS = (manifests.CALIBRATION, manifests.QUANT_RUN, "provenance/")
@@ -296,7 +297,7 @@ def run(cfg) -> dict:
     eval_rec = records.get("evaluate")
     last_cfg = list(records.values())[-1].resolved_config
     written[p + "vllm_serve.sh"] = prov.vllm_serve_sh(
-        last_cfg.get("target") or {}, {v: prov.drafter_block_size(rd.drafter(v)) for v in rd.drafter_variants()})
+        last_cfg.get("target") or {}, {v: command.drafter_settings(rd.drafter(v)) for v in rd.drafter_variants()})
     written[p + "eval_commands.sh"] = prov.eval_commands_sh(
         eval_rec, (eval_rec.config("eval") if eval_rec else None) or last_cfg.get("eval") or {},
         eval_results.read_vllm_commands(rd.eval))

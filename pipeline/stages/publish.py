@@ -39,6 +39,7 @@ from pipeline.core.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine,
 from pipeline.core.secrets import remember, scrub, scrub_obj
 from pipeline.provenance import modelcard, signing
 from pipeline.provenance import record as prov
+from pipeline.serving import command
 from pipeline.stages import serve_check
 
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -210,6 +211,8 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "license": cfg.drafter.license, "library_name": pc.library_name,
         "target": target, "target_revision": cfg.target.revision,
         "block_size": ckpt.get("block_size"),
+        # the serving command's drafter settings, read from the published checkpoint as every command reads them
+        "serving_command": dict(zip(("num_speculative_tokens", "quantized"), command.drafter_settings(folder))),
         "aux_layer_ids": ckpt.get("aux_hidden_state_layer_ids") or (cal.cache.aux_layer_ids if cal and cal.cache
                                                                      else None),
         "calibration": {"num_samples": q.get("num_samples"), "anchors": q.get("anchors_per_sequence"),

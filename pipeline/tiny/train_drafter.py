@@ -131,7 +131,7 @@ def block_loss(drafter, batch: dict) -> torch.Tensor:
 VERIFIER = "assets/tiny/target"
 
 
-def build_drafter(target, mask_token_id: int):
+def build_drafter(target, mask_token_id: int, verifier: str = VERIFIER):
     from pipeline.models.dflash import DFlashConfig, DFlashDrafter
 
     tc = target.config
@@ -140,7 +140,7 @@ def build_drafter(target, mask_token_id: int):
                        rope_parameters=dict(tc.rope_parameters), block_size=BLOCK_SIZE,
                        mask_token_id=mask_token_id, aux_layer_ids=AUX_LAYER_IDS,
                        num_target_layers=tc.num_hidden_layers, eos_token_id=tc.eos_token_id,
-                       pad_token_id=tc.pad_token_id, verifier_name_or_path=VERIFIER,
+                       pad_token_id=tc.pad_token_id, verifier_name_or_path=verifier,
                        verifier_architectures=list(tc.architectures or ["Qwen3ForCausalLM"]), dtype="float32")
     drafter = DFlashDrafter(cfg)
     drafter.attach_target_weights(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
@@ -177,8 +177,9 @@ def fit(drafter, samples: list[dict], seed: int, steps: int) -> list[float]:
     return losses
 
 
-def measure(root: Path, target=None, tok=None, drafter=None, limit: int | None = None) -> dict:
-    """Mean tau (block_size 8, greedy) of the saved drafter on root/eval/*.jsonl, checked lossless."""
+def measure(root: Path, target=None, tok=None, drafter=None, limit: int | None = None,
+            eval_root: Path | None = None) -> dict:
+    """Mean tau (block_size 8, greedy) of the saved drafter on (eval_root or root)/eval/*.jsonl, checked lossless."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.models.formats import load_drafter
@@ -187,12 +188,13 @@ def measure(root: Path, target=None, tok=None, drafter=None, limit: int | None =
     tok = tok or AutoTokenizer.from_pretrained(root / "target")
     target = target or AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
     drafter = drafter or load_drafter(root / "drafter", target=target)
-    sets = load_prompts(root / "eval", tok, limit)
+    sets = load_prompts(Path(eval_root or root) / "eval", tok, limit)
     return measure_tau(target, drafter, sets, EVAL["max_new_tokens"], [tok.eos_token_id], EVAL["block_size"],
                        check_lossless=True)
 
 
-def render_readme(report: dict, tau: dict) -> str:
+def render_readme(report: dict, tau: dict, world: str = "assets/tiny", data: str = "assets/tiny",
+                  rebuild: str = "python -m pipeline.tiny.train_drafter --root assets/tiny --seed 0") -> str:
     sets = "\n".join(f"| {name} | {s['mean_tau']} | {s['steps']} | {len(s['per_prompt_tau'])} |"
                      for name, s in tau["sets"].items())
     return "\n".join([
@@ -204,7 +206,7 @@ def render_readme(report: dict, tau: dict) -> str:
         "  tensors - `embed_tokens` and `lm_head` come from the target at load time.",
         f"- Aux layers: `aux_hidden_state_layer_ids` = {AUX_LAYER_IDS} (HF `output_hidden_states` indices;",
         f"  z-lab `target_layer_ids` = {[m - 1 for m in AUX_LAYER_IDS]}).",
-        f"- Verifier: `speculators_config.verifier.name_or_path` = `{VERIFIER}`, the target's path from the",
+        f"- Verifier: `speculators_config.verifier.name_or_path` = `{world}/target`, the target's path from the",
         "  checkout root, where `vllm serve` and the pipeline run (vLLM resolves it against its working",
         "  directory; `pipeline.models.formats.load_drafter` tries the drafter's folder first, then the CWD).",
         f"- Training: seed {report['seed']}, {report['train']['steps']} steps, {report['num_sequences']} "
@@ -218,18 +220,21 @@ def render_readme(report: dict, tau: dict) -> str:
         "| prompt set | mean tau | steps | prompts |", "|---|---|---|---|", sets, "",
         "Reproduce (prints the same JSON as `tau.json`):", "",
         "```bash",
-        ".venv/bin/python -m pipeline.models.spec_decode --target assets/tiny/target \\",
-        "    --drafter assets/tiny/drafter --prompts assets/tiny/eval --max-new-tokens "
+        f".venv/bin/python -m pipeline.models.spec_decode --target {world}/target \\",
+        f"    --drafter {world}/drafter --prompts {data}/eval --max-new-tokens "
         f"{EVAL['max_new_tokens']} --block-size {BLOCK_SIZE} --check-lossless",
         "```", "",
-        "Rebuild: `.venv/bin/python -m pipeline.tiny.train_drafter --root assets/tiny --seed 0`",
+        f"Rebuild: `.venv/bin/{rebuild}`",
         "(part of `make assets`).", "",
     ])
 
 
 def train(root: str | Path, seed: int = 0, steps: int | None = None, max_prompts: int | None = None,
-          eval_limit: int | None = None) -> dict:
-    """Generate data, train, save, measure. `max_prompts` / `eval_limit` shrink it for smoke tests."""
+          eval_limit: int | None = None, data_root: str | Path | None = None, readme: dict | None = None) -> dict:
+    """Generate data, train, save, measure. `max_prompts` / `eval_limit` shrink it for smoke tests.
+
+    `data_root` (default `root`) holds the corpus and eval prompts, `root` the target and the drafter written;
+    `readme` overrides `render_readme`'s paths (world, data, rebuild) for another world (the hybrid one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.core.seeding import seed_everything
@@ -243,9 +248,11 @@ def train(root: str | Path, seed: int = 0, steps: int | None = None, max_prompts
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(root / "target")
     target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
-    samples = cache_samples(target, greedy_sequences(target, tok, training_prompts(root)[:max_prompts]))
+    data_root = Path(data_root or root)
+    readme = {"world": "assets/tiny", **(readme or {})}
+    samples = cache_samples(target, greedy_sequences(target, tok, training_prompts(data_root)[:max_prompts]))
     t_data = time.time() - t0
-    drafter = build_drafter(target, tok.convert_tokens_to_ids(MASK_TOKEN))
+    drafter = build_drafter(target, tok.convert_tokens_to_ids(MASK_TOKEN), f"{readme['world']}/target")
     losses = fit(drafter, samples, seed, steps)
     t_train = time.time() - t0 - t_data
     save_speculators(drafter, root / "drafter")
@@ -254,9 +261,9 @@ def train(root: str | Path, seed: int = 0, steps: int | None = None, max_prompts
               "num_reply_tokens": int(sum(int(s["loss_mask"].sum()) for s in samples)),
               "first_loss": round(losses[0], 4), "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4)}
     atomic_write_json(root / "drafter" / "training.json", report)
-    tau = measure(root, target, tok, limit=eval_limit)
+    tau = measure(root, target, tok, limit=eval_limit, eval_root=data_root)
     atomic_write_json(root / "drafter" / "tau.json", tau)
-    atomic_write_text(root / "drafter" / "README.md", render_readme(report, tau))
+    atomic_write_text(root / "drafter" / "README.md", render_readme(report, tau, **readme))
     # timings are printed, not saved, so a rebuild with the same seed writes the same bytes
     print(f"tiny drafter: data {t_data:.0f}s, {steps} steps {t_train:.0f}s, eval {time.time() - t0 - t_data - t_train:.0f}s;"
           f" loss {report['first_loss']} -> {report['final_loss']}; mean tau {tau['mean_tau']}")
