@@ -107,3 +107,54 @@ def test_speed_turns_graphs_on_and_one_engine_at_a_time_on_a_gpu_only():
     assert serve_check.speed_on(cfg(True), gpu) and not serve_check.speed_on(cfg(True), cpu)
     assert serve_check.parallel(cfg(True, 4), gpu) == 1
     assert serve_check.parallel(cfg(False), gpu) == 4 and serve_check.parallel(cfg(True), cpu) == 1
+
+
+def _as_stage_names(results):
+    """The bench names its k = 15 drafters `<variant>/k15`; serve-check names a variant by its directory."""
+    out = copy.deepcopy([r for r in results if r["job"].get("variant") in (None, "bf16/k15", "w4a16/k15",
+                                                                           "w4a16-fcdense/k15")])
+    for r in out:
+        if r["job"].get("variant"):
+            r["job"]["variant"] = r["job"]["variant"].removesuffix("/k15")
+    return out
+
+
+def test_recommendation_is_the_best_speedup_and_names_drafters_slower_than_bf16(results):
+    res = _as_stage_names(results)
+    s = _summary(res)
+    s["speed"] = verdict.speed_summary(res, s, user_tau=3.0)
+    advice = verdict.speed_advice(s["speed"])
+    pairs = [r for r in s["speed"]["rows"] if r["drafter"] is not None]
+    assert {(a["target"], a["batch"]) for a in advice} == {(r["target"], r["batch"]) for r in pairs}
+    for a in advice:
+        mine = [r for r in pairs if (r["target"], r["batch"]) == (a["target"], a["batch"])]
+        assert a["by"] == "speedup_estimated"  # a tau was given: acceptance and step cost weighed together
+        assert a["best_speedup"] == max(r["speedup_estimated"] for r in mine)
+        bf16 = next(r for r in mine if r["drafter"] == "bf16")
+        assert a["slower_than_bf16"] == sorted(r["drafter"] for r in mine if r["ms_per_step"] > bf16["ms_per_step"])
+        assert verdict.advice_words(a) in verdict.render(s)
+    variants = {p["variant"] for p in s["pairs"].values()}
+    assert {"bf16", "w4a16"} <= variants
+    for variant in variants:
+        line = verdict.variant_status(s, variant)["speed"]
+        assert line.startswith("Speed as served") and results[0]["versions"]["gpu"] in line
+        assert line.count("at batch") == len(advice)
+    # the same engines with no tau: the advice falls back to the measured speedup, and says so
+    bare = _summary(res)
+    bare["speed"] = verdict.speed_summary(res, bare)
+    assert all(a["by"] == "speedup_measured" for a in verdict.speed_advice(bare["speed"]))
+
+
+def test_card_says_speed_measured_or_not(results):
+    from pipeline.provenance.modelcard import _speed_measured
+
+    res = _as_stage_names(results)
+    s = _summary(res)
+    s["speed"] = verdict.speed_summary(res, s, user_tau=3.0)
+    assert _speed_measured({"serving": verdict.variant_status(s, "w4a16")})
+    s["speed"] = {"measured": False, "reason": "not measured on the cpu platform"}
+    status = verdict.variant_status(s, "w4a16")
+    assert status["speed"] == "Speed: not measured (not measured on the cpu platform)."
+    assert not _speed_measured({"serving": status})
+    s.pop("speed")
+    assert "speed" not in verdict.variant_status(s, "w4a16")  # nothing timed, nothing said

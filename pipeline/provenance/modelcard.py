@@ -205,6 +205,7 @@ def render(info: dict[str, Any]) -> str:
             "checkpoint carries its own `quantization_config`.", "",
             "## Checked in vLLM",
             "- " + ((info.get("serving") or {}).get("summary") or "not checked in vLLM"),
+            *([f"- {info['serving']['speed']}"] if (info.get("serving") or {}).get("speed") else []),
             "- The kernel named is the one vLLM built for the drafter's quantized layers: on Hopper and "
             "Ampere vLLM runs NVFP4 weight-only (Marlin), so a W4A4 figure there is from "
             "`linear_backend=emulation`; native FP4 needs Blackwell (sm100/sm120).", "",
@@ -214,7 +215,8 @@ def render(info: dict[str, Any]) -> str:
             + "reload and dequantization checks of the checkpoint (`checks/`, when present)"
             + ("; loading, losslessness and tau in vLLM (`eval/serve_check.json`)."
                if (info.get("serving") or {}).get("checked") else "."),
-            "- Not measured: serving throughput or latency in vLLM, native FP4 kernels on Blackwell GPUs, "
+            "- Not measured: " + ("" if _speed_measured(info) else "serving throughput or latency in vLLM, ")
+            + "native FP4 kernels on Blackwell GPUs, "
             "sampling (non-greedy) acceptance, and quality on tasks other than the listed subsets.", "",
             "## Verify the files",
             "Every file's sha256 is listed in `provenance/files.sha256.json` (with the run path it came "
@@ -225,6 +227,10 @@ def render(info: dict[str, Any]) -> str:
                 else " --public-key <publisher's key.pub>"),
             "```", "On the Hub, LFS files show their sha256, which must equal the list.", *signature_lines(info), ""]
     return "\n".join(out)
+
+
+def _speed_measured(info: dict[str, Any]) -> bool:
+    return str((info.get("serving") or {}).get("speed") or "").startswith("Speed as served")
 
 
 def signature_lines(info: dict[str, Any]) -> list[str]:

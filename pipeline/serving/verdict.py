@@ -315,7 +315,8 @@ def variant_status(summary: dict, variant: str) -> dict[str, Any]:
                      + ("" if p["ok"] else " - FAILED: " + "; ".join(p["problems"])))
     run = [p for p in mine.values() if "unsupported" not in p]
     return {"checked": bool(run), "ok": all(p["ok"] for p in run) if run else None, "pairs": sorted(mine),
-            "engine": engine_words(v), "summary": f"{engine_words(v)}: " + "; ".join(parts)}
+            "engine": engine_words(v), "summary": f"{engine_words(v)}: " + "; ".join(parts),
+            **({"speed": w} if (w := variant_speed_words(summary.get("speed"), variant)) else {})}
 
 
 def _pair_key(job: dict) -> str:
@@ -364,6 +365,71 @@ def speed_summary(results: list[dict], summary: dict, user_tau: float | None = N
             "not_timed": sorted(r.get("name", "?") for r in results if r not in timed)}
 
 
+def speed_advice(speed: dict | None) -> list[dict[str, Any]]:
+    """From the timed rows: per target and batch, the drafter variant with the best speedup over the target
+    alone (estimated tau x t(alone) / t(pair) where a tau is known - it weighs acceptance and step cost
+    together -, else measured decode tok/s), the bf16 drafter's figures beside it, and the variants whose
+    step costs more than the bf16 drafter's. Empty where nothing was timed."""
+    if not (speed or {}).get("measured"):
+        return []
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in speed["rows"]:
+        if r["drafter"] is not None and r.get("step_overhead_ms") is not None:
+            groups.setdefault((r["target"], r["batch"]), []).append(r)
+    for (target, batch), rows in sorted(groups.items()):
+        key = "speedup_estimated" if all(r.get("speedup_estimated") for r in rows) else "speedup_measured"
+        best = max(rows, key=lambda r: (r[key], -r["ms_per_step"]))
+        bf16 = next((r for r in rows if r["drafter"] == "bf16" and r["linear_backend"] == "auto"), None)
+        slower = sorted(r["drafter"] for r in rows if bf16 and r is not bf16 and r["ms_per_step"] > bf16["ms_per_step"])
+        out.append({"target": target, "batch": batch, "by": key, "best": best["drafter"],
+                    "best_speedup": best[key], "best_overhead_ms": best["step_overhead_ms"],
+                    "bf16_overhead_ms": bf16["step_overhead_ms"] if bf16 else None,
+                    "bf16_speedup": bf16[key] if bf16 else None, "slower_than_bf16": slower,
+                    "overheads": {r["drafter"] + ("" if r["linear_backend"] == "auto" else f" [{r['linear_backend']}]"):
+                                  r["step_overhead_ms"] for r in rows}})
+    return out
+
+
+def advice_words(a: dict) -> str:
+    """One recommendation in one sentence."""
+    how = "estimated speedup" if a["by"] == "speedup_estimated" else "measured speedup"
+    s = (f"beside the `{a['target']}` target at batch {a['batch']}: `{a['best']}` ({how} {a['best_speedup']:.2f}x "
+         f"over the target alone; step {a['best_overhead_ms']:+.2f} ms")
+    if a["bf16_overhead_ms"] is not None and a["best"] != "bf16":
+        s += f" vs the bf16 drafter's {a['bf16_overhead_ms']:+.2f} ms, {a['bf16_speedup']:.2f}x"
+    s += ")"
+    if a["slower_than_bf16"]:
+        s += "; slower per step than the bf16 drafter: " + ", ".join(f"`{v}`" for v in a["slower_than_bf16"])
+    return s
+
+
+def variant_speed_words(speed: dict | None, variant: str) -> str | None:
+    """The card's speed line for one drafter variant: its step cost and speedup per timed target and batch,
+    with the fastest variant measured beside it; None where the run's serve check timed nothing."""
+    if not speed:
+        return None
+    if not speed.get("measured"):
+        return f"Speed: not measured ({speed.get('reason')})."
+    v = speed.get("versions") or {}
+    parts = []
+    for a in speed_advice(speed):
+        mine = a["overheads"].get(variant)
+        if mine is None:
+            continue
+        row = next(r for r in speed["rows"] if r["target"] == a["target"] and r["batch"] == a["batch"]
+                   and r["drafter"] == variant and r["linear_backend"] == "auto")
+        words = (f"with `{a['target']}` at batch {a['batch']}: step {mine:+.2f} ms over the target alone"
+                 + (f" (bf16 drafter {a['bf16_overhead_ms']:+.2f} ms)" if a["bf16_overhead_ms"] is not None
+                    and variant != "bf16" else "") + f", {row[a['by']]:.2f}x")
+        words += ", the fastest measured" if a["best"] == variant else f"; fastest measured: `{a['best']}` ({a['best_speedup']:.2f}x)"
+        parts.append(words)
+    if not parts:
+        return "Speed: this variant was not timed in this run's serve check."
+    return (f"Speed as served ({speed.get('date')}, {v.get('gpu')}, vLLM {v.get('vllm')}, CUDA graphs; timings of "
+            f"this run's models on that GPU, nothing more): " + "; ".join(parts) + ".")
+
+
 def _gb(x) -> str:
     return "-" if x is None else f"{x / 1e9:.2f}"
 
@@ -398,4 +464,10 @@ def render_speed(speed: dict | None) -> str:
                      f"{_gb(r.get('peak_gpu_bytes'))} |")
     if speed.get("not_timed"):
         lines += ["", "Not timed (failed before the timing): " + ", ".join(speed["not_timed"])]
+    advice = speed_advice(speed)
+    if advice:
+        lines += ["", f"Recommendation on {v.get('gpu')} (fastest served pair per target and batch; "
+                  + ("the estimate weighs the reference loop's tau against the step cost" if all(
+                      a["by"] == "speedup_estimated" for a in advice) else "measured decode tok/s")
+                  + "):", ""] + [f"- {advice_words(a)}" for a in advice]
     return "\n".join(lines) + "\n"
