@@ -24,6 +24,9 @@ DRAFTER_QUANTS ?= nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4
 # calibrated on them as well (variants <quant>-on-<target>); PAIR_TARGET= (empty) skips the pair
 PAIR_TARGET ?= w4a16
 PAIR_QUANTS ?= w4a16-gptq w4a16-imatrix
+# the DFlash2 drafter's variants (bf16 always): a run of its own (experiment=tiny-dflash2) after the DFlash one, when
+# ARGS names no other experiment; DFLASH2_QUANTS= (empty) skips it
+DFLASH2_QUANTS ?= nvfp4 w4a16 w4a16-gptq
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
@@ -98,6 +101,9 @@ all: setup
 	@for s in $$($(PYTHON) -m pipeline stages); do $(MAKE) --no-print-directory _all-$$s ARGS="$(ARGS)" || exit 1; done
 	@run_dir=$$($(PYTHON) -m pipeline run-dir $(ARGS)) && $(PYTHON) -m pipeline verify $$run_dir && \
 	echo "specquant: all stages done; outputs are in $$run_dir (eval/report.md, drafter/, target/, provenance/)"
+ifneq ($(and $(DFLASH2_QUANTS),$(if $(findstring experiment=,$(ARGS)),,1)),)
+	$(MAKE) --no-print-directory all ARGS="experiment=tiny-dflash2 $(ARGS)" DRAFTER_QUANTS="$(DFLASH2_QUANTS)" PAIR_TARGET= QUANTIZE_TARGET= DFLASH2_QUANTS=
+endif
 
 _all-data _all-cache _all-evaluate _all-manifest _all-publish: _all-%:
 	$(MAKE) $* ARGS="$(ARGS)"

@@ -50,7 +50,18 @@ CONFIGS: dict[str, tuple[str, str | None, int, dict]] = {
     "w4a16/bf16/k15": ("target-w4a16", "drafter-bf16", 15, {}),
     "w4a16/w4a16/k15": ("target-w4a16", "drafter-w4a16", 15, {}),
     "w4a16/w4a16-marlin/k15": ("target-w4a16", "drafter-w4a16", 15, MARLIN),
+    # the matrix (second run): NVFP4 drafters and the NVFP4A16 target (Marlin FP4 on Hopper), and a target
+    # with a 32k vocabulary to split the LM heads' share of a step from the rest
+    "bf16/nvfp4/k15": ("target-bf16", "drafter-nvfp4", 15, {}),
+    "w4a16/nvfp4/k15": ("target-w4a16", "drafter-nvfp4", 15, {}),
+    "nvfp4a16/-": ("target-nvfp4a16", None, 0, {}),
+    "nvfp4a16/bf16/k15": ("target-nvfp4a16", "drafter-bf16", 15, {}),
+    "nvfp4a16/w4a16/k15": ("target-nvfp4a16", "drafter-w4a16", 15, {}),
+    "nvfp4a16/nvfp4/k15": ("target-nvfp4a16", "drafter-nvfp4", 15, {}),
+    "bf16v32k/-": ("target-bf16-v32k", None, 0, {}),
+    "bf16v32k/bf16/k15": ("target-bf16-v32k", "drafter-bf16-v32k", 15, {}),
 }
+NVFP4_GROUP = 16
 
 
 # ---- here: the config.json files --------------------------------------------------------------------
@@ -82,20 +93,43 @@ def _w4a16_config(ignore: list[str]) -> dict:
             "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}}
 
 
-def _linear(state: dict, name: str, out_f: int, in_f: int, quant: bool, gen, dev) -> None:
+def _nvfp4_config(ignore: list[str], activations: bool) -> dict:
+    fp4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": NVFP4_GROUP,
+           "actorder": None, "observer": "minmax"}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
+                                          "input_activations": {**fp4, "dynamic": "local"} if activations else None,
+                                          "output_activations": None, "weights": {**fp4, "dynamic": False}}},
+            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}}
+
+
+def _linear(state: dict, name: str, out_f: int, in_f: int, quant: bool | str, gen, dev) -> None:
+    """One Linear: bf16 (std 0.02), W4A16 (`True` or "w4a16": int4 codes uniform in [-7, 7], stored +8 as
+    pack-quantized nibbles, so the weights have mean zero; group scale 0.005) or NVFP4 ("nvfp4", "nvfp4a16":
+    random e2m1 bytes, symmetric, block scale 64 over a global scale giving std ~0.02)."""
     import torch
 
     if not quant:
         state[f"{name}.weight"] = (torch.randn(out_f, in_f, generator=gen, device=dev, dtype=torch.bfloat16)
                                    * 0.02).cpu()
         return
-    state[f"{name}.weight_packed"] = torch.randint(-(2**31), 2**31 - 1, (out_f, in_f // 8), generator=gen,
-                                                   device=dev, dtype=torch.int32).cpu()
-    state[f"{name}.weight_scale"] = torch.full((out_f, in_f // GROUP), 0.005, dtype=torch.bfloat16)
-    state[f"{name}.weight_shape"] = torch.tensor([out_f, in_f], dtype=torch.int64)
+    if quant in (True, "w4a16"):
+        codes = torch.randint(1, 16, (out_f, in_f // 8, 8), generator=gen, device=dev, dtype=torch.int64)
+        shifts = torch.arange(0, 32, 4, device=dev, dtype=torch.int64)
+        packed = ((codes << shifts).sum(-1) & 0xFFFFFFFF)
+        state[f"{name}.weight_packed"] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).cpu()
+        state[f"{name}.weight_scale"] = torch.full((out_f, in_f // GROUP), 0.005, dtype=torch.bfloat16)
+        state[f"{name}.weight_shape"] = torch.tensor([out_f, in_f], dtype=torch.int64)
+        return
+    state[f"{name}.weight_packed"] = torch.randint(0, 256, (out_f, in_f // 2), generator=gen, device=dev,
+                                                   dtype=torch.uint8).cpu()
+    state[f"{name}.weight_scale"] = torch.full((out_f, in_f // NVFP4_GROUP), 64.0).to(torch.float8_e4m3fn)
+    state[f"{name}.weight_global_scale"] = torch.tensor([64.0 / 0.0068], dtype=torch.float32)
+    if quant == "nvfp4":
+        state[f"{name}.input_global_scale"] = torch.tensor([10.0], dtype=torch.float32)
 
 
-def _layer(state: dict, prefix: str, c: dict, quant: set[str], gen, dev) -> None:
+def _layer(state: dict, prefix: str, c: dict, quant: set[str], gen, dev, kind: bool | str = True) -> None:
     import torch
 
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
@@ -105,9 +139,9 @@ def _layer(state: dict, prefix: str, c: dict, quant: set[str], gen, dev) -> None
     for n in ("q_norm", "k_norm"):
         state[f"{prefix}.self_attn.{n}.weight"] = torch.ones(hd, dtype=torch.bfloat16)
     for n, o, k in (("q_proj", nh * hd, h), ("k_proj", nkv * hd, h), ("v_proj", nkv * hd, h), ("o_proj", h, nh * hd)):
-        _linear(state, f"{prefix}.self_attn.{n}", o, k, n in quant, gen, dev)
+        _linear(state, f"{prefix}.self_attn.{n}", o, k, kind if n in quant else False, gen, dev)
     for n, o, k in (("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)):
-        _linear(state, f"{prefix}.mlp.{n}", o, k, n in quant, gen, dev)
+        _linear(state, f"{prefix}.mlp.{n}", o, k, kind if n in quant else False, gen, dev)
 
 
 def _save(state: dict, config: dict, out: Path, shard_bytes: int = 4 << 30) -> None:
@@ -131,7 +165,10 @@ def _save(state: dict, config: dict, out: Path, shard_bytes: int = 4 << 30) -> N
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def build(work: Path, seed: int = 0) -> dict:
+SMALL_VOCAB = 32768  # the LM-head split: the same target and drafter with a 32k instead of a 152k vocabulary
+
+
+def build(work: Path, seed: int = 0, only_models: list[str] | None = None) -> dict:
     import torch
 
     from bench.shapes import QWEN3_8B, build_tokenizer
@@ -142,22 +179,27 @@ def build(work: Path, seed: int = 0) -> dict:
     all_linear = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     no_qkv = all_linear - {"q_proj", "k_proj", "v_proj"}
     tc = models["target"]
-    for name, quant in (("target-bf16", set()), ("target-w4a16", all_linear)):
+    for name, quant, kind, vocab in (("target-bf16", set(), False, None), ("target-w4a16", all_linear, "w4a16", None),
+                                     ("target-nvfp4a16", all_linear, "nvfp4a16", None),
+                                     ("target-bf16-v32k", set(), False, SMALL_VOCAB)):
         out = work / name
-        if (out / "config.json").is_file():
+        if (out / "config.json").is_file() or (only_models and name not in only_models):
             continue
         t0 = time.perf_counter()
         gen = torch.Generator(device=dev).manual_seed(seed)
         state: dict = {}
-        state["model.embed_tokens.weight"] = (torch.randn(tc["vocab_size"], tc["hidden_size"], generator=gen,
+        cfg = dict(tc)
+        cfg["vocab_size"] = vocab or tc["vocab_size"]
+        state["model.embed_tokens.weight"] = (torch.randn(cfg["vocab_size"], tc["hidden_size"], generator=gen,
                                                           device=dev, dtype=torch.bfloat16) * 0.02).cpu()
         for li in range(tc["num_hidden_layers"]):
-            _layer(state, f"model.layers.{li}", tc, quant, gen, dev)
+            _layer(state, f"model.layers.{li}", tc, quant, gen, dev, kind)
         state["model.norm.weight"] = torch.ones(tc["hidden_size"], dtype=torch.bfloat16)
-        _linear(state, "lm_head", tc["vocab_size"], tc["hidden_size"], False, gen, dev)
-        cfg = dict(tc)
-        if quant:
+        _linear(state, "lm_head", cfg["vocab_size"], tc["hidden_size"], False, gen, dev)
+        if kind == "w4a16":
             cfg["quantization_config"] = _w4a16_config(["lm_head"])
+        elif kind:
+            cfg["quantization_config"] = _nvfp4_config(["lm_head"], activations=False)
         _save(state, cfg, out)
         build_tokenizer(QWEN3_8B, out)
         info[name] = {"s": round(time.perf_counter() - t0, 1), "bytes": _dir_bytes(out)}
@@ -165,29 +207,37 @@ def build(work: Path, seed: int = 0) -> dict:
     dc = models["drafter"]
     lc = dc["transformer_layer_config"]
     ignore = ["re:.*self_attn\\.(q|k|v|qkv)_proj$", "re:(.*\\.)?lm_head$", "re:(.*\\.)?embed_tokens$"]
-    for name, quant, fc_quant, layers in (("drafter-bf16", set(), False, lc["num_hidden_layers"]),
-                                          ("drafter-w4a16", no_qkv, True, lc["num_hidden_layers"]),
-                                          ("drafter-w4a16-fcdense", no_qkv, False, lc["num_hidden_layers"]),
-                                          ("drafter-bf16-1layer", set(), False, 1)):
+    n_layers = lc["num_hidden_layers"]
+    for name, quant, fc_quant, layers, kind, verifier in (
+            ("drafter-bf16", set(), False, n_layers, False, "target-bf16"),
+            ("drafter-w4a16", no_qkv, True, n_layers, "w4a16", "target-bf16"),
+            ("drafter-w4a16-fcdense", no_qkv, False, n_layers, "w4a16", "target-bf16"),
+            ("drafter-bf16-1layer", set(), False, 1, False, "target-bf16"),
+            ("drafter-nvfp4", no_qkv, True, n_layers, "nvfp4", "target-bf16"),
+            ("drafter-bf16-v32k", set(), False, n_layers, False, "target-bf16-v32k")):
         out = work / name
-        if (out / "config.json").is_file():
+        if (out / "config.json").is_file() or (only_models and name not in only_models):
             continue
         t0 = time.perf_counter()
         gen = torch.Generator(device=dev).manual_seed(seed + 1)
         state = {}
         h = lc["hidden_size"]
-        _linear(state, "fc", h, h * len(dc["aux_hidden_state_layer_ids"]), fc_quant, gen, dev)
+        _linear(state, "fc", h, h * len(dc["aux_hidden_state_layer_ids"]), kind if fc_quant else False, gen, dev)
         state["hidden_norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         for li in range(layers):
-            _layer(state, f"layers.{li}", lc, quant, gen, dev)
+            _layer(state, f"layers.{li}", lc, quant, gen, dev, kind)
         state["norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         cfg = json.loads(json.dumps(dc))
-        cfg["speculators_config"]["verifier"]["name_or_path"] = str(work / "target-bf16")
+        cfg["speculators_config"]["verifier"]["name_or_path"] = str(work / verifier)
         tl = cfg["transformer_layer_config"]
         tl["num_hidden_layers"], tl["max_window_layers"] = layers, layers
         tl["layer_types"] = tl["layer_types"][:layers]
+        if verifier != "target-bf16":
+            tl["vocab_size"] = cfg["draft_vocab_size"] = SMALL_VOCAB
+            cfg["mask_token_id"] = SMALL_VOCAB - 1
         if quant:
-            q = _w4a16_config(ignore + ([] if fc_quant else ["re:(.*\\.)?fc$"]))
+            ign = ignore + ([] if fc_quant else ["re:(.*\\.)?fc$"])
+            q = _w4a16_config(ign) if kind == "w4a16" else _nvfp4_config(ign, activations=kind == "nvfp4")
             cfg["quantization_config"] = tl["quantization_config"] = q
         _save(state, cfg, out)
         info[name] = {"s": round(time.perf_counter() - t0, 1), "bytes": _dir_bytes(out)}
@@ -226,7 +276,8 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
                command=" ".join(["python -m bench.speed", *sys.argv[1:]]), batches=batches, max_tokens=max_tokens,
                prompt_tokens=prompt_len, shapes="Qwen3-8B target (36 layers) / DFlash-b16 drafter (5 layers), random weights")
     vocab = json.loads(MODELS_JSON.read_text())["target"]["vocab_size"]
-    prompts = _prompts(max(batches), prompt_len, vocab, 0)
+    # token ids below the 32k vocabulary of the LM-head split's target, so every engine gets the same prompts
+    prompts = _prompts(max(batches), prompt_len, min(vocab, SMALL_VOCAB), 0)
     t_start = time.perf_counter()
     root = str(HERE.parent)
     for name in only or list(CONFIGS):
@@ -332,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/dev/shm/speed")
     p.add_argument("--out", default="speed-out")
     p.add_argument("--only", default="", help="comma-separated CONFIGS names (default all, in order)")
+    p.add_argument("--models", default="", help="build: only these checkpoints (comma-separated; default all)")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no engine after this many seconds")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -342,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "report":
         print(report([Path(x) for x in a.inputs], Path(a.json)))
     elif a.cmd == "build":
-        print(json.dumps(build(Path(a.work))), flush=True)
+        print(json.dumps(build(Path(a.work), only_models=[x for x in a.models.split(",") if x])), flush=True)
     else:
         run(Path(a.work), Path(a.out), [x for x in a.only.split(",") if x], a.budget_s,
             [int(b) for b in a.batches.split(",")], a.max_tokens, a.prompt_len)
