@@ -155,6 +155,9 @@ class EvalConfig:
     # the pair matrix: every listed target x every drafter variant; empty = bf16 + every target variant of the run
     targets: list[str] = field(default_factory=list)
     include_source: bool = False  # also evaluate drafter.path as variant "source" (e.g. fp32, before bf16 rounding)
+    # another drafter of the same target (a local folder) evaluated as variant "baseline" in the main table, e.g. the
+    # DFlash drafter beside a DFlash2 run's variants; null = none
+    baseline_drafter: str | None = None
 
 
 @dataclass

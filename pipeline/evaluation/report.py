@@ -187,7 +187,7 @@ def recommend(results: dict) -> list[dict]:
             cands = []
             for v, d in row.items():
                 info = results["variants"].get(v) or {}
-                if v in (REFERENCE, "source") or info.get("scheme") not in schemes:
+                if v in (REFERENCE, "source", "baseline") or info.get("scheme") not in schemes:
                     continue
                 tau = d["overall"]["tau"]
                 lossless = all(n == 0 for n in (d.get("lossless_mismatches") or {}).values())
@@ -276,6 +276,9 @@ def render_report(results: dict) -> str:
     if "source" in results["variants"]:
         out += ["", f"`source` is the drafter as configured (`{results['variants']['source']['path']}`), before the "
                 "bf16 rounding of the `bf16` reference checkpoint."]
+    if "baseline" in results["variants"]:
+        out += ["", f"`baseline` is another drafter of the same target, evaluated beside this run's on the same prompts "
+                f"(`{results['variants']['baseline']['path']}`, `eval.baseline_drafter`)."]
     out += ["", "Quantized drafters run as their checkpoints specify: weights dequantized from the "
             "compressed-tensors tensors, and for W4A4 schemes every quantized Linear's input fake-quantized "
             "at run time (per token, groups of 16, FP8 block scales from the calibrated global scale), as vLLM does.",

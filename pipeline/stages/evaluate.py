@@ -22,6 +22,7 @@ from pipeline.quant import pairing
 
 REFERENCE = "bf16"
 SOURCE = "source"
+BASELINE = "baseline"  # eval.baseline_drafter: another drafter of the same target, in the main table beside the run's
 
 
 def _drafter_dirs(cfg, rd: RunDir) -> dict[str, Path]:
@@ -32,6 +33,12 @@ def _drafter_dirs(cfg, rd: RunDir) -> dict[str, Path]:
         found[REFERENCE] = source
     elif cfg.eval.include_source and source.is_dir() and source.resolve() != found[REFERENCE].resolve():
         found[SOURCE] = source  # the drafter as given, to compare with its own tau measurement
+    if cfg.eval.baseline_drafter:
+        base = Path(cfg.eval.baseline_drafter)
+        if not (base / "config.json").is_file():
+            raise bad_value("eval.baseline_drafter", str(base), "it is not a drafter checkpoint directory (no config.json)",
+                            "name a local drafter folder, e.g. assets/tiny/drafter, or set it to null")
+        found[BASELINE] = base
     wanted = list(cfg.eval.variants or [])
     unknown = [v for v in wanted if v not in found]
     if unknown:
@@ -41,7 +48,9 @@ def _drafter_dirs(cfg, rd: RunDir) -> dict[str, Path]:
     if not chosen:
         raise bad_value("run_dir", str(rd.root), "it holds no drafter checkpoint to evaluate",
                         "run `make quantize-drafter` first")
-    first = [v for v in (SOURCE, REFERENCE) if v in chosen]
+    if BASELINE in found and BASELINE not in chosen:
+        chosen = [*chosen, BASELINE]
+    first = [v for v in (SOURCE, REFERENCE, BASELINE) if v in chosen]
     order = first + sorted(v for v in chosen if v not in first)
     return {v: found[v] for v in order}
 
@@ -214,8 +223,9 @@ def _matrix_targets(cfg, rd: RunDir, primary: str) -> dict[str, str]:
 
 
 def _matrix_drafters(drafters: dict) -> list[str]:
-    """Every drafter variant of the run (the drafter as given, `source`, only in the main table)."""
-    return [v for v in drafters if v != SOURCE]
+    """Every drafter variant of the run (the drafter as given, `source`, and the `baseline` drafter only in the
+    main table)."""
+    return [v for v in drafters if v not in (SOURCE, BASELINE)]
 
 
 def _pair_entry(d: dict, rd: RunDir, variant: str) -> dict:

@@ -211,6 +211,7 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "license": cfg.drafter.license, "library_name": pc.library_name,
         "target": target, "target_revision": cfg.target.revision,
         "block_size": ckpt.get("block_size"),
+        "family": "DFlash2" if "DFlash2DraftModel" in (ckpt.get("architectures") or []) else "DFlash",
         # the serving command's drafter settings, read from the published checkpoint as every command reads them
         "serving_command": dict(zip(("num_speculative_tokens", "quantized"), command.drafter_settings(folder))),
         "aux_layer_ids": ckpt.get("aux_hidden_state_layer_ids") or (cal.cache.aux_layer_ids if cal and cal.cache
