@@ -27,12 +27,16 @@ PAIR_QUANTS ?= w4a16-gptq w4a16-imatrix
 # the DFlash2 drafter's variants (bf16 always): a run of its own (experiment=tiny-dflash2) after the DFlash one, when
 # ARGS names no other experiment; DFLASH2_QUANTS= (empty) skips it
 DFLASH2_QUANTS ?= nvfp4 w4a16 w4a16-gptq
+# whether `make all` runs quantize-target (QUANTIZE_TARGET= skips it; make release skips it)
+QUANTIZE_TARGET ?= 1
+# `make release`: the drafter variant(s) one release ships (data, cache, these, evaluate, serve-check, manifest, publish)
+RELEASE_QUANTS ?= nvfp4
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup all _all-data _all-cache _all-quantize-target _all-quantize-drafter _all-evaluate _all-serve-check _all-manifest _all-publish test lint clean assets data cache quantize-drafter quantize-target manifest evaluate publish \
+.PHONY: setup all release _all-data _all-cache _all-quantize-target _all-quantize-drafter _all-evaluate _all-serve-check _all-manifest _all-publish test lint clean assets data cache quantize-drafter quantize-target manifest evaluate publish \
 	verify repro-check reliability serve-check vllm-cpu
 
 setup: $(STAMP)
@@ -105,13 +109,22 @@ ifneq ($(and $(DFLASH2_QUANTS),$(if $(findstring experiment=,$(ARGS)),,1)),)
 	$(MAKE) --no-print-directory all ARGS="experiment=tiny-dflash2 $(ARGS)" DRAFTER_QUANTS="$(DFLASH2_QUANTS)" PAIR_TARGET= QUANTIZE_TARGET= DFLASH2_QUANTS=
 endif
 
+# one release of a drafter: `make all` with only RELEASE_QUANTS, no quantize-target and no served pair (its
+# second cache); serve-check runs when an interpreter with vLLM exists (SERVE_PYTHON or make vllm-cpu), as in make all
+release: setup
+	$(MAKE) --no-print-directory all ARGS="$(ARGS)" DRAFTER_QUANTS="$(RELEASE_QUANTS)" PAIR_TARGET= QUANTIZE_TARGET=
+
 _all-data _all-cache _all-evaluate _all-manifest _all-publish: _all-%:
 	$(MAKE) $* ARGS="$(ARGS)"
 
 _all-quantize-target:
+ifneq ($(QUANTIZE_TARGET),)
 	$(MAKE) quantize-target ARGS="$(ARGS)"
 ifneq ($(PAIR_TARGET),)
 	$(MAKE) cache ARGS="cache.target=$(PAIR_TARGET) $(ARGS)"
+endif
+else
+	@echo "specquant: quantize-target skipped (QUANTIZE_TARGET is empty: this run releases drafters only)"
 endif
 
 _all-quantize-drafter:
@@ -152,6 +165,7 @@ help:
 	@printf '  %-17s %s\n' \
 	  setup            'create .venv and install specquant (torch==2.13.0 first, pinned); the default target' \
 	  all              'every stage on the embedded tiny world, offline (PAIR_TARGET= skips the served pair)' \
+	  release          'one drafter release: data, cache, quantize-drafter RELEASE_QUANTS=$(RELEASE_QUANTS), evaluate, serve-check, manifest, publish' \
 	  data             'build the calibration blend -> runs/<run>/data/' \
 	  cache            'cache the target'"'"'s hidden states at the drafter'"'"'s layers -> cache/ (cache.target=w4a16: cache-w4a16/)' \
 	  quantize-drafter 'calibrate and quantize the drafter (ARGS="quant=<preset> [quant.calibration_target=w4a16]")' \

@@ -213,7 +213,7 @@ def test_vllm_serve_command_runs(run, tmp_path):
     assert argv[2:5] == ["--attention-backend", "FLASH_ATTN", "--speculative-config"]  # non-causal drafting
     spec = json.loads(argv[5])
     assert spec == {"method": "dflash", "model": f"{run.resolve()}/drafter/nvfp4",
-                    "num_speculative_tokens": geometry()["block_size"] - 1}
+                    "num_speculative_tokens": geometry()["block_size"] - 1, "quantization": "compressed-tensors"}
     bad = subprocess.run(["bash", str(run / "provenance" / "vllm_serve.sh"), "nope"], env=env, capture_output=True)
     assert bad.returncode == 2
 

@@ -147,17 +147,17 @@ def test_a_drafter_with_sliding_window_layers_is_refused():
 
 
 def test_generated_serving_commands_say_dflash_block_and_backend(world, written):
-    from pipeline.provenance import modelcard
     from pipeline.provenance import record as provenance
+    from pipeline.serving import command
 
     k = int(read_json(DRAFTER / "config.json", "d")["block_size"]) - 1
-    sh = provenance.vllm_serve_sh({"path": str(TARGET)}, {"nvfp4": k + 1})
-    card = modelcard.vllm_command("Qwen/Qwen3-8B", "me/drafter", k + 1)
+    sh = provenance.vllm_serve_sh({"path": str(TARGET)}, {"nvfp4": (k, True)})
+    card = command.serve_command("Qwen/Qwen3-8B", "me/drafter", k, True)
     for text in (sh, card):
         assert '"method":"dflash"' in text and f'"num_speculative_tokens":{k}' in text
         assert "--attention-backend FLASH_ATTN" in text
-    assert '"quantization":"compressed-tensors"' in card  # as eval/vllm_commands.sh: the draft's own config
-    assert "quantization" not in modelcard.vllm_command("Qwen/Qwen3-8B", "me/drafter", k + 1, quantized=False)
+        assert '"quantization":"compressed-tensors"' in text  # the draft's own config, as eval/vllm_commands.sh
+    assert "quantization" not in command.serve_command("Qwen/Qwen3-8B", "me/drafter", k, quantized=False)
 
 
 def test_serve_check_without_gpu_or_vllm_says_so_and_writes_nothing(world, written):
