@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.core.io import atomic_write_bytes, atomic_write_json
+from pipeline.core.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
 
 ROOT = Path(__file__).resolve().parents[2] / "assets"
 DENSE_ROOT, DEFAULT_ROOT = ROOT / "tiny", ROOT / "tiny-hybrid"
@@ -117,7 +117,34 @@ def build_drafter(root: Path, seed: int, steps: int) -> int:
     train_drafter.train(root, seed=seed, steps=steps, data_root=DENSE_ROOT, readme={
         "world": world, "data": _checkout_relative(DENSE_ROOT),
         "rebuild": f"python -m pipeline.tiny.build_hybrid --drafter-only --root {world} --seed {seed}"})
+    atomic_write_text(Path(root) / "README.md", render_readme(Path(root)))
     return 0
+
+
+def render_readme(root: Path) -> str:
+    """assets/tiny-hybrid/README.md from the two training.json files and tau.json (no timings: same bytes)."""
+    t, d = read_json(root / "target" / "training.json"), read_json(root / "drafter" / "training.json")
+    tau = read_json(root / "drafter" / "tau.json")
+    kinds = t["arch"]["layer_types"]
+    mix = " + ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+    return "\n".join([
+        "# The tiny hybrid world", "",
+        "The tiny world's stand-in for a Qwen3.5 / Qwen3.8 target (issue 35, docs/hybrid.md), rebuilt by",
+        "`make assets` (`python -m pipeline.tiny.build_hybrid --seed 0`, after `pipeline.tiny.build`); the same",
+        "seed rebuilds byte-identical files. Corpus, tokenizer and eval prompts are `../tiny`'s (read, never written).", "",
+        f"- `target/` - a `qwen3_5_text` `Qwen3_5ForCausalLM` ({mix}; hidden {t['arch']['hidden_size']}, "
+        f"{t['num_params']:,} parameters, bfloat16), trained {t['steps']} steps on the tiny corpus with the dense",
+        f"  target's recipe: loss {t['first_loss']} -> {t['final_loss']}.",
+        f"- `drafter/` - its DFlash drafter ({d['arch']['num_hidden_layers']} layers, block_size {d['block_size']}, aux "
+        f"layers {d['aux_layer_ids']}), trained by `pipeline.tiny.train_drafter` on this target's greedy replies",
+        f"  and hidden states ({d['num_sequences']} sequences), {d['train']['steps']} steps (the dense drafter's "
+        f"count): loss {d['first_loss']} -> {d['final_loss']}.",
+        f"  **Mean tau {tau['mean_tau']}** (greedy, block_size {tau['block_size']}, up to {tau['max_new_tokens']} new "
+        f"tokens, the {sum(len(s['per_prompt_tau']) for s in tau['sets'].values())} prompts of `../tiny/eval`; "
+        f"lossless mismatches: {tau['lossless_mismatches']}). `drafter/README.md` has the table.", "",
+        "Build time on the shared 2-core CPU machine, one thread: docs/hybrid.md.", "",
+        "## License", "",
+        "As `../tiny`: generated corpus and weights trained on it, dedicated to the public domain under CC0 1.0.", ""])
 
 
 def _checkout_relative(path: Path) -> str:
