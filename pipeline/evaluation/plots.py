@@ -93,7 +93,8 @@ def acceptance_curves(results: dict, path: Path) -> Path:
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols + 1.2, 2.4 * rows + 0.8), squeeze=False)
     diffs = [100 * (a - b) for v in variants for s in subsets for a, b in zip(rates(v, s), rates(ref, s))] if ref \
-        else [0.0]
+        else []
+    diffs = diffs or [0.0]  # the reference alone (evaluate on bf16 only) has no differences to scale the axis to
     lim = _zoomed(min(diffs), max(diffs), pad=0.1, include=0.0)
     for i, ax in enumerate(axes.flat):
         if i >= len(panels):
