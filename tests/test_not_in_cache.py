@@ -62,3 +62,22 @@ def test_the_cache_stage_says_it_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "not in the local Hugging Face cache" in out.stderr and "hf download z-lab/Qwen3-8B-DFlash-b16" in out.stderr
+
+
+@pytest.mark.parametrize("where", ["downloads", "hub-id"])
+def test_a_target_not_downloaded_names_the_download_before_any_work(where, tmp_path, empty_hub_cache):
+    """The quickstart's first stage with nothing downloaded: the target's sentence names the `hf download` to run
+    (the experiment's Hub id and pinned revision, into the configured directory or the Hub cache)."""
+    from pipeline.core.config import compose
+    from tests._support import run_main
+
+    ov = ["experiment=qwen3-8b-dflash-nvfp4", f"runs_root={tmp_path / 'runs'}"]
+    if where == "downloads":
+        ov.append(f"target.path={tmp_path / 'downloads' / 'Qwen3-8B'}")
+    cfg = compose(ov)
+    rc, _, err = run_main("data", *ov, env={"HF_HUB_CACHE": str(empty_hub_cache)})
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"`target.path` = '{cfg.target.path}': there is no such directory, and no Hub repo" in err
+    local = f" --local-dir {cfg.target.path}" if where == "downloads" else ""
+    assert f"`hf download {cfg.publish.target_model} --revision {cfg.target.revision}{local}`" in err, err
+    assert not (tmp_path / "runs").exists()  # refused before anything is written

@@ -143,9 +143,37 @@ def to_messages(row: Any, fmt: str, max_turn_chars: int) -> list[dict[str, str]]
 # ---------------------------------------------------------------- tokenizing
 
 
-def load_tokenizer(target_cfg):
+def not_downloaded(target_cfg, hub_repo: str | None = None) -> None:
+    """Refuse a target (or tokenizer) that is neither a directory nor in the local Hub cache, in one sentence
+    that prints the `hf download` to run (`hub_repo`: the Hub id to name when the path is a directory-to-be,
+    e.g. publish.target_model), before transformers answers with its own offline error."""
+    from pipeline.core.hub import hub_id
+    from pipeline.core.loading import local_snapshot
+
+    field = "target.tokenizer" if target_cfg.tokenizer else "target.path"
+    name = str(target_cfg.tokenizer or target_cfg.path)
+    if Path(name).is_dir():
+        return
+    try:
+        local_snapshot(name, target_cfg.revision, partial_ok=True)
+        return
+    except LookupError:
+        pass
+    rev = f" --revision {target_cfg.revision}" if target_cfg.revision and target_cfg.revision != "main" else ""
+    repo = hub_repo if hub_repo and hub_repo != name else None
+    if repo or not hub_id(name):  # a directory that is not there yet: download into it
+        fix = f"`hf download {repo or '<the target repo id>'}{rev} --local-dir {name}`"
+    else:  # a Hub id: into the local Hub cache (or a directory, then point the key at it)
+        fix = f"`hf download {name}{rev}`"
+    raise bad_value(field, name, "there is no such directory, and no Hub repo of that id is in the local Hugging Face "
+                    "cache (nothing is downloaded at run time)",
+                    f"download the target first: {fix} (docs/quickstart.md, step 1), or fix the path")
+
+
+def load_tokenizer(target_cfg, hub_repo: str | None = None):
     from transformers import AutoTokenizer
 
+    not_downloaded(target_cfg, hub_repo)
     name = target_cfg.tokenizer or target_cfg.path
     try:
         tok = AutoTokenizer.from_pretrained(name, revision=target_cfg.revision,
@@ -290,7 +318,7 @@ def tokenizer_sha256(tok_or_path, revision: str | None = None) -> str | None:
 
 def build_blend(cfg) -> tuple[list[dict], dict[str, samples_file.SourceCounts], Any]:
     _validate_cfg(cfg)
-    tok = load_tokenizer(cfg.target)
+    tok = load_tokenizer(cfg.target, cfg.publish.target_model)
     wants = _allocate(cfg.data.num_samples, [float(s.weight) for s in cfg.data.sources])
     samples, counts = [], {}
     for i, (src, want) in enumerate(zip(cfg.data.sources, wants)):
