@@ -225,7 +225,7 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     assert "| **all** |" in report
     cmds = (ev / "vllm_commands.sh").read_text()
     assert cmds.count("  vllm serve") == len(res["variant_order"]) and cmds.count("  vllm bench serve") == len(PROMPTS)
-    assert f'"num_speculative_tokens": {geometry()["block_size"] - 1}' in cmds and '"method": "dflash"' in cmds
+    assert f'"num_speculative_tokens":{geometry()["block_size"] - 1}' in cmds and '"method":"dflash"' in cmds
     from PIL import Image
 
     for png in ("tau_per_subset.png", "acceptance_per_position.png"):
