@@ -10,102 +10,26 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline.core.config import compose
 from pipeline.core.errors import SpecquantError
 from pipeline.serving import contract
+
+# the fixture world's pieces live in tests/_support (the DFlash2 serve-check tests build the same world)
+from tests._support import DFLASH2_DRAFTER as DRAFTER
+from tests._support import DFLASH2_FIXTURES as FIXTURES  # noqa: F401
+from tests._support import build_dflash2_world as build_world
+from tests._support import dflash2_geometry as geometry
+from tests._support import dflash2_w4a16_group as w4a16_group
+from tests._support import dflash2_world_cfg as world_cfg
 from tests._support import one_thread  # noqa: F401 - autouse: one thread, as the other quantize tests
-
-FIXTURES = Path(os.environ.get("SPECQUANT_DFLASH2_FIXTURES")
-                or Path(__file__).resolve().parent / "fixtures" / "dflash2").resolve()
-DRAFTER = FIXTURES / "speculators" / "checkpoint"
-
-
-
-
-def geometry() -> dict:
-    return json.loads((FIXTURES / "geometry.json").read_text())
-
-
-def write_target(out: Path) -> Path:
-    """A Qwen3 target of the fixture's geometry: the fixture's embed_tokens / lm_head, seeded random layers."""
-    from safetensors.torch import load_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    g = geometry()
-    config = Qwen3Config(vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["intermediate"],
-                         num_hidden_layers=g["target_layers"], num_attention_heads=g["heads"],
-                         num_key_value_heads=g["kv_heads"], head_dim=g["head_dim"], max_position_embeddings=256,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(1234)
-    model = Qwen3ForCausalLM(config)
-    inputs = load_file(str(FIXTURES / "zlab" / "inputs.safetensors"))
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(inputs["embed_tokens_weight"])
-        model.lm_head.weight.copy_(inputs["lm_head_weight"])
-        for name, p in model.named_parameters():  # layers large enough that hidden states carry signal
-            if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-    model.save_pretrained(str(out))
-    return out
-
-
-def write_blend(data_dir: Path, num_samples: int = 30, seq_len: int = 40, seed: int = 0) -> None:
-    """The data stage's files: random ids below the mask id, loss mask 1 after a short prompt."""
-    from pipeline.artifacts import samples as samples_file
-
-    g, geo = torch.Generator().manual_seed(seed), geometry()
-    samples = []
-    for i in range(num_samples):
-        n = seq_len - int(torch.randint(0, 8, (1,), generator=g))
-        ids = torch.randint(2, geo["mask_token_id"], (n,), generator=g).tolist()
-        prompt = 6 + i % 5
-        samples.append({"id": f"synthetic/{i}", "input_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt),
-                        "source": "synthetic"})
-    kept = Counter(s["source"] for s in samples)
-    counts = {n: samples_file.SourceCounts(
-        requested=kept[n], available=kept[n], examined=kept[n], kept=kept[n], dropped={}, dropped_examples={},
-        location="synthetic", revision=None, format="synthetic", weight=1.0) for n in kept}
-    samples_file.write(
-        data_dir, samples, counts, seed=seed, max_seq_len=seq_len,
-        tokenizer=samples_file.TokenizerRecord(name_or_path="synthetic", revision=None, files=None, sha256=None,
-                                               vocab_size=geo["vocab"]),
-        sources=[samples_file.SourceRecord(name=n, path=None, hub_id=None, revision=None, split="train",
-                                           format="synthetic", weight=1.0) for n in kept],
-        blend_name="synthetic")
-
-
-def world_cfg(root: Path, *overrides: str):
-    target = root / "target"
-    return compose([f"runs_root={root}", "run_name=qw", f"target.path={target}", f"target.tokenizer={target}",
-                    f"drafter.path={DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32",
-                    "quant.num_samples=12", "quant.heldout_samples=12", "quant.anchors_per_sequence=8",
-                    "quant.max_seq_len=64", *overrides])
-
-
-def build_world(root: Path) -> Path:
-    from pipeline.stages import cache
-
-    write_target(root / "target")
-    cfg = world_cfg(root)
-    write_blend(Path(cfg.run_dir) / "data")
-    cache.run(cfg)
-    return root
-
-
-def w4a16_group() -> int:
-    """A W4A16 group size dividing every quantized width of the fixture drafter (fc's n_aux x hidden included)."""
-    g = geometry()
-    return math.gcd(128, g["hidden"], g["intermediate"], g["heads"] * g["head_dim"],
-                    len(g["zlab_target_layer_ids"]) * g["hidden"])
+from tests._support import write_dflash2_blend as write_blend  # noqa: F401
+from tests._support import write_dflash2_target as write_target  # noqa: F401
 
 
 def _variants() -> dict[str, tuple[str, ...]]:

@@ -447,3 +447,66 @@ def check_dir(path: str | Path, num_target_layers: int, prof: str | Profile | No
     """`checkpoint_problems` for a drafter folder on disk, under the vLLM range `prof` (default: the newest)."""
     config, names, scales = read_dir(path)
     return checkpoint_problems(config, names, num_target_layers, prof, scales, standalone)
+
+
+# vLLM 0.32's compressed-tensors scheme class for each 4-bit weight format we write (compressed_tensors.py:797-868)
+VLLM_SCHEMES = {("int", False): "CompressedTensorsWNA16", ("float", True): "CompressedTensorsW4A4Fp4",
+                ("float", False): "CompressedTensorsW4A4Fp4"}
+
+
+def _scheme_of(quant_config: dict | None) -> tuple[str, bool] | None:
+    """(vLLM scheme class, weight-only) of a checkpoint's single 4-bit config group; None when dense."""
+    groups = list(((quant_config or {}).get("config_groups") or {}).values())
+    if not groups:
+        return None
+    w, a = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    kind = str(w.get("type", "int"))
+    # weight-only is a flag of vLLM's FP4 scheme (`use_a16`); its int4 scheme is weight-only by name
+    return VLLM_SCHEMES[(kind, a is not None)], (a is None) if kind == "float" else None
+
+
+def dflash2_modules(config: dict[str, Any], tensor_names: Iterable[str], num_target_layers: int) -> dict[str, dict]:
+    """What vLLM's DFlash2 model class should build for a speculators `dflash2` checkpoint, by runtime name: every
+    Linear (`vllm_linears`) with the scheme its stored weights call for (`{"scheme": None}` = dense; a quantized
+    one `{"scheme": <vLLM class>, "weight_only": bool}`), and the bare Parameters (base kernels, codebooks)."""
+    tlc = config.get("transformer_layer_config") or {}
+    n = int(tlc.get("num_hidden_layers") or 0)
+    names = set(tensor_names)
+    scheme = _scheme_of(tlc.get("quantization_config"))
+    out: dict[str, dict] = {}
+    for layer in vllm_linears(n, num_target_layers, conv=config.get("conv_kernel_size") is not None,
+                              selector=config.get("selector_rank") is not None):
+        stored = {("quantized" if f"{s}.weight_packed" in names else "dense")
+                  for s in hf_shards(layer, num_target_layers)}
+        if stored == {"quantized"} and scheme is not None:
+            out[layer] = {"kind": "linear", "scheme": scheme[0], "weight_only": scheme[1]}
+        else:
+            out[layer] = {"kind": "linear", "scheme": None}
+    for i in range(n) if config.get("conv_kernel_size") is not None else ():
+        for side in ("attention_conv", "mlp_conv"):
+            out[f"model.layers.{i + num_target_layers}.{side}.base_kernel"] = {"kind": "parameter"}
+    if config.get("selector_rank") is not None:
+        for book in ("predecessor", "successor"):
+            out[f"model.candidate_selector.{book}_codebook"] = {"kind": "parameter"}
+    return out
+
+
+def compare_dflash2_modules(expected: dict[str, dict], built: dict[str, dict], dtype: str | None = None) -> list[str]:
+    """Where vLLM built a DFlash2 drafter otherwise than its checkpoint calls for, one sentence each (empty: every
+    module as intended). `built` is the serve-check worker's `modules` (runtime name -> scheme or Parameter)."""
+    problems = []
+    for name in sorted(set(expected) - set(built)):
+        problems.append(f"{name}: the checkpoint calls for it but vLLM's DFlash2 class builds no such module")
+    for name in sorted(set(built) - set(expected)):
+        problems.append(f"{name}: vLLM's DFlash2 class builds it but the contract does not list it")
+    for name in sorted(set(expected) & set(built)):
+        want, got = expected[name], built[name]
+        if want["kind"] == "parameter":
+            if got.get("kind") != "parameter" or (dtype and got.get("dtype") != dtype):
+                problems.append(f"{name}: vLLM holds it as {got} (want a bare {dtype or ''} Parameter, untouched)")
+            continue
+        if want["scheme"] != got.get("scheme") or (want["scheme"] and want["weight_only"] is not None
+                                                   and bool(want["weight_only"]) != bool(got.get("weight_only"))):
+            words = lambda d: "dense" if not d.get("scheme") else d["scheme"] + (" weight-only" if d.get("weight_only") else "")  # noqa: E731
+            problems.append(f"{name}: vLLM built it {words(got)} but the checkpoint stores it {words(want)}")
+    return problems

@@ -206,6 +206,70 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
             "failures": failures}
 
 
+# what a DFlash2 check is, in words: no engine runs a DFlash2 drafter here (vLLM 0.32's V1 runner refuses
+# candidate-head drafts, config/vllm.py:2990-2991; its V2 runner needs Triton, which has no CPU backend)
+DFLASH2_SCOPE = "no engine run"
+# the draft block through vLLM's modules vs the reference loop's: hidden states and logits within this share of
+# the largest magnitude (bf16 rounding of two orders of the same sums), the argmax and the selector path equal
+PROBE_TOLERANCE = 0.05
+
+
+def dflash2_entry(result: dict, module_problems: list[str], probe: dict | None) -> dict[str, Any]:
+    """One DFlash2 variant loaded by vLLM's own DFlash2 model class (no engine run): the verdict and its figures.
+    Not a lossless count nor a tau: no engine generated anything."""
+    v = result.get("versions") or {}
+    e: dict[str, Any] = {"ok": False, "scope": DFLASH2_SCOPE, "model_class": result.get("model_class"),
+                         "said": result.get("no_engine") or f"loaded by vLLM {v.get('vllm')}'s DFlash2 model class, "
+                         "no engine run", "versions": v, "load_s": result.get("load_s"),
+                         "checkpoint_tensors": result.get("checkpoint_tensors"),
+                         "borrowed_from_target": result.get("borrowed_from_target"),
+                         "modules": {k: m.get("scheme") or ("parameter" if m["kind"] == "parameter" else "dense")
+                                     for k, m in sorted((result.get("modules") or {}).items())},
+                         "kernels": result.get("kernels") or {}, "emulated": emulation_words(result),
+                         "problems": []}
+    if not result.get("ok"):
+        e["error"], e["failed_at"] = result.get("error"), result.get("failed_at")
+        why = unsupported_on(result)
+        if why:  # weight-only NVFP4: no CPU kernel to build its layers with (neither a pass nor a failure)
+            e["unsupported"] = why
+            return e
+        e["problems"].append(f"vLLM's DFlash2 class fails at its {e['failed_at'] or 'start'} step ({e['error']})")
+        return e
+    if result.get("unwritten"):
+        e["problems"].append(f"vLLM's load_weights never wrote {result['unwritten']} (missing from the checkpoint)")
+    if result.get("partly_written"):
+        e["problems"].append(f"vLLM's load_weights wrote only part of {result['partly_written']} (a fused layer "
+                             "missing a shard)")
+    e["problems"] += module_problems
+    if result.get("kernels_error"):
+        e["forward"] = f"not run: no kernel for its scheme on the {result.get('platform')} platform " \
+                       f"({result['kernels_error']})"
+    elif probe is not None:
+        e["forward"] = probe
+        w4a4 = any(m.get("scheme") == "CompressedTensorsW4A4Fp4" and not m.get("weight_only")
+                   for m in (result.get("modules") or {}).values())
+        same = (probe["path_equal"] and probe["argmax_equal"] == probe["slots"] and probe["candidate_sets_equal"]
+                and probe["hidden_max_rel_diff"] <= PROBE_TOLERANCE and probe["logits_max_rel_diff"] <= PROBE_TOLERANCE)
+        if w4a4 and not same:  # activations quantized: two emulations of FP4 inputs, reported (docs/serving.md)
+            e["warnings"] = [f"its draft block through vLLM's EmulationNvFp4LinearKernel differs from the reference "
+                             f"loop's compressed-tensors QDQ (path {probe['path_vllm']} vs {probe['path_reference']}, "
+                             f"hidden {probe['hidden_max_rel_diff']} of the largest magnitude): W4A4 activation "
+                             "numerics are reported, not judged, on this engine"]
+        elif not same:
+            e["problems"].append(f"its draft block through vLLM's modules differs from the reference loop's (path "
+                                 f"{probe['path_vllm']} vs {probe['path_reference']}, argmax {probe['argmax_equal']}/"
+                                 f"{probe['slots']}, hidden {probe['hidden_max_rel_diff']}, logits "
+                                 f"{probe['logits_max_rel_diff']} of the largest magnitude)")
+    e["ok"] = not e["problems"] and "unsupported" not in e
+    return e
+
+
+def emulation_words(result: dict) -> str | None:
+    """The emulation kernels a DFlash2 load's quantized layers ended on (None: none)."""
+    words = emulation({**result, "layers": [{"root": "drafter", "kernel": k} for k in (result.get("kernels") or {}).values()]})
+    return words.get("drafter")
+
+
 def _fmt(x) -> str:
     return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
@@ -274,8 +338,26 @@ def render(summary: dict) -> str:
         some = " that this engine can load" if summary.get("unsupported") else ""
         lines += ["", f"Every pair{some} loads, {lossless} and keeps tau >= {summary['min_tau_ratio']} x bf16's "
                   f"and >= {summary['min_tau']}."]
+    lines += render_dflash2(summary.get("dflash2") or {})
     speed = render_speed(summary.get("speed"))
     return "\n".join(lines) + "\n" + ("\n" + speed if speed else "")
+
+
+def render_dflash2(entries: dict[str, dict]) -> list[str]:
+    """The report's DFlash2 lines: loaded by vLLM's class, no engine run (no lossless count, no tau)."""
+    if not entries:
+        return []
+    said = next(iter(entries.values()))["said"]
+    lines = ["", f"DFlash2 drafters, {said} (what this proves and what it does not: docs/serving.md):", "",
+             "| drafter | modules quantized | draft block vs reference loop | verdict |", "|---|---|---|---|"]
+    for v, e in entries.items():
+        quantized = sorted({s for s in e["modules"].values() if s not in ("dense", "parameter")})
+        fwd = e.get("forward")
+        block = (f"path {'equal' if fwd['path_equal'] else 'DIFFERS'}, argmax {fwd['argmax_equal']}/{fwd['slots']}, "
+                 f"logits {fwd['logits_max_rel_diff']}" if isinstance(fwd, dict) else (fwd or "-"))
+        lines.append(f"| {v} | {sum(s not in ('dense', 'parameter') for s in e['modules'].values())} "
+                     f"({', '.join(quantized) or 'none'}) | {block} | {'ok' if e['ok'] else 'FAILED'} |")
+    return lines
 
 
 def pair_comparison(summary: dict, calibrated_on: dict[str, tuple[str, str]]) -> list[dict]:
@@ -297,6 +379,22 @@ def variant_status(summary: dict, variant: str) -> dict[str, Any]:
     """One drafter variant across the checked targets, in one sentence plus the figures."""
     v = summary.get("versions") or {}
     mine = {k: p for k, p in summary["pairs"].items() if p["variant"] == variant}
+    d2 = (summary.get("dflash2") or {}).get(variant)
+    if d2 is not None:
+        fwd = d2.get("forward")
+        words = (f"{d2['said']}; " + ("every tensor consumed, every module built as the checkpoint calls for"
+                                      if d2["ok"] or not d2.get("error") else f"does not load ({d2.get('error')})"))
+        if isinstance(fwd, dict):
+            words += (f"; one draft block through its modules: selector path {'equal to' if fwd['path_equal'] else 'NOT equal to'}"
+                      f" the reference loop's, logits within {fwd['logits_max_rel_diff']} of the largest")
+        elif fwd:
+            words += f"; draft block {fwd}"
+        if d2.get("emulated"):
+            words += f" ({d2['emulated']})"
+        if not d2["ok"]:
+            words += " - FAILED: " + "; ".join(d2["problems"])
+        return {"checked": True, "ok": d2["ok"], "scope": DFLASH2_SCOPE, "pairs": [],
+                "engine": engine_words(d2.get("versions") or v), "summary": words}
     if not mine:
         return {"checked": False, "ok": None, "summary": "not checked in vLLM (not in this run's serve check)"}
     parts = []

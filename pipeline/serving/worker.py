@@ -431,6 +431,255 @@ def run_job(job: dict) -> dict:
     return result
 
 
+DFLASH2_NO_ENGINE = ("loaded by vLLM {vllm}'s DFlash2 model class ({cls}), no engine run: weights read by its own "
+                     "load_weights, one draft block run through its modules with the attention computed in torch")
+_SENTINEL = 0xA5  # every parameter byte is set to this before loading: a row still all 0xA5 was never written
+
+
+def _fill_sentinel(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.numel() and p.data.is_contiguous():
+                p.data.view(-1).view(torch.uint8).fill_(_SENTINEL)
+
+
+def _unwritten(model) -> tuple[list[str], list[str]]:
+    """(parameters no byte of which the loader wrote, parameters with some output row it never wrote)."""
+    import torch
+
+    missing, partial = [], []
+    for name, p in model.named_parameters():
+        if not p.numel() or not p.data.is_contiguous():
+            continue
+        raw = p.data.reshape(p.shape[0] if p.dim() > 1 else 1, -1).view(torch.uint8)
+        untouched = (raw == _SENTINEL).all(dim=1)
+        if bool(untouched.all()):
+            missing.append(name)
+        elif bool(untouched.any()):
+            partial.append(name)
+    return missing, partial
+
+
+def _runtime_name(name: str, num_target_layers: int) -> str:
+    """A module path of the drafter under vLLM's runtime name: draft layer i is `model.layers.{i + T}` (the
+    prefix its quant config matches), though it sits at index i of the ModuleList."""
+    return re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{int(m.group(1)) + num_target_layers}.", name)
+
+
+def _module_schemes(model, num_target_layers: int) -> dict[str, dict]:
+    """Every linear layer of the drafter under vLLM's runtime name: its compressed-tensors scheme (or dense)
+    and the parameters it holds; the bare DFlash2 Parameters (base kernels, codebooks) with dtype and shape."""
+    out: dict[str, dict] = {}
+    for name, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        if qm is None or not hasattr(m, "input_size") or name.endswith(("embed_tokens", "lm_head")):
+            continue
+        scheme = getattr(m, "scheme", None)
+        out[getattr(m, "prefix", None) or _runtime_name(name, num_target_layers)] = {
+            "kind": "linear", "quant_method": type(qm).__name__,
+            "scheme": type(scheme).__name__ if scheme is not None else None,
+            "weight_only": getattr(scheme, "use_a16", None),
+            "params": sorted(n for n, _ in m.named_parameters(recurse=False))}
+    for name, p in model.named_parameters():
+        if name.endswith(("base_kernel", "_codebook")):
+            out[_runtime_name(name, num_target_layers)] = {"kind": "parameter", "dtype": str(p.dtype).removeprefix(
+                "torch."), "shape": list(p.shape)}
+    return out
+
+
+def _target_head(target: str) -> dict:
+    """The target's embed_tokens / lm_head tensors (a DFlash drafter borrows both; the engine shares them)."""
+    from safetensors import safe_open
+
+    found = {}
+    for f in sorted(Path(target).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                if k.endswith(("embed_tokens.weight", "lm_head.weight")) and "mtp" not in k and "visual" not in k:
+                    found["lm_head" if k.endswith("lm_head.weight") else "embed_tokens"] = fh.get_tensor(k)
+    if "lm_head" not in found and "embed_tokens" in found:  # tied head
+        found["lm_head"] = found["embed_tokens"]
+    return found
+
+
+class _TorchBlockAttention:  # bound as the Attention module's forward (the module itself stays)
+    """Stands in for one draft layer's `Attention` (which needs the engine's KV cache and metadata): the block's
+    queries attend non-causally to [context K/V from vLLM's own precompute ; the block's K/V], in torch."""
+
+    def __init__(self, attn, ctx_k, ctx_v):
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_size
+        self.scale, self.ctx_k, self.ctx_v = attn.impl.scale if hasattr(attn, "impl") else attn.scale, ctx_k, ctx_v
+
+    def __call__(self, q, k, v):
+        import torch
+
+        n = q.shape[0]
+        q = q.view(n, self.heads, self.head_dim).transpose(0, 1)
+        k = torch.cat([self.ctx_k, k.view(n, self.kv_heads, self.head_dim)], 0).transpose(0, 1)
+        v = torch.cat([self.ctx_v, v.view(n, self.kv_heads, self.head_dim)], 0).transpose(0, 1)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        scores = (q.float() @ k.float().transpose(1, 2)) * self.scale
+        out = scores.softmax(-1) @ v.float()
+        return out.to(q.dtype).transpose(0, 1).reshape(n, self.heads * self.head_dim)
+
+
+def _draft_block(model, probe: dict) -> dict:
+    """One draft block through vLLM's DFlash2 modules: fc, the context K/V as `precompute_and_store_context_kv`
+    computes them, the decoder layers (convolutions included) with the attention in torch, the final norm, the
+    target head, top-K candidates (`compute_candidates`), the selector's edge scores, and the greedy path over
+    them (the engine's own path walk lives in its V2 speculator, GPU only)."""
+    import torch
+
+    inner = model.model
+    aux, block_ids = probe["aux_hidden"], probe["block_ids"].long()
+    ctx_pos, blk_pos = probe["context_positions"].long(), probe["block_positions"].long()
+    dtype = inner.norm.weight.dtype
+    with torch.no_grad():
+        ctx = inner.hidden_norm(model.combine_hidden_states(aux.to(dtype)))
+        for layer in inner.layers:  # the context K/V of `precompute_and_store_context_kv`, layer by layer
+            a = layer.self_attn
+            qkv, _ = a.qkv_proj(ctx)
+            _, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+            k = a.k_norm(k.reshape(-1, a.num_kv_heads, a.head_dim)).reshape(k.shape)
+            _, k = a.rotary_emb(ctx_pos, k.clone(), k)
+            a.attn.forward = _TorchBlockAttention(a.attn, k.reshape(-1, a.num_kv_heads, a.head_dim),
+                                                  v.reshape(-1, a.num_kv_heads, a.head_dim))
+        hidden = model(input_ids=block_ids, positions=blk_pos)
+        logits = model.compute_logits(hidden)[:, : model.config.vocab_size]
+        slots = hidden[1:]
+        candidates, unary = model.compute_candidates(slots)
+        edges = inner.candidate_selector(candidates[None], unary[None], slots[None], block_ids[:1])[0]
+        path, scores, prev = [], [], 0
+        for slot in range(slots.shape[0]):
+            row = edges[slot, prev]  # slot 0: every predecessor row is the anchor
+            prev = int(row.argmax())
+            path.append(int(candidates[slot, prev]))
+            scores.append(row)
+    return {"hidden": hidden.float(), "logits": logits.float(), "candidates": candidates,
+            "unary": unary.float(), "path": torch.tensor(path), "path_scores": torch.stack(scores).float()}
+
+
+def run_dflash2_load(job: dict) -> dict:
+    """Build vLLM's own DFlash2 model class for `job["drafter"]` beside `job["target"]` (a real VllmConfig, a
+    world of one on gloo, CPU), run its `load_weights` over every tensor of the checkpoint, and report: tensors
+    it refused, parameters it never wrote, each module's quant scheme, then (`job["probe"]`, a safetensors file
+    of inputs) one draft block through its modules, written to `job["probe_out"]`. No engine is started."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import tempfile
+
+    import torch
+    import vllm
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    lines = _Lines()
+    logging.getLogger("vllm").addHandler(lines)
+    result: dict = {"ok": False, "kind": "dflash2_load", "name": job["name"], "job": dict(job)}
+    t0 = time.perf_counter()
+    stage = "config"
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.model_executor.models.registry import ModelRegistry
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        platform = result["platform"] = _platform()
+        if platform == "cpu":
+            if job.get("cpu_nvfp4_emulation", True):
+                result["nvfp4_emulation"] = _register_cpu_nvfp4_emulation()
+            if job.get("cpu_int4_emulation", True):
+                result["int4_emulation"] = _register_cpu_int4_emulation()
+        base = dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, seed=int(job.get("seed", 0)),
+                    max_model_len=int(job.get("max_model_len", 512)), dtype=job.get("dtype", "auto"))
+        config = EngineArgs(**base).create_engine_config()
+        # the VllmConfig the engine builds, the speculative config attached after validation: its V1 runner
+        # refuses DFlash2 drafts (vLLM 0.32 config/vllm.py:2990-2991), which is about the runner, not the model
+        spec_args = EngineArgs(**base, speculative_config={
+            "method": "dflash", "model": job["drafter"], "num_speculative_tokens": int(job["num_speculative_tokens"])})
+        spec = spec_args.create_speculative_config(config.model_config, config.parallel_config)
+        config.speculative_config = spec
+        draft = spec.draft_model_config
+        with set_current_vllm_config(config):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"file://{tempfile.mktemp(prefix='sq-dist-')}")
+            initialize_model_parallel(1, 1)
+            cls, arch = ModelRegistry.resolve_model_cls(draft.architectures, draft)
+            result["model_class"] = f"{cls.__module__}.{cls.__name__}"
+            result["architecture"] = arch
+            result["dflash_config"] = dict(getattr(draft.hf_config, "dflash_config", {}) or {})
+            result["num_target_layers"] = config.model_config.get_total_num_hidden_layers()
+            # the engine's own path for a draft model (BaseModelLoader.load_model, vLLM 0.32
+            # model_loader/base_loader.py:63-110): create_model under the draft dtype, the default loader reading
+            # the checkpoint's files into the model's own load_weights, then process_weights_after_loading
+            loader = get_model_loader(config.load_config)
+            stage = "build"
+            with set_default_torch_dtype(draft.dtype), torch.device("cpu"):
+                model = loader.create_model(vllm_config=config, model_config=draft)
+            result["modules"] = _module_schemes(model, result["num_target_layers"])
+            result["dtype"] = str(draft.dtype).removeprefix("torch.")
+            result["quant_config"] = type(model.model.quant_config).__name__ if model.model.quant_config else None
+            result["checkpoint_tensors"] = 0
+            for f in Path(job["drafter"]).glob("*.safetensors"):
+                with safe_open(str(f), framework="pt") as fh:
+                    result["checkpoint_tensors"] += len(list(fh.keys()))
+            _fill_sentinel(model)
+            stage = "load"
+            with set_default_torch_dtype(draft.dtype):
+                loader.load_weights(model, draft)
+            missing, partial = (sorted(_runtime_name(n, result["num_target_layers"]) for n in names)
+                                for names in _unwritten(model))
+            borrowed = [n for n in missing if n.endswith(("embed_tokens.weight", "lm_head.weight"))]
+            # read from an optional mask_embedding.pt beside the checkpoint, unused without it (qwen3_dflash.py:929);
+            # the attention's KV-cache quantization scales and zero points, created with any quant config and left
+            # at their defaults when a checkpoint has no KV-cache scheme
+            optional = [n for n in missing if n == "model.mask_embedding"
+                        or re.search(r"\.attn\.[qkv]_(scale|zero_point)$", n)]
+            result["borrowed_from_target"], result["optional_unset"] = borrowed, optional
+            result["unwritten"] = [n for n in missing if n not in borrowed + optional]
+            result["partly_written"] = partial
+            result["load_s"] = round(time.perf_counter() - t0, 3)
+            if job.get("probe"):  # the target's embedding and head, as the engine shares them with a DFlash draft
+                head = _target_head(job["target"])
+                with torch.no_grad():  # rows past the vocabulary are vLLM's padding: zero
+                    for key, param in (("embed_tokens", model.model.embed_tokens.weight),
+                                       ("lm_head", model.lm_head.weight)):
+                        param.data.zero_()
+                        param.data[: head[key].shape[0]].copy_(head[key].to(param.dtype))
+            stage = "kernels"
+            try:
+                process_weights_after_loading(model, draft, torch.device("cpu"))
+            except Exception as exc:  # noqa: BLE001 - no kernel for a scheme on this platform: reported
+                result["kernels_error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            kernels = {name: getattr(getattr(m, "scheme", None), "kernel", None) for name, m in model.named_modules()}
+            result["kernels"] = {_runtime_name(name, result["num_target_layers"]): type(k).__name__
+                                 for name, k in kernels.items() if k is not None}
+            if job.get("probe") and "kernels_error" not in result:
+                stage = "forward"
+                out = _draft_block(model, load_file(job["probe"]))
+                save_file({k: v.contiguous() for k, v in out.items()}, job["probe_out"])
+                result["probe_out"] = job["probe_out"]
+        result["no_engine"] = DFLASH2_NO_ENGINE.format(vllm=vllm.__version__, cls=cls.__name__)
+        result["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - every failure is reported in the result file
+        result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        result["failed_at"] = stage  # config, build, load, kernels or forward
+        result["traceback"] = traceback.format_exc()[-4000:]
+    result["kernel_log"] = lines.kernel_lines
+    result["log_tail"] = lines.tail
+    result["wall_s"] = round(time.perf_counter() - t0, 3)
+    try:
+        result["versions"] = _versions()
+    except Exception as exc:  # noqa: BLE001
+        result["versions"] = {"error": str(exc)}
+    return result
+
+
 def probe() -> dict:
     """What this interpreter offers: vLLM's version, CUDA, the GPU (used by the stage before any work)."""
     out: dict = {}
@@ -468,7 +717,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pipeline.serving.worker JOB.json RESULT.json | --probe", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    result = run_job(job)
+    result = run_dflash2_load(job) if job.get("kind") == "dflash2_load" else run_job(job)
     _write(Path(argv[1]), result)
     return 0 if result["ok"] else 1
 

@@ -177,7 +177,17 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
                             "give the tau of your own run (e.g. 3.2) or null for the reference loop's")
         base["speed"] = {"batches": sorted({1, int(s.speed_batch)}), "max_tokens": int(s.speed_max_tokens)}
     jobs = []
-    for t, tpath in targets.items():
+    dflash2 = {v: d for v, d in drafters.items() if is_dflash2(d)}
+    drafters = {v: d for v, d in drafters.items() if v not in dflash2}
+    for v, dpath in dflash2.items():  # no engine runs a DFlash2 drafter here: vLLM's model class loads it
+        reference = Path(str(cfg.target.path))
+        jobs.append({"kind": "dflash2_load", "name": f"dflash2--{v}", "variant": v, "target_variant": REFERENCE,
+                     "target": str(reference.resolve()) if reference.exists() else str(reference),
+                     "drafter": str(dpath.resolve()), "dtype": s.dtype, "seed": int(cfg.seed),
+                     "num_speculative_tokens": int(load_drafter_config(dpath).block_size) - 1,
+                     "max_model_len": max_len, "cpu_nvfp4_emulation": bool(s.cpu_nvfp4_emulation),
+                     "cpu_int4_emulation": bool(s.cpu_int4_emulation)})
+    for t, tpath in targets.items() if drafters or not dflash2 else ():
         target = str(tpath.resolve()) if tpath.exists() else str(tpath)
         # linear_backend is engine-wide and vLLM 0.26 has no emulation kernel for int4 (W4A16) layers, so a
         # quantized target is paired with the drafters' default kernel only
@@ -193,6 +203,130 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
                              "target": target, "drafter": str(dpath.resolve()), "variant": v, "linear_backend": b,
                              "num_speculative_tokens": k, "prompts": prompts})
     return jobs
+
+
+def is_dflash2(path: Path) -> bool:
+    """Whether a drafter folder holds a DFlash2 drafter (speculators `dflash2` or z-lab `DFlash2DraftModel`)."""
+    conf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    return conf.get("speculators_model_type") == "dflash2" or "DFlash2DraftModel" in (conf.get("architectures") or [])
+
+
+# ---------------------------------------------------------------- DFlash2: one draft block, ours vs vLLM's class
+PROBE_TOKENS = 48  # context rows of the probe block: the first evaluate prompt, cut to this many tokens
+
+
+def dflash2_probe(cfg, job: dict, prompt: list[int], folder: Path) -> dict:
+    """Write the probe's inputs for the worker (`job["probe"]`: the target's aux hidden states over the prompt,
+    the block [bonus, mask, ...], positions) and return the reference loop's own drafter output on them
+    (`pipeline.models.dflash` through `fakequant.load_drafter_variant`, the drafter as evaluate runs it, in the
+    dtype vLLM builds it in): final hidden states, logits, the selector's greedy path and its scores."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pipeline.core.dtypes import TORCH_DTYPES
+    from pipeline.evaluation import fakequant
+
+    dtype = TORCH_DTYPES[str(job["dtype"])]
+    target = fakequant.load_target(str(cfg.target.path), dtype, "cpu", revision=cfg.target.revision,
+                                   trust_remote_code=bool(cfg.target.trust_remote_code))
+    drafter, _ = fakequant.load_drafter_variant(job["drafter"], target, dtype, "cpu")
+    dc = drafter.config
+    ids = torch.tensor(prompt[-PROBE_TOKENS:])[None]
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i][0] for i in dc.aux_layer_ids], -1)
+        bonus = int(out.logits[0, -1].argmax())
+        n, bs = ids.shape[1], int(dc.block_size)
+        block = torch.tensor([bonus] + [int(dc.mask_token_id)] * (bs - 1))
+        positions = torch.arange(n + bs)
+        hidden = drafter.draft_hidden(aux[None], block[None], positions[None])
+        logits = drafter.lm_head(hidden)
+        path = drafter.candidate_selector.select(hidden[:, 1:], logits[:, 1:], block[:1])
+    job["probe"], job["probe_out"] = str(folder / f"{job['name']}.probe.safetensors"), \
+        str(folder / f"{job['name']}.vllm.safetensors")
+    save_file({"aux_hidden": aux.contiguous(), "block_ids": block, "context_positions": positions[:n].contiguous(),
+               "block_positions": positions[n:].contiguous()}, job["probe"])
+    chosen = path.scores.gather(-1, path.candidates.eq(path.tokens[..., None]).float().argmax(-1, keepdim=True))
+    return {"context_rows": n, "hidden": hidden[0].float(), "logits": logits[0].float(), "path": path.tokens[0],
+            "path_scores": chosen[0, :, 0].float(), "candidates": path.candidates[0]}
+
+
+def refuse_dflash2_contract(cfg, rd: RunDir, drafters: dict[str, Path]) -> None:
+    """Every DFlash2 drafter against the rules of the vLLM range it was written for (its quantize-drafter record's
+    `vllm.profile`, else the newest; `pipeline.serving.contract`): a checkpoint that range would read otherwise
+    than it stores is refused in one sentence, before anything is written."""
+    from pipeline.artifacts.stage_record import load_record
+    from pipeline.serving import contract
+
+    for v, path in drafters.items():
+        if not is_dflash2(path):
+            continue
+        rec = load_record(rd.root, f"quantize-drafter-{v}")
+        prof = contract.profile(((rec.result.get("vllm") or {}).get("profile") if rec else None) or None)
+        problems = contract.check_dir(path, _target_layers(cfg), prof)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise bad_value(f"drafter/{v}", str(path), f"vLLM {prof.versions} would not read this DFlash2 "
+                            f"checkpoint as stored: {problems[0]}{more}",
+                            "re-run quantize-drafter for it (its ignore list and dense layers follow quant.vllm), "
+                            "or drop it with serve.variants")
+
+
+def _target_layers(cfg) -> int:
+    """The configured target's decoder depth (T: draft layer i is vLLM's `model.layers.{i + T}`)."""
+    from pipeline.models.targets import text_config
+
+    conf = json.loads((Path(str(cfg.target.path)) / "config.json").read_text(encoding="utf-8"))
+    return int(text_config(conf)["num_hidden_layers"])
+
+
+def check_dflash2(results: list[dict], jobs: list[dict], references: dict[str, dict]) -> dict[str, dict]:
+    """{variant: verdict} of every DFlash2 load: what vLLM's class built against what the checkpoint calls for
+    (`contract.dflash2_modules`), every tensor consumed, and the draft block against the reference loop's."""
+    from pipeline.serving import contract
+
+    by_name = {j["name"]: j for j in jobs}
+    out = {}
+    for r in results:
+        job = by_name[r["name"]]
+        modules, probe = [], None
+        if r.get("ok"):
+            config, names, _ = contract.read_dir(job["drafter"])
+            expected = contract.dflash2_modules(config, names, int(r["num_target_layers"]))
+            modules = contract.compare_dflash2_modules(expected, r["modules"], r.get("dtype"))
+            if r.get("probe_out"):
+                probe = compare_probe(references[r["name"]], job)
+        for key in ("probe", "probe_out"):  # a failed worker leaves the probe's inputs behind
+            Path(job.get(key) or "/nonexistent").unlink(missing_ok=True)
+        out[job["variant"]] = verdict.dflash2_entry(r, modules, probe)
+    return out
+
+
+def compare_probe(reference: dict, job: dict) -> dict:
+    """The worker's draft block (vLLM's modules) against the reference loop's, in figures; the files go."""
+    from safetensors.torch import load_file
+
+    vllm_out = load_file(job["probe_out"])
+
+    def rel(a, b) -> float:
+        return round(float((a - b).abs().max() / max(1.0, float(b.abs().max()))), 6)
+
+    v_path = vllm_out["path"]
+    v_chosen = vllm_out["path_scores"].gather(-1, vllm_out["candidates"].eq(v_path[:, None]).float().argmax(
+        -1, keepdim=True))[:, 0]
+    out = {"block_size": int(reference["hidden"].shape[0]), "context_rows": reference["context_rows"],
+           "hidden_max_rel_diff": rel(vllm_out["hidden"], reference["hidden"]),
+           "logits_max_rel_diff": rel(vllm_out["logits"], reference["logits"]),
+           "argmax_equal": int((vllm_out["logits"][1:].argmax(-1) == reference["logits"][1:].argmax(-1)).sum()),
+           "slots": int(reference["path"].shape[0]),
+           "path_vllm": [int(x) for x in v_path], "path_reference": [int(x) for x in reference["path"]],
+           "candidate_sets_equal": all(set(a.tolist()) == set(b.tolist()) for a, b in
+                                       zip(vllm_out["candidates"], reference["candidates"])),
+           "path_score_max_rel_diff": rel(v_chosen, reference["path_scores"])}
+    out["path_equal"] = out["path_vllm"] == out["path_reference"]
+    for key in ("probe", "probe_out"):
+        Path(job[key]).unlink(missing_ok=True)
+    return out
 
 
 def speed_on(cfg, info: dict) -> bool:
@@ -311,6 +445,7 @@ def run(cfg) -> dict:
         raise bad_value("run_dir", str(rd.root), "the run directory does not exist", "run the earlier stages first")
     targets, drafters = _targets(cfg, rd), _drafters(cfg, rd)  # bad names fail before the probe
     pairing_warnings, calibrated_on = check_pairing(cfg, rd, targets, drafters)  # an unservable pair: refused
+    refuse_dflash2_contract(cfg, rd, drafters)  # static, before the probe: nothing written
     info = probe(s.python)  # no vLLM: one sentence alone, before any pairing warning, nothing written
     for sentence in pairing_warnings:
         pairing.warn(sentence, "serve-check")
@@ -319,10 +454,20 @@ def run(cfg) -> dict:
     n = parallel(cfg, info)
     print(f"[specquant] serve-check: {len(jobs)} vLLM engines ({len(targets)} targets x {len(drafters)} drafters, "
           f"+ target alone), {n} at a time, {engine(info)}", file=sys.stderr)
-    results = run_jobs(str(s.python), jobs, rd.eval / "serve_check", n, worker_env(info))
+    folder = rd.eval / "serve_check"
+    folder.mkdir(parents=True, exist_ok=True)
+    first = next(p for ps in prompts.values() for p in ps)
+    references = {j["name"]: dflash2_probe(cfg, j, first, folder) for j in jobs if j.get("kind") == "dflash2_load"}
+    results = run_jobs(str(s.python), jobs, folder, n, worker_env(info))
     ref_target, ref_tau, ref_matrix = _reference_tau(rd)
-    summary = verdict.summarize(results, prompts, float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau,
+    summary = verdict.summarize([r for r in results if r.get("kind") != "dflash2_load"], prompts,
+                                float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau,
                                 require_lossless=bool(s.require_lossless), ref_matrix=ref_matrix)
+    summary["dflash2"] = check_dflash2([r for r in results if r.get("kind") == "dflash2_load"], jobs, references)
+    summary["failures"] += [f"DFlash2 drafter {v}: {x}" for v, e in summary["dflash2"].items() for x in e["problems"]]
+    if summary["dflash2"] and not summary["versions"]:  # no engine ran: the versions the DFlash2 loads ran under
+        summary["versions"] = next(iter(summary["dflash2"].values()))["versions"]
+        summary["engine"] = verdict.engine_words(summary["versions"])
     if s.speed:
         summary["speed"] = verdict.speed_summary(results, summary, s.speed_tau)
     summary["pairing_warnings"] = pairing_warnings
@@ -334,7 +479,8 @@ def run(cfg) -> dict:
     update_report(rd, verdict.render(summary))
     failed = summary["failures"]
     if failed:
-        raise SpecquantError(f"serve-check failed for {len(failed)} of {len(summary['pairs'])} pairs: "
+        raise SpecquantError(f"serve-check failed for {len(failed)} of {len(summary['pairs']) + len(summary['dflash2'])} "
+                             "pairs or DFlash2 loads: "
                              + "; ".join(failed[:4]) + (" ..." if len(failed) > 4 else "")
                              + f" (details: {rd.eval / 'serve_check.json'})")
     return {"output": str(rd.eval / "serve_check.json"), "engines": len(jobs), "gpu": info.get("gpu"),
