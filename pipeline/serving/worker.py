@@ -709,9 +709,31 @@ def probe() -> dict:
     return out
 
 
+def model_classes(architectures: list[str]) -> dict[str, str | None]:
+    """{architecture: None where this vLLM can build its model class, else why not} (the class's module is
+    imported as the engine would: vLLM 0.32 `model_executor/models/registry.py:1092-1094`, `load_model_cls`)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    out: dict[str, str | None] = {}
+    for arch in architectures:
+        model = ModelRegistry.models.get(arch)
+        if model is None:
+            out[arch] = "not in vLLM's model registry"
+            continue
+        try:
+            model.load_model_cls()
+            out[arch] = None
+        except Exception as exc:  # noqa: BLE001 - the reason is the answer
+            out[arch] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--probe"]:
-        print(json.dumps(probe()))
+    if argv[:1] == ["--probe"]:  # --probe [ARCH ...]: the engine, and whether it builds these model classes
+        info = probe()
+        if argv[1:] and "vllm" in info:
+            info["model_classes"] = model_classes(argv[1:])
+        print(json.dumps(info))
         return 0
     if len(argv) != 2:
         print("usage: python -m pipeline.serving.worker JOB.json RESULT.json | --probe", file=sys.stderr)

