@@ -95,7 +95,7 @@ def serve_command(target: str, repo_id: str, info: dict[str, Any]) -> str:
     k = settings.get("num_speculative_tokens")
     if k is None:  # no config.json to read it from: the block size the card states, else said to be unknown
         k = info["block_size"] - 1 if info.get("block_size") else "<block size - 1>"
-    return command.serve_command(target, repo_id, k, bool(settings.get("quantized")), info.get("target_revision"))
+    return command.serve_command(target, repo_id, k, bool(settings.get("quantized")), settings.get("revision"))
 
 
 def _calibration_lines(c: dict[str, Any]) -> list[str]:

@@ -202,7 +202,8 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
     verifier = (ckpt.get("speculators_config") or {}).get("verifier") or {}
     pc = cfg.publish
     # a drafter calibrated on a quantized target is published for that target (_published_target)
-    target = (_published_target(cfg, rd, variant) or pc.target_model or hub_id(cfg.target.path)
+    published_for = _published_target(cfg, rd, variant)
+    target = (published_for or pc.target_model or hub_id(cfg.target.path)
               or verifier.get("name_or_path") or cfg.target.path)
     return {
         "repo_id": repo_id, "variant": variant, "run_name": cfg.run_name,
@@ -213,7 +214,9 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "block_size": ckpt.get("block_size"),
         "family": "DFlash2" if "DFlash2DraftModel" in (ckpt.get("architectures") or []) else "DFlash",
         # the serving command's drafter settings, read from the published checkpoint as every command reads them
-        "serving_command": dict(zip(("num_speculative_tokens", "quantized"), command.drafter_settings(folder))),
+        "serving_command": {**dict(zip(("num_speculative_tokens", "quantized"), command.drafter_settings(folder))),
+                            # the configured target's pinned revision; a quantized target's repo has its own
+                            "revision": None if published_for else cfg.target.revision},
         "aux_layer_ids": ckpt.get("aux_hidden_state_layer_ids") or (cal.cache.aux_layer_ids if cal and cal.cache
                                                                      else None),
         "calibration": {"num_samples": q.get("num_samples"), "anchors": q.get("anchors_per_sequence"),
