@@ -519,7 +519,8 @@ def variant_speed_words(speed: dict | None, variant: str) -> str | None:
                    and r["drafter"] == variant and r["linear_backend"] == "auto")
         words = (f"with `{a['target']}` at batch {a['batch']}: step {mine:+.2f} ms over the target alone"
                  + (f" (bf16 drafter {a['bf16_overhead_ms']:+.2f} ms)" if a["bf16_overhead_ms"] is not None
-                    and variant != "bf16" else "") + f", {row[a['by']]:.2f}x")
+                    and variant != "bf16" else "")
+                 + f", {'estimated' if a['by'] == 'speedup_estimated' else 'measured'} speedup {row[a['by']]:.2f}x")
         words += ", the fastest measured" if a["best"] == variant else f"; fastest measured: `{a['best']}` ({a['best_speedup']:.2f}x)"
         parts.append(words)
     if not parts:
