@@ -223,7 +223,8 @@ def recommendation_section(results: dict) -> list[str]:
                    f"| {r['why']} |")
     out += ["", "Caveats: τ is measured here by the reference loop (`serve-check`, when run, appends vLLM's own τ "
             "below; a variant it fails is not shippable whatever this table says); speed is not part of the rule "
-            "(a 4-bit drafter's gain is memory and bandwidth, measured in docs/benchmarks.md, not here); on the "
+            "(where serve-check timed the engines on a GPU, `serve.speed=true`, its speed section below names the "
+            "fastest pair per target and batch; the H200 figures at 8B shapes are in docs/benchmarks.md); on the "
             "tiny world the differences are a few percent and depend on the CPU the run was made on.", ""]
     return out
 
