@@ -325,10 +325,14 @@ def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num
     tlc = config.get("transformer_layer_config") or {}
     layer_types = tlc.get("layer_types") or []
     sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-    if sliding:
+    flag, is_causal = config.get("sliding_window_non_causal"), tlc.get("is_causal")
+    # a DFlash2 drafter read by a range where `is_causal: false` decides: every layer keeps its own window and is
+    # served non-causally as written (0.32.0 model_executor/models/qwen3_dflash.py:86-97, :120-180; a mix of
+    # sliding and full layers needs the V2 runner, :153-161, which DFlash2 forces); z-lab's Qwen3.8-27B-DFlash2
+    windowed_ok = config.get("speculators_model_type") == "dflash2" and prof.reads_is_causal and is_causal is False
+    if sliding and not windowed_ok:
         problems.append(f"layers {sliding} are sliding-window layers, which {where} serves with one causality "
                         "flag for every layer")
-    flag, is_causal = config.get("sliding_window_non_causal"), tlc.get("is_causal")
     if prof.reads_is_causal and is_causal is not None and is_causal is not False:
         problems.append(f"transformer_layer_config.is_causal is {is_causal!r}: {where} serves every draft layer "
                         f"causally ({prof.cites['is_causal']}); DFlash layers are non-causal")

@@ -562,6 +562,10 @@ def _draft_block(model, probe: dict) -> dict:
             "unary": unary.float(), "path": torch.tensor(path), "path_scores": torch.stack(scores).float()}
 
 
+class _Built(Exception):
+    """A meta-device build is done once the module list is read."""
+
+
 def run_dflash2_load(job: dict) -> dict:
     """Build vLLM's own DFlash2 model class for `job["drafter"]` beside `job["target"]` (a real VllmConfig, a
     world of one on gloo, CPU), run its `load_weights` over every tensor of the checkpoint, and report: tensors
@@ -619,11 +623,16 @@ def run_dflash2_load(job: dict) -> dict:
             # the checkpoint's files into the model's own load_weights, then process_weights_after_loading
             loader = get_model_loader(config.load_config)
             stage = "build"
-            with set_default_torch_dtype(draft.dtype), torch.device("cpu"):
+            # `meta`: the class built at a checkpoint's real shapes with no weights (a config folder is enough)
+            with set_default_torch_dtype(draft.dtype), torch.device("meta" if job.get("meta") else "cpu"):
                 model = loader.create_model(vllm_config=config, model_config=draft)
             result["modules"] = _module_schemes(model, result["num_target_layers"])
             result["dtype"] = str(draft.dtype).removeprefix("torch.")
             result["quant_config"] = type(model.model.quant_config).__name__ if model.model.quant_config else None
+            result["parameters"] = sum(p.numel() for p in model.parameters())
+            if job.get("meta"):
+                result["meta"] = True
+                raise _Built
             result["checkpoint_tensors"] = 0
             for f in Path(job["drafter"]).glob("*.safetensors"):
                 with safe_open(str(f), framework="pt") as fh:
@@ -665,6 +674,9 @@ def run_dflash2_load(job: dict) -> dict:
                 save_file({k: v.contiguous() for k, v in out.items()}, job["probe_out"])
                 result["probe_out"] = job["probe_out"]
         result["no_engine"] = DFLASH2_NO_ENGINE.format(vllm=vllm.__version__, cls=cls.__name__)
+        result["ok"] = True
+    except _Built:  # a meta-device build: the module list is the result
+        result["no_engine"] = f"built by vLLM {vllm.__version__}'s DFlash2 model class on the meta device, no weights"
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the result file
         result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"

