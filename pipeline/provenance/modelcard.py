@@ -155,7 +155,7 @@ def _dflash2_lines(family: str) -> list[str]:
     if family != "DFlash2":
         return []
     return ["- DFlash2: every convolution's `kernel_projection` and the candidate selector's `hidden_projection` "
-            "stay dense (named in `ignore` under specquant's and vLLM's module names); the convolutions' "
+            "stay dense (`config.json`'s `ignore` names each under specquant's and vLLM's module names); the convolutions' "
             "`base_kernel` and the selector's codebooks are not Linear layers and are stored unquantized"]
 
 
