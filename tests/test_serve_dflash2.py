@@ -223,3 +223,118 @@ def test_quantized_qkv_for_a_pre_032_range_is_refused_before_any_work(world):
         assert any("needs a dense qkv_proj for the DFlash context-KV precompute" in p for p in old)
     finally:
         shutil.rmtree(_drafters(world) / "nvfp4a16-qkv")
+
+
+# ---------------------------------------------------------------- z-lab/Qwen3.8-27B-DFlash2 at its real shapes
+# ../shared/docs/stack.md section 3: the drafter (5 layers, all sliding-window 2048, hidden 5120, block 8, conv group
+# 16, 2 taps, selector rank 256, top-16, z-lab target_layer_ids 5/19/33/47/61) and its target Qwen3.8-27B (qwen3_5,
+# 64 layers, vocabulary 248,320). Not given there, ASSUMED here (they change sizes, not the module list): head
+# counts, head_dim, intermediate sizes, the DeltaNet head counts (48 value heads: docs/hybrid.md), the mask id.
+QWEN38 = {"hidden": 5120, "vocab": 248320, "target_layers": 64, "draft_layers": 5, "window": 2048, "block": 8,
+          "conv_group_size": 16, "conv_kernel_size": 2, "selector_rank": 256, "selector_top_k": 16,
+          "target_layer_ids": [5, 19, 33, 47, 61]}
+ASSUMED = {"heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 17408, "mask_token_id": 248077}
+
+
+def _qwen38_27b(root: Path) -> tuple[dict, list[str], Path]:
+    """The experiment's drafter as quantize-drafter would write it for vLLM 0.32+, from configs only (weights on the
+    meta device): (written config.json, the checkpoint's tensor names, a folder holding that config)."""
+    import torch
+
+    from pipeline.core.config import compose
+    from pipeline.models.dflash import DFlashDrafter
+    from pipeline.models.formats import speculators_config_dict
+    from pipeline.stages import quantize_drafter
+
+    q, a, t = QWEN38, ASSUMED, QWEN38["target_layers"]
+    target = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": q["hidden"],
+              "vocab_size": q["vocab"], "num_hidden_layers": t,
+              "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (t // 4),
+              "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 17408,
+              "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+              "linear_num_value_heads": 48, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+              "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
+              "rope_parameters": {"partial_rotary_factor": 0.25, "rope_theta": 1e7, "rope_type": "default"}}
+    drafter = {"architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": q["hidden"],
+               "vocab_size": q["vocab"], "num_hidden_layers": q["draft_layers"],
+               "layer_types": ["sliding_attention"] * q["draft_layers"], "sliding_window": q["window"],
+               "use_sliding_window": True, "num_attention_heads": a["heads"], "num_key_value_heads": a["kv_heads"],
+               "head_dim": a["head_dim"], "intermediate_size": a["intermediate"], "max_position_embeddings": 262144,
+               "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
+               "rope_parameters": {"rope_theta": 1e7, "rope_type": "default"}, "is_causal": False,
+               "block_size": q["block"], "num_target_layers": t,
+               "dflash_config": {"block_size": q["block"], "mask_token_id": a["mask_token_id"],
+                                 "target_layer_ids": q["target_layer_ids"], **{k: q[k] for k in (
+                                     "conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k")}}}
+    for name, conf in (("target", target), ("zlab", drafter)):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "config.json").write_text(json.dumps(conf))
+    cfg = compose(["experiment=qwen3.8-27b-dflash2-nvfp4", f"drafter.path={root / 'zlab'}",
+                   f"target.path={root / 'target'}", f"runs_root={root / 'runs'}"])
+    quant, ignore, dconf = quantize_drafter.validate(cfg)  # the stage's own checks before any weight
+    with torch.device("meta"):
+        model = DFlashDrafter(dconf)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and not contract.matches(n, [r"re:(.*\.)?lm_head$", r"re:(.*\.)?embed_tokens$"])]
+    names = [f"{n}.weight" if contract.matches(n, ignore) else f"{n}.weight_packed" for n in linears]
+    names += [n for n, _ in model.named_parameters() if n.endswith(("base_kernel", "_codebook"))]
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(str(quant.scheme).upper(), ["Linear"])},
+                            quant_method="compressed-tensors", format="nvfp4-pack-quantized").model_dump(
+        mode="json", exclude_none=True)
+    qc["ignore"] = contract.serving_ignore(ignore, list(quant.ignore), t)
+    dconf.verifier_name_or_path = str(cfg.target.path)
+    config = contract.written_config(speculators_config_dict(dconf, qc), contract.profile(quant.vllm))
+    (root / "drafter").mkdir(exist_ok=True)
+    (root / "drafter" / "config.json").write_text(json.dumps(config))
+    return config, names, root / "drafter"
+
+
+def test_qwen38_27b_dflash2_at_its_real_shapes_passes_the_contract(tmp_path):
+    config, names, _ = _qwen38_27b(tmp_path)
+    t, n = QWEN38["target_layers"], QWEN38["draft_layers"]
+    assert config["speculators_model_type"] == "dflash2" and config["transformer_layer_config"]["is_causal"] is False
+    assert contract.checkpoint_problems(config, names, t, "0.32+") == []
+    modules = contract.dflash2_modules(config, names, t)
+    quantized = sorted(k for k, m in modules.items() if m.get("scheme"))
+    assert quantized == sorted(["model.fc"] + [f"model.layers.{i + t}.{p}" for i in range(n)
+                                               for p in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")])
+    assert {m["scheme"] for m in modules.values() if m.get("scheme")} == {"CompressedTensorsW4A4Fp4"}
+    assert sum(k.endswith("kernel_projection") for k in modules) == 2 * n  # dense, named in ignore
+    # q/k/v dense and every kernel_projection in ignore: the 0.28-0.31 rules pass as well
+    assert contract.checkpoint_problems(config, names, t, "0.28-0.31") == []
+
+
+@needs_vllm
+def test_qwen38_27b_dflash2_module_list_equals_what_vllms_class_builds_on_the_meta_device(tmp_path):
+    """vLLM 0.32.0's DFlash2 class built at the real shapes on the meta device (no weights): its modules, by runtime
+    name and scheme, are the contract's. vLLM 0.34 was not available to run. The target beside it is a dense Qwen3
+    config of the target's depth, width and vocabulary: the DFlash2 class reads only those from the target, and
+    vLLM's CPU build cannot import its qwen3_5 model (torchvision is removed there, docs/serving.md)."""
+    import subprocess
+
+    from pipeline.stages import serve_check
+
+    config, names, drafter = _qwen38_27b(tmp_path)
+    q, t = QWEN38, QWEN38["target_layers"]
+    stand_in = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": q["hidden"],
+                "vocab_size": q["vocab"], "num_hidden_layers": t, "num_attention_heads": 24, "num_key_value_heads": 4,
+                "head_dim": 256, "intermediate_size": 17408, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+                "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16"}
+    (tmp_path / "stand-in").mkdir()
+    (tmp_path / "stand-in" / "config.json").write_text(json.dumps(stand_in))
+    job = {"kind": "dflash2_load", "name": "qwen3.8-27b", "meta": True, "target": str(tmp_path / "stand-in"),
+           "drafter": str(drafter), "dtype": "bfloat16", "num_speculative_tokens": q["block"] - 1,
+           "max_model_len": 4096}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    subprocess.run([VLLM, "-m", "pipeline.serving.worker", str(tmp_path / "job.json"), str(tmp_path / "r.json")],
+                   env=serve_check.worker_env(serve_check.probe(VLLM)), cwd=str(_support.REPO), capture_output=True,
+                   timeout=600)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["ok"] and result["meta"], result.get("error")
+    assert result["model_class"].endswith("DFlash2Qwen3ForCausalLM") and result["num_target_layers"] == t
+    assert result["dflash_config"]["conv_group_size"] == q["conv_group_size"]
+    expected = contract.dflash2_modules(config, names, t)
+    assert set(result["modules"]) == set(expected)
+    assert contract.compare_dflash2_modules(expected, result["modules"], "bfloat16") == []
