@@ -81,3 +81,16 @@ def test_a_target_not_downloaded_names_the_download_before_any_work(where, tmp_p
     local = f" --local-dir {cfg.target.path}" if where == "downloads" else ""
     assert f"`hf download {cfg.publish.target_model} --revision {cfg.target.revision}{local}`" in err, err
     assert not (tmp_path / "runs").exists()  # refused before anything is written
+
+
+def test_a_downloads_directory_not_yet_made_is_named_as_one(tmp_path, monkeypatch):
+    """The quickstart points drafter.path at downloads/<name> before the download: the sentence says to download
+    into that directory, never `hf download downloads/...` as if it were a Hub id."""
+    from pipeline.models.layout import not_local
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecquantError) as e:
+        not_local("downloads/Qwen3-8B-DFlash-b16")
+    msg = str(e.value)
+    assert msg.startswith("`drafter.path` = 'downloads/Qwen3-8B-DFlash-b16': no such directory")
+    assert "--local-dir downloads/Qwen3-8B-DFlash-b16" in msg and "hf download downloads/" not in msg

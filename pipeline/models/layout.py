@@ -135,6 +135,10 @@ def not_local(path: str, field: str = "drafter.path") -> None:
     name = str(path).rsplit("/", 1)[-1]
     if not hub_id(path):
         raise bad_value(field, path, "no such directory", "point it at a drafter checkpoint directory")
+    if str(path).split("/", 1)[0] == "downloads":  # the quickstart's directory-to-be, not a Hub id
+        raise bad_value(field, path, "no such directory (nothing is downloaded at run time)",
+                        f"download the drafter into it first: `hf download <the drafter's Hub id, e.g. "
+                        f"z-lab/{name}> --local-dir {path}` (docs/quickstart.md, step 1)")
     try:
         snapshot = local_snapshot(path)
     except LookupError:
