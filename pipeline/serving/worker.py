@@ -28,6 +28,11 @@ drafts per sequence for a pair, tokens - 1 alone), ms per step, decode tokens/s,
 Also the bytes of weights each model holds on the GPU and the peak memory. The worker measures; the
 speedup over the target alone is the stage's arithmetic (`verdict.speed_rows`). On the CPU build the
 speed block is skipped and said so (`speed: {"measured": false, ...}`).
+
+DFlash2 (`job["kind"] == "dflash2_load"`, `run_dflash2_load`): no engine (vLLM 0.32's V1 runner refuses DFlash2,
+its V2 runner needs Triton): vLLM's own DFlash2 model class built from a real VllmConfig and loaded through the
+engine's loader, its modules and schemes reported, one draft block run through them (`job["probe"]` in,
+`job["probe_out"]` out); `job["meta"]`: built on the meta device at a checkpoint's real shapes, nothing loaded.
 """
 
 from __future__ import annotations
@@ -527,8 +532,9 @@ class _TorchBlockAttention:  # bound as the Attention module's forward (the modu
 
 
 def _draft_block(model, probe: dict) -> dict:
-    """One draft block through vLLM's DFlash2 modules: fc, the context K/V as `precompute_and_store_context_kv`
-    computes them, the decoder layers (convolutions included) with the attention in torch, the final norm, the
+    """One draft block through vLLM's DFlash2 modules: fc, the context K/V with the math of
+    `precompute_and_store_context_kv` through each layer's own modules (hidden_norm, qkv_proj, k_norm, rotary_emb;
+    its fused CPU path differed by 5% in float32, docs/serving.md), the decoder layers (convolutions included) with the attention in torch, the final norm, the
     target head, top-K candidates (`compute_candidates`), the selector's edge scores, and the greedy path over
     them (the engine's own path walk lives in its V2 speculator, GPU only)."""
     import torch
