@@ -106,7 +106,11 @@ all: setup
 	@run_dir=$$($(PYTHON) -m pipeline run-dir $(ARGS)) && $(PYTHON) -m pipeline verify $$run_dir && \
 	echo "specquant: all stages done; outputs are in $$run_dir (eval/report.md, drafter/, target/, provenance/)"
 ifneq ($(and $(DFLASH2_QUANTS),$(if $(findstring experiment=,$(ARGS)),,1)),)
+ifneq ($(findstring run_name=,$(ARGS)),)
+	@echo "specquant: the DFlash2 run skipped (ARGS sets run_name, which it would share): run it with ARGS=\"experiment=tiny-dflash2 run_name=<another name>\""
+else
 	$(MAKE) --no-print-directory all ARGS="experiment=tiny-dflash2 $(ARGS)" DRAFTER_QUANTS="$(DFLASH2_QUANTS)" PAIR_TARGET= QUANTIZE_TARGET= DFLASH2_QUANTS=
+endif
 endif
 
 # one release of a drafter: `make all` with only RELEASE_QUANTS, no quantize-target, no served pair (its
