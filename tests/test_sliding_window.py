@@ -191,3 +191,23 @@ def test_vllms_dflash2_class_drafts_the_same_windowed_block(full, tmp_path):
     scale = max(1.0, ours.abs().max().item())
     assert (vllm_logits - ours).abs().max().item() / scale <= 1e-3
     assert (vllm_logits - dense).abs().max().item() / scale > 1e-2  # vLLM's class applied the window too
+
+
+def test_zlab_window_fields_read_as_vllm_reads_them():
+    """z-lab's dflash_config.swa_window_size wins over sliding_window (as in vLLM); use_swa without sliding
+    layer_types is refused in one sentence (vLLM would window every layer)."""
+    from pipeline.core.errors import SpecquantError
+    from pipeline.models.layout import config_from_zlab
+
+    d = json.loads((REPO / "tests" / "fixtures" / "dflash2" / "zlab" / "checkpoint" / "config.json").read_text())
+    n = d["num_hidden_layers"]
+    d.update(layer_types=["sliding_attention"] * n, sliding_window=2 * d["dflash_config"]["block_size"])
+    assert config_from_zlab(d)["sliding_window"] == d["sliding_window"]
+    d["dflash_config"]["swa_window_size"] = d["sliding_window"] + 1
+    assert config_from_zlab(d)["sliding_window"] == d["sliding_window"] + 1
+    d["dflash_config"]["use_swa"] = True
+    config_from_zlab(d)  # layer_types already names the sliding layers
+    d["layer_types"] = ["full_attention"] * n
+    with pytest.raises(SpecquantError, match=r"^`drafter\.dflash_config\.use_swa` = True.*layer_types") as exc:
+        config_from_zlab(d)
+    assert "\n" not in str(exc.value)
