@@ -8,6 +8,9 @@ One model, two entry points sharing every layer:
 - `forward(**batch)`: many anchored blocks of a cached sequence at once with a block mask, so
   calibration activations match serving (batches come from `pipeline.models.calibration`).
 
+A `sliding_attention` layer (config `layer_types`, `sliding_window`) narrows both paths' masks to vLLM's window for
+a non-causal draft layer (`DFlashDrafter.layer_masks`); full-attention layers keep exactly the mask they had.
+
 `embed_tokens` and `lm_head` belong to the target: they are attached at load time and never
 saved (see `_keys_to_ignore_on_save`). Every projection is a plain `nn.Linear`, because
 compressed-tensors compresses only exact `nn.Linear` modules.
