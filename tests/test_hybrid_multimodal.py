@@ -141,3 +141,10 @@ def test_quantize_target_keeps_vision_tower_and_mtp_head_unchanged(tmp_path, wra
     assert quantized_prefixes == expect
     written = json.loads((out / "config.json").read_text())
     assert written["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    # vLLM builds the vision tower with the checkpoint's quant config: it stays dense because the ignore list
+    # names every one of its Linears (and both DeltaNet gates of each fused in_proj_ba)
+    ignore = set(written["quantization_config"]["ignore"])
+    visual = {k.rsplit(".", 1)[0] for k in kept if k.startswith("model.visual.") and k.endswith(".weight")}
+    model = targets.model_class(conf).from_config(conf)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert visual & linears and visual & linears <= ignore
