@@ -148,3 +148,14 @@ def test_quantize_target_keeps_vision_tower_and_mtp_head_unchanged(tmp_path, wra
     model = targets.model_class(conf).from_config(conf)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert visual & linears and visual & linears <= ignore
+
+
+def test_serving_worker_reads_the_head_of_either_layout(wrapped):
+    """The vLLM worker's `_target_head` (what a DFlash drafter borrows in the engine) finds the text tower's
+    embedding and head in the wrapper, never the MTP head's, equal to the text-only checkpoint's."""
+    from pipeline.serving.worker import _target_head
+
+    got, ref = _target_head(str(wrapped)), _target_head(str(TEXT))
+    assert set(got) == set(ref) == {"embed_tokens", "lm_head"}
+    for k in got:
+        assert torch.equal(got[k], ref[k]), k
