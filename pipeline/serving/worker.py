@@ -495,15 +495,26 @@ def _module_schemes(model, num_target_layers: int) -> dict[str, dict]:
 
 
 def _target_head(target: str) -> dict:
-    """The target's embed_tokens / lm_head tensors (a DFlash drafter borrows both; the engine shares them)."""
+    """The target's embed_tokens / lm_head tensors (a DFlash drafter borrows both; the engine shares them),
+    under the names its layout stores them (`pipeline.models.targets.tensor_names`: `model.` or a multimodal
+    wrapper's `model.language_model.`)."""
+    import json
+
     from safetensors import safe_open
 
+    from pipeline.models.targets import tensor_names
+
+    names = tensor_names(json.loads((Path(target) / "config.json").read_text(encoding="utf-8")))
+    wanted = {names["embed"]: "embed_tokens", names["lm_head"]: "lm_head"}
     found = {}
     for f in sorted(Path(target).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
-                if k.endswith(("embed_tokens.weight", "lm_head.weight")) and "mtp" not in k and "visual" not in k:
-                    found["lm_head" if k.endswith("lm_head.weight") else "embed_tokens"] = fh.get_tensor(k)
+                if k in wanted:
+                    found[wanted[k]] = fh.get_tensor(k)
+                elif k.endswith(("embed_tokens.weight", "lm_head.weight")) and not k.startswith(("mtp.", "model.visual.")):
+                    # another prefix (a base model saved alone): by suffix, never the MTP head's or vision tower's
+                    found.setdefault("lm_head" if k.endswith("lm_head.weight") else "embed_tokens", fh.get_tensor(k))
     if "lm_head" not in found and "embed_tokens" in found:  # tied head
         found["lm_head"] = found["embed_tokens"]
     return found
