@@ -147,11 +147,11 @@ def test_quantize_target_gptq_and_nvfp4a16_on_the_hybrid_then_evaluate_is_lossle
 
     from pipeline.core.io import read_json
     from pipeline.stages import evaluate, quantize_target
-    from tests.test_hybrid_target import _samples
+    from tests._support import random_samples
 
     conf = AutoConfig.from_pretrained(TARGET)
     run = tmp_path / "run"
-    _samples(run, conf.vocab_size, n=6, max_len=64)
+    random_samples(run, conf.vocab_size, n=6, max_len=64)
     base = ["experiment=tiny-hybrid", f"run_dir={run}"]
     result = quantize_target.run(compose([*base, f"target_quant={preset}", "target_quant.num_samples=4",
                                           "target_quant.max_seq_len=64"]))

@@ -56,7 +56,7 @@ def wrapped(tmp_path_factory) -> Path:
 
 
 def _samples(run: Path, vocab: int):
-    from tests.test_hybrid_target import _samples as write
+    from tests._support import random_samples as write
 
     return write(run, vocab, n=6, max_len=48)
 
