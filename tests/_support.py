@@ -648,3 +648,16 @@ def dflash2_w4a16_group() -> int:
     g = dflash2_geometry()
     return math.gcd(128, g["hidden"], g["intermediate"], g["heads"] * g["head_dim"],
                     len(g["zlab_target_layer_ids"]) * g["hidden"])
+
+
+def random_samples(run_dir: Path, vocab: int, n: int = 6, max_len: int = 40) -> list[dict]:
+    """n seeded random-id samples (3..max_len tokens, loss on every token) written as run_dir/data/: a calibration
+    set for stages that only need the format (the hybrid target tests)."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(n):
+        t = int(torch.randint(3, max_len, (1,), generator=g))
+        samples.append({"id": f"syn/{i}", "source": "syn", "input_ids": torch.randint(0, vocab, (t,), generator=g).tolist(),
+                        "loss_mask": [1] * t})
+    write_samples(run_dir / "data", samples, max_seq_len=max_len)
+    return samples

@@ -101,8 +101,12 @@ def test_head_dims_consistent():
 
 
 @pytest.mark.faults("bad_input")
-def test_sliding_window_layers_refused():
-    fails("drafter.layer_types", drafter(layer_types=["sliding_attention"] + ["full_attention"] * (G["layers"] - 1)))
+def test_sliding_window_layers_need_a_window():
+    kinds = ["sliding_attention"] + ["full_attention"] * (G["layers"] - 1)
+    assert "positive window" in fails("drafter.sliding_window", drafter(layer_types=kinds))
+    fails("drafter.sliding_window", drafter(layer_types=kinds, sliding_window=0))
+    fails("drafter.layer_types", drafter(layer_types=["linear_attention"] + kinds[1:]))
+    check_compatible(drafter(layer_types=kinds, sliding_window=G["block_size"]), TARGET)  # a window: accepted
 
 
 @pytest.mark.faults("bad_input")

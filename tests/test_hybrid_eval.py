@@ -122,3 +122,52 @@ def test_serve_check_says_in_one_sentence_when_vllm_cannot_build_the_hybrid_targ
     assert sentence.count(". ") == 0 and "bf16, w4a16" in sentence and arch in sentence
     assert info["model_classes"][arch] in sentence
     assert serve_check.unbuildable_targets(info, {"bf16": REPO / "assets" / "tiny" / "target"}) is None
+
+
+def _expected_quantized(conf) -> set[str]:
+    """docs/hybrid.md's table: DeltaNet in_proj_qkv / in_proj_z / out_proj, attention q/k/v/o, MLP; from the
+    config's layer mix."""
+    from pipeline.models import targets
+
+    names = set()
+    for i, kind in enumerate(targets.layer_types(conf)):
+        mixer = (["linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"]
+                 if kind == "linear_attention" else [f"self_attn.{p}_proj" for p in "qkvo"])
+        names |= {f"model.layers.{i}.{m}" for m in mixer + ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]}
+    return names
+
+
+@pytest.mark.parametrize("preset", ["w4a16-gptq", "nvfp4a16"])
+def test_quantize_target_gptq_and_nvfp4a16_on_the_hybrid_then_evaluate_is_lossless(tmp_path, preset):
+    """GPTQ through llm-compressor's sequential pipeline (one Qwen3_5DecoderLayer per subgraph: the Gated
+    DeltaNet runs eagerly inside it, untraced) and data-free NVFP4A16 on the trained tiny hybrid target: the
+    documented modules quantized, the gates dense and bit-equal; evaluate with that target stays lossless."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from pipeline.core.io import read_json
+    from pipeline.stages import evaluate, quantize_target
+    from tests._support import random_samples
+
+    conf = AutoConfig.from_pretrained(TARGET)
+    run = tmp_path / "run"
+    random_samples(run, conf.vocab_size, n=6, max_len=64)
+    base = ["experiment=tiny-hybrid", f"run_dir={run}"]
+    result = quantize_target.run(compose([*base, f"target_quant={preset}", "target_quant.num_samples=4",
+                                          "target_quant.max_seq_len=64"]))
+    assert result["algorithm"] == ("gptq" if "gptq" in preset else "rtn") and result["scheme"] in preset
+    assert result["num_calibration_samples"] == (4 if "gptq" in preset else 0)
+    quantized = set(read_json(run / "checks" / f"target-{preset}.json")["weight_error"])
+    assert quantized == _expected_quantized(conf)
+    out = run / "target" / preset
+    with safe_open(str(out / "model.safetensors"), "pt") as got, safe_open(str(TARGET / "model.safetensors"), "pt") as src:
+        for k in src.keys():
+            if any(p in k for p in ("in_proj_a", "in_proj_b", "conv1d", "A_log", "dt_bias", "norm", "lm_head", "embed")):
+                assert torch.equal(got.get_tensor(k).float(), src.get_tensor(k).float()), k
+    limit = 2
+    res = evaluate.run(compose([*base, f"eval.target_variant={preset}", f"eval.limit={limit}",
+                                "eval.max_new_tokens=32", "eval.include_source=false"]))
+    assert res["lossless"] is True
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert all(s["num_prompts"] == limit for s in results["subsets"])
+    assert all(v == 0 for v in results["variants"]["bf16"]["lossless_mismatches"].values())

@@ -12,7 +12,7 @@ import torch
 
 from pipeline.core.config import compose
 from pipeline.core.errors import SpecquantError
-from tests._support import DRAFTER, one_thread, write_samples  # noqa: F401  (one_thread: autouse)
+from tests._support import DRAFTER, one_thread, random_samples  # noqa: F401  (one_thread: autouse)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_TOKENIZER = REPO / "assets" / "tiny" / "target"
@@ -34,17 +34,6 @@ def hybrid(tmp_path_factory) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
-
-
-def _samples(run_dir: Path, vocab: int, n: int = 6, max_len: int = 40) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for i in range(n):
-        t = int(torch.randint(3, max_len, (1,), generator=g))
-        samples.append({"id": f"syn/{i}", "source": "syn", "input_ids": torch.randint(0, vocab, (t,), generator=g).tolist(),
-                        "loss_mask": [1] * t})
-    write_samples(run_dir / "data", samples, max_seq_len=max_len)
-    return samples
 
 
 def test_family_registry_reads_the_layer_mix(hybrid):
@@ -70,7 +59,7 @@ def test_cached_states_equal_output_hidden_states(tmp_path, hybrid):
     conf = AutoConfig.from_pretrained(hybrid)
     n = conf.num_hidden_layers
     ids = list(range(n + 1))  # embeddings, every decoder layer's output (DeltaNet and attention), final norm
-    samples = _samples(tmp_path, conf.vocab_size)
+    samples = random_samples(tmp_path, conf.vocab_size)
     cache.run(compose([f"run_dir={tmp_path}", f"target.path={hybrid}", f"drafter.path={TINY_DRAFTER}",
                        "cache.samples_per_shard=3", "cache.batch_tokens=64", "cache.storage_dtype=float32",
                        f"cache.aux_layer_ids=[{','.join(map(str, ids))}]"]))
@@ -176,7 +165,7 @@ def test_cache_refuses_aux_layers_past_the_hybrid_depth_in_one_sentence(tmp_path
     from pipeline.stages import cache
 
     n = AutoConfig.from_pretrained(hybrid).num_hidden_layers
-    _samples(tmp_path, 16, n=2)
+    random_samples(tmp_path, 16, n=2)
     with pytest.raises(SpecquantError) as exc:
         cache.run(compose([f"run_dir={tmp_path}", f"target.path={hybrid}", f"drafter.path={TINY_DRAFTER}",
                            f"cache.aux_layer_ids=[1,{n + 1}]"]))

@@ -92,6 +92,11 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | Path, *, prepare: Callable
         compressor = ModelCompressor(quantization_config=q)
         compressor.compress_model(model)  # the packed layout, to receive the checkpoint's tensors
     state = load_tensors(ckpt_dir, next(model.parameters()).device)
+    if getattr(model, "config", None) is not None:
+        from pipeline.models.targets import carried
+
+        # tensors of parts no transformers class loads (a Qwen3.5 checkpoint's MTP head), carried unchanged
+        state = {k: v for k, v in state.items() if not carried(k, model.config)}
     result = model.load_state_dict(state, strict=False)
     del state
     missing = [k for k in result.missing_keys if not _may_be_missing(k, allow_missing)]

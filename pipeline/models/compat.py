@@ -52,10 +52,16 @@ def _check_shapes(d, err) -> None:
                   "fix the drafter config's head counts")
     if not hd or hd % 2:
         raise err("head_dim", hd, "RoPE needs an even, positive head dimension", "fix the drafter config's head_dim")
-    sliding = [i for i, t in enumerate(getattr(d, "layer_types", None) or []) if t != "full_attention"]
-    if sliding:
-        raise err("drafter.layer_types", d.layer_types, f"layers {sliding} use sliding-window attention, which this "
-                  "drafter implementation does not support", "use a drafter with full-attention layers only")
+    kinds = list(getattr(d, "layer_types", None) or [])
+    other = [i for i, t in enumerate(kinds) if t not in ("full_attention", "sliding_attention")]
+    if other:
+        raise err("drafter.layer_types", kinds, f"layers {other} are neither full_attention nor sliding_attention, "
+                  "which this drafter implementation does not support", "use a drafter with attention layers only")
+    window = getattr(d, "sliding_window", None)
+    sliding = [i for i, t in enumerate(kinds) if t == "sliding_attention"]
+    if sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise err("drafter.sliding_window", window, f"layers {sliding} are sliding_attention layers and need a "
+                  "positive window size", "set the drafter config's sliding_window (z-lab's DFlash2 drafters use 2048)")
 
 
 def _check_hidden(d, t, err) -> None:

@@ -8,6 +8,9 @@ One model, two entry points sharing every layer:
 - `forward(**batch)`: many anchored blocks of a cached sequence at once with a block mask, so
   calibration activations match serving (batches come from `pipeline.models.calibration`).
 
+A `sliding_attention` layer (config `layer_types`, `sliding_window`) narrows both paths' masks to vLLM's window for
+a non-causal draft layer (`DFlashDrafter.layer_masks`); full-attention layers keep exactly the mask they had.
+
 `embed_tokens` and `lm_head` belong to the target: they are attached at load time and never
 saved (see `_keys_to_ignore_on_save`). Every projection is a plain `nn.Linear`, because
 compressed-tensors compresses only exact `nn.Linear` modules.
@@ -134,6 +137,8 @@ class DFlashConfig(PretrainedConfig):
 
 
 AutoConfig.register(MODEL_TYPE, DFlashConfig)
+
+SLIDING = "sliding_attention"  # the `layer_types` entry of a sliding-window layer (transformers, vLLM)
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
@@ -396,11 +401,47 @@ class DFlashDrafter(PreTrainedModel):
             aux_hidden = aux_hidden.flatten(2)
         return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
 
-    def _run_layers(self, x, ctx, rope_q, rope_kv, mask=None, cache=None, block=None):
-        for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, mask, cache) if block is None else \
-                layer(x, ctx, rope_q, rope_kv, mask, cache, block)
+    def _run_layers(self, x, ctx, rope_q, rope_kv, mask=None, cache=None, block=None, positions=None):
+        """`positions` (query positions [B, Q], key positions [B, K]) lets sliding-window layers narrow `mask`
+        (`layer_masks`); full-attention layers get `mask` itself."""
+        masks = self.layer_masks(mask, *positions) if positions is not None else [mask] * len(self.layers)
+        for layer, layer_mask in zip(self.layers, masks, strict=True):
+            x = layer(x, ctx, rope_q, rope_kv, layer_mask, cache) if block is None else \
+                layer(x, ctx, rope_q, rope_kv, layer_mask, cache, block)
         return self.norm(x)
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), from `layer_types` and `sliding_window`."""
+        kinds = self.config.layer_types or ["full_attention"] * len(self.layers)
+        return [int(self.config.sliding_window) if kind == SLIDING else None for kind in kinds]
+
+    def layer_masks(self, mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor) -> list:
+        """The attention mask of every layer: `mask` (None or bool [B|1, 1, Q, K], True = may attend) for a
+        full-attention layer, unchanged, so full layers compute exactly what they did before windows existed;
+        for a sliding-window layer of window w, `mask` and |q_pos - k_pos| < w (positions [B, Q] and [B, K]).
+
+        The window is vLLM's for a non-causal DFlash draft layer: FlashAttention keeps `(sliding_window - 1, 0)`
+        (vllm 0.32 v1/attention/backends/flash_attn.py:1079-1082) and makes it symmetric, `(w - 1, w - 1)`, when
+        the attention is non-causal (`_maybe_symmetrize_window`, flash_attn.py:581-592, used at :661 and :1315);
+        the draft layers get their window and `causal=False` from `_resolve_layer_attention`
+        (models/qwen3_dflash.py:86-97, :120-180; a DFlash2 drafter is written `is_causal: false`). So a query at
+        position p sees keys at positions p - w < k < p + w: the last w positions including its own, and the
+        block rows after it within w. A window that hides nothing leaves `mask` as it is (bit-identical output).
+        """
+        out, cache = [], {}
+        for window in self.layer_windows():
+            if window is None:
+                out.append(mask)
+                continue
+            if window not in cache:
+                near = (q_pos[:, :, None] - k_pos[:, None, :]).abs() < window  # [B, Q, K]
+                if bool(near.all()):
+                    cache[window] = mask
+                else:
+                    near = near[:, None].to(q_pos.device)
+                    cache[window] = near if mask is None else mask.to(near.device) & near
+            out.append(cache[window])
+        return out
 
     def draft_block(self, aux_hidden: torch.Tensor, block_ids: torch.Tensor, position_ids: torch.Tensor,
                     cache: DraftKVCache | None = None) -> torch.Tensor:
@@ -428,9 +469,14 @@ class DFlashDrafter(PreTrainedModel):
         n_ctx = ctx.shape[1]
         cos, sin = self.rotary_emb(x, position_ids)
         rope_q = (cos[:, n_ctx:], sin[:, n_ctx:])
-        start = (len(cache) if cache is not None else 0) + n_ctx
+        cached = len(cache) if cache is not None else 0
+        start = cached + n_ctx
+        positions = None
+        if any(w is not None for w in self.layer_windows()):  # the cache holds positions 0 .. cached - 1
+            before = torch.arange(cached, device=position_ids.device).expand(position_ids.shape[0], -1)
+            positions = (position_ids[:, n_ctx:], torch.cat([before, position_ids], 1))
         hidden = self._run_layers(x, ctx, rope_q, (cos, sin), None, cache,
-                                  x.shape[1] if self.config.has_conv else None)
+                                  x.shape[1] if self.config.has_conv else None, positions)
         if cache is not None:
             cache.crop(start)
         return hidden
@@ -461,8 +507,11 @@ class DFlashDrafter(PreTrainedModel):
         cos_q, sin_q = self.rotary_emb(x, block_pos[None])
         rope_kv = (torch.cat([cos_c, cos_q], 1), torch.cat([sin_c, sin_q], 1))
         mask = block_attention_mask(document_ids[0], anchors, bs)
+        positions = None
+        if any(w is not None for w in self.layer_windows()):  # keys: the context rows, then the block rows
+            positions = (block_pos[None], torch.cat([position_ids.reshape(1, -1), block_pos[None]], 1))
         hidden = self._run_layers(x, ctx, (cos_q, sin_q), rope_kv, mask[None, None].to(x.device),
-                                  block=bs if self.config.has_conv else None)
+                                  block=bs if self.config.has_conv else None, positions=positions)
         logits = self.lm_head(hidden)
         if not (select and self.config.has_selector):
             return DFlashOutput(logits=logits, hidden_states=hidden)

@@ -209,7 +209,10 @@ def target_head_weights(target: Any, device: str | torch.device | None = None,
         return target.get_input_embeddings().weight, target.get_output_embeddings().weight
     p = Path(target)
     cfg = read_json(p / "config.json", "target.path") if (p / "config.json").is_file() else {}
-    names = {"model.embed_tokens.weight", "lm_head.weight"}
+    from pipeline.models.targets import tensor_names, text_config
+
+    want = tensor_names(cfg)
+    names = {want["embed"], want["lm_head"]}
     if not p.is_dir():
         raise bad_value("target.path", str(target), "it is not a local directory",
                         "download the target first or pass a loaded model")
@@ -217,14 +220,14 @@ def target_head_weights(target: Any, device: str | torch.device | None = None,
 
     check_shard_index(p, "target.path")  # a missing shard is named, not mistaken for a missing tensor
     t = read_tensors(p, names, field="target.path", device=device)
-    if "model.embed_tokens.weight" not in t:
-        raise bad_value("target.path", str(target), "its weights have no `model.embed_tokens.weight`",
-                        "point it at a Qwen3-style causal LM checkpoint")
-    embed = t["model.embed_tokens.weight"]
-    head = t.get("lm_head.weight")
+    if want["embed"] not in t:
+        raise bad_value("target.path", str(target), f"its weights have no `{want['embed']}`",
+                        "point it at a Qwen3-style causal LM checkpoint (or a Qwen3.5 multimodal one)")
+    embed = t[want["embed"]]
+    head = t.get(want["lm_head"])
     if head is None:
-        if not cfg.get("tie_word_embeddings", False):
-            raise bad_value("target.path", str(target), "its weights have no `lm_head.weight`",
+        if not (cfg.get("tie_word_embeddings") or text_config(cfg).get("tie_word_embeddings", False)):
+            raise bad_value("target.path", str(target), f"its weights have no `{want['lm_head']}`",
                             "point it at a complete causal LM checkpoint")
         head = embed
     if dtype is not None:  # each cast on its own, as Module.to casts each parameter (a tied pair stays

@@ -92,7 +92,16 @@ def config_from_zlab(d: dict, path: str = "") -> dict:
     if "DFlash2DraftModel" in (d.get("architectures") or []) and not extra:
         raise bad_value("drafter.path", path, "its architecture is DFlash2DraftModel but its dflash_config has no "
                         f"{', '.join(DFLASH2_FIELDS)}", "re-export the drafter with its DFlash2 fields")
-    return dict(**_layer_fields(d), block_size=int(block_size), mask_token_id=dc.get("mask_token_id"),
+    layer = _layer_fields(d)
+    # vLLM takes a layer's window from dflash_config.swa_window_size before the top-level sliding_window, and
+    # dflash_config.use_swa makes every layer sliding when layer_types names none (0.32 qwen3_dflash.py:154-173)
+    if dc.get("swa_window_size") is not None:
+        layer["sliding_window"] = dc["swa_window_size"]
+    if dc.get("use_swa") and "sliding_attention" not in (layer.get("layer_types") or []):
+        raise bad_value("drafter.dflash_config.use_swa", dc["use_swa"], "vLLM then serves every draft layer with a "
+                        "sliding window, which the config's layer_types does not say",
+                        "write layer_types with one sliding_attention entry per draft layer instead")
+    return dict(**layer, block_size=int(block_size), mask_token_id=dc.get("mask_token_id"),
                         aux_layer_ids=zlab_to_hf_ids(dc.get("target_layer_ids") or []),
                         num_target_layers=d.get("num_target_layers"), dtype=d.get("dtype", d.get("torch_dtype")),
                         **extra)

@@ -6,6 +6,9 @@ A stage asks this module, never `model.model.layers` or a class name, for
 - `decoder(model)`: the text decoder module holding `embed_tokens`, `layers` and `norm`, whichever wrapper
   (`*ForCausalLM`, the base model, `*ForConditionalGeneration` / its `language_model`) was loaded;
 - `layer_types(config)`: each decoder layer's kind (`full_attention`, `linear_attention`, ...);
+- `tensor_names(config)`, `multimodal(config)`, `model_class(config)`: the embedding / norm / head names of
+  a checkpoint (`model.` or a multimodal wrapper's `model.language_model.`) and the class that keeps all of
+  its towers; `carried(name, config)`: a tensor (MTP head) quantize-target copies through unchanged;
 - `dense_modules(config)`: the llm-compressor ignore entries a family adds to quantize-target (the
   vision tower, the MTP head, the linear-attention gates: docs/hybrid.md);
 - `decode_cache(model)`: the target's cache for (speculative) greedy decoding and the rollback after a
@@ -35,6 +38,9 @@ class Family:
     # Linear layers kept dense by quantize-target beyond recipes.ALWAYS_IGNORE (embed_tokens, lm_head)
     dense_linears: tuple[str, ...] = ()
     hybrid: bool = False  # some decoder layers are not softmax attention
+    # checkpoint tensor names (regex, full match) that no transformers class of the family loads: copied
+    # unchanged by quantize-target, skipped when a written checkpoint is read back
+    unloaded: tuple[str, ...] = ()
 
 
 DENSE = Family("dense", ("qwen3", "qwen2", "llama", "mistral"))
@@ -44,7 +50,7 @@ QWEN3_5 = Family(
     # in_proj_a / in_proj_b make the decay and beta gates (one output per value head): kept dense, as
     # A_log, dt_bias, conv1d and the gated norm are (those are not Linear layers at all)
     dense_linears=(r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$"),
-    hybrid=True)
+    hybrid=True, unloaded=(r"mtp\..*",))
 FAMILIES = (DENSE, QWEN3_5)
 
 
@@ -95,6 +101,38 @@ def decoder(model) -> Any:
     raise bad_value("target.path", getattr(getattr(model, "config", None), "name_or_path", "?"),
                     f"its model ({type(model).__name__}) has no text decoder with `layers`/`norm` to hook",
                     "use a decoder-only HF causal LM (Llama/Qwen family layout) or a Qwen3.5-family model")
+
+
+def multimodal(config: Any) -> bool:
+    """A wrapper with a vision tower (`*ForConditionalGeneration`, e.g. Qwen3.8-27B): its text weights are
+    stored under `model.language_model.`, the vision tower under `model.visual.`."""
+    return _get(config, "vision_config") is not None
+
+
+def tensor_names(config: Any) -> dict[str, str]:
+    """The checkpoint names of the text decoder's embedding, final norm and output head (what a drafter
+    borrows and what a reader of target weights by name looks for), for a plain causal LM or a multimodal
+    wrapper."""
+    prefix = "model.language_model." if multimodal(config) else "model."
+    return {"embed": f"{prefix}embed_tokens.weight", "norm": f"{prefix}norm.weight", "lm_head": "lm_head.weight"}
+
+
+def model_class(config: Any):
+    """The transformers auto class that keeps every tower of the checkpoint (quantize-target writes them
+    all back): the image-text class for a multimodal wrapper, the causal LM otherwise. Stages that only run
+    the text tower (cache, evaluate) load `AutoModelForCausalLM`/`AutoModel`, which read the text weights
+    of either layout."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if multimodal(config) else AutoModelForCausalLM
+
+
+def carried(name: str, config: Any) -> bool:
+    """A checkpoint tensor of a part never run nor loaded by transformers' class (the MTP head `mtp.*`)
+    that quantize-target copies into its output unchanged."""
+    import re
+
+    return any(re.fullmatch(p, name) for p in family_of(config).unloaded)
 
 
 def dense_modules(config: Any) -> list[str]:
@@ -169,4 +207,4 @@ def describe(config: Any) -> str:
 
 
 __all__ = ["Family", "FAMILIES", "DENSE", "QWEN3_5", "text_config", "family_of", "layer_types", "num_layers",
-           "decoder", "dense_modules", "describe", "DecodeCache", "RecurrentDecodeCache", "decode_cache"]
+           "decoder", "dense_modules", "multimodal", "tensor_names", "model_class", "carried", "describe", "DecodeCache", "RecurrentDecodeCache", "decode_cache"]

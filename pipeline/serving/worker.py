@@ -495,15 +495,26 @@ def _module_schemes(model, num_target_layers: int) -> dict[str, dict]:
 
 
 def _target_head(target: str) -> dict:
-    """The target's embed_tokens / lm_head tensors (a DFlash drafter borrows both; the engine shares them)."""
+    """The target's embed_tokens / lm_head tensors (a DFlash drafter borrows both; the engine shares them),
+    under the names its layout stores them (`pipeline.models.targets.tensor_names`: `model.` or a multimodal
+    wrapper's `model.language_model.`)."""
+    import json
+
     from safetensors import safe_open
 
+    from pipeline.models.targets import tensor_names
+
+    names = tensor_names(json.loads((Path(target) / "config.json").read_text(encoding="utf-8")))
+    wanted = {names["embed"]: "embed_tokens", names["lm_head"]: "lm_head"}
     found = {}
     for f in sorted(Path(target).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
-                if k.endswith(("embed_tokens.weight", "lm_head.weight")) and "mtp" not in k and "visual" not in k:
-                    found["lm_head" if k.endswith("lm_head.weight") else "embed_tokens"] = fh.get_tensor(k)
+                if k in wanted:
+                    found[wanted[k]] = fh.get_tensor(k)
+                elif k.endswith(("embed_tokens.weight", "lm_head.weight")) and not k.startswith(("mtp.", "model.visual.")):
+                    # another prefix (a base model saved alone): by suffix, never the MTP head's or vision tower's
+                    found.setdefault("lm_head" if k.endswith("lm_head.weight") else "embed_tokens", fh.get_tensor(k))
     if "lm_head" not in found and "embed_tokens" in found:  # tied head
         found["lm_head"] = found["embed_tokens"]
     return found
@@ -511,11 +522,17 @@ def _target_head(target: str) -> dict:
 
 class _TorchBlockAttention:  # bound as the Attention module's forward (the module itself stays)
     """Stands in for one draft layer's `Attention` (which needs the engine's KV cache and metadata): the block's
-    queries attend non-causally to [context K/V from vLLM's own precompute ; the block's K/V], in torch."""
+    queries attend to [context K/V from vLLM's own precompute ; the block's K/V], in torch, as the layer was built:
+    non-causal or causal (`causal`), and within its `sliding_window` when it has one, with vLLM's convention: the
+    window `(w - 1, 0)` (vllm 0.32 v1/attention/backends/flash_attn.py:1079-1082), made `(w - 1, w - 1)` for a
+    non-causal layer (`_maybe_symmetrize_window`, flash_attn.py:581-592): a query at position p sees keys at
+    positions p - w < k, and k < p + w when non-causal, k <= p when causal."""
 
-    def __init__(self, attn, ctx_k, ctx_v):
+    def __init__(self, attn, ctx_k, ctx_v, positions=None, window=None, causal=False):
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_size
         self.scale, self.ctx_k, self.ctx_v = attn.impl.scale if hasattr(attn, "impl") else attn.scale, ctx_k, ctx_v
+        # positions: (context positions [C], block positions [n]); needed only for a window or causal attention
+        self.positions, self.window, self.causal = positions, window, causal
 
     def __call__(self, q, k, v):
         import torch
@@ -527,6 +544,17 @@ class _TorchBlockAttention:  # bound as the Attention module's forward (the modu
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
         scores = (q.float() @ k.float().transpose(1, 2)) * self.scale
+        if self.window is not None or self.causal:
+            q_pos = self.positions[1].long()
+            gap = q_pos[:, None] - torch.cat([self.positions[0].long(), q_pos])[None, :]  # query - key position
+            keep = torch.ones_like(gap, dtype=torch.bool)
+            if self.window is not None:
+                keep &= gap < self.window
+                if not self.causal:
+                    keep &= gap > -self.window
+            if self.causal:
+                keep &= gap >= 0
+            scores = scores.masked_fill(~keep[None], float("-inf"))
         out = scores.softmax(-1) @ v.float()
         return out.to(q.dtype).transpose(0, 1).reshape(n, self.heads * self.head_dim)
 
@@ -551,8 +579,11 @@ def _draft_block(model, probe: dict) -> dict:
             _, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
             k = a.k_norm(k.reshape(-1, a.num_kv_heads, a.head_dim)).reshape(k.shape)
             _, k = a.rotary_emb(ctx_pos, k.clone(), k)
+            # the window and causality vLLM resolved for this layer (`_resolve_layer_attention`, 0.32
+            # qwen3_dflash.py:120-180, kept on the module as `sliding_window` and `causal`)
             a.attn.forward = _TorchBlockAttention(a.attn, k.reshape(-1, a.num_kv_heads, a.head_dim),
-                                                  v.reshape(-1, a.num_kv_heads, a.head_dim))
+                                                  v.reshape(-1, a.num_kv_heads, a.head_dim), (ctx_pos, blk_pos),
+                                                  getattr(a, "sliding_window", None), bool(getattr(a, "causal", False)))
         hidden = model(input_ids=block_ids, positions=blk_pos)
         logits = model.compute_logits(hidden)[:, : model.config.vocab_size]
         slots = hidden[1:]

@@ -38,10 +38,10 @@ def target_config(cfg):
 
 
 def _meta_model(config):
-    from transformers import AutoModelForCausalLM
+    from pipeline.models.targets import model_class
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return model_class(config).from_config(config)  # a multimodal wrapper keeps its vision tower
 
 
 def target_linears(config, ignore: list[str]) -> list[tuple[str, int]]:
@@ -158,14 +158,44 @@ def _write(cfg, model, tmp: Path, main: bool = True) -> None:
     if main:
         export.copy_tokenizer(cfg.target.tokenizer or cfg.target.path, tmp)
         export.rewrite_config(tmp, written)
+        _carry_unloaded(cfg, tmp)
+
+
+def _carry_unloaded(cfg, tmp: Path) -> None:
+    """Copy the source checkpoint's tensors that transformers' class does not load (the MTP head `mtp.*`
+    of a Qwen3.5-family checkpoint: `targets.carried`) into the written checkpoint, bit-equal, same names;
+    a checkpoint without such tensors is left as written."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.core.loading import local_snapshot
+    from pipeline.models.targets import carried
+
+    config = target_config(cfg)
+    src = local_snapshot(cfg.target.path, cfg.target.revision)
+    extra = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            extra.update({k: fh.get_tensor(k) for k in fh.keys() if carried(k, config)})
+    if not extra:
+        return
+    out = tmp / "model.safetensors"  # save_compressed writes one file (max_shard_size)
+    with safe_open(str(out), framework="pt") as fh:
+        metadata = fh.metadata()
+    tensors = load_file(str(out))
+    kept = {k: v for k, v in extra.items() if k not in tensors}
+    if kept:
+        save_file({**tensors, **kept}, str(out), metadata=metadata)
 
 
 def _load_dense(cfg, device: str | torch.device = "cpu"):
     from pipeline.core.loading import load_target
+    from pipeline.models.targets import model_class
 
     t = cfg.target
     return load_target(t.path, revision=t.revision, trust_remote_code=bool(t.trust_remote_code),
-                       dtype=TORCH_DTYPES.get(t.dtype, torch.float32), device=device)
+                       dtype=TORCH_DTYPES.get(t.dtype, torch.float32), device=device,
+                       auto_cls=model_class(target_config(cfg)))
 
 
 def _load_shared(cfg, device: torch.device):
@@ -178,10 +208,13 @@ def _load_shared(cfg, device: torch.device):
     # on a CPU-only host the loader's memory probe asks for an accelerator: name the CPU budget
     placement = {"device_map": "auto_offload"} if device.type == "cuda" else {
         "device_map": "cpu", "max_memory": {"cpu": _shared_memory_bytes()}}
+    from pipeline.models.targets import model_class
+
     t = cfg.target
     with load_offloaded_model():
         return load_target(t.path, revision=t.revision, trust_remote_code=bool(t.trust_remote_code),
-                           dtype=TORCH_DTYPES.get(t.dtype, torch.float32), **placement)
+                           dtype=TORCH_DTYPES.get(t.dtype, torch.float32), auto_cls=model_class(target_config(cfg)),
+                           **placement)
 
 
 def _shared_memory_bytes() -> int:
