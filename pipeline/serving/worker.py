@@ -424,8 +424,19 @@ def run_job(job: dict) -> dict:
             result["peak_rss_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the result file
-        result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        result["traceback"] = traceback.format_exc()[-4000:]
+        _record_error(result, exc)
+    return _finish(result, lines, t0)
+
+
+def _record_error(result: dict, exc: BaseException) -> None:
+    """A failure in the result file: its type and first line, and the traceback's end."""
+    text = str(exc).strip()
+    result["error"] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    result["traceback"] = traceback.format_exc()[-4000:]
+
+
+def _finish(result: dict, lines, t0: float) -> dict:
+    """What every worker result ends with: the captured kernel lines and log tail, wall time, versions."""
     result["kernel_log"] = lines.kernel_lines
     result["log_tail"] = lines.tail
     result["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -716,17 +727,9 @@ def run_dflash2_load(job: dict) -> dict:
         result["no_engine"] = f"built by vLLM {vllm.__version__}'s DFlash2 model class on the meta device, no weights"
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the result file
-        result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        _record_error(result, exc)
         result["failed_at"] = stage  # config, build, load, kernels or forward
-        result["traceback"] = traceback.format_exc()[-4000:]
-    result["kernel_log"] = lines.kernel_lines
-    result["log_tail"] = lines.tail
-    result["wall_s"] = round(time.perf_counter() - t0, 3)
-    try:
-        result["versions"] = _versions()
-    except Exception as exc:  # noqa: BLE001
-        result["versions"] = {"error": str(exc)}
-    return result
+    return _finish(result, lines, t0)
 
 
 def probe() -> dict:

@@ -21,13 +21,11 @@ tau.json, README.md). Same seed, same bytes.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from pipeline.core.io import atomic_write_json, atomic_write_text
 from pipeline.tiny import train_drafter as base
@@ -90,49 +88,13 @@ def step_loss(drafter, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def fit(drafter, samples: list[dict], seed: int, steps: int) -> dict[str, list[float]]:
-    from pipeline.models.calibration import build_calibration_batch
-
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=TRAIN["lr"], weight_decay=TRAIN["weight_decay"], betas=(0.9, 0.95))
-    order: list[int] = []
-    hist: dict[str, list[float]] = {"total": [], "head": [], "selector": []}
-    drafter.train()
-    for step in tqdm(range(steps), desc="train tiny DFlash2 drafter", unit="step"):
-        picked = []
-        for _ in range(TRAIN["seqs_per_step"]):
-            if not order:
-                order = list(range(len(samples)))
-                rng.shuffle(order)
-            picked.append(samples[order.pop()])
-        batch = build_calibration_batch(picked, TRAIN["anchors_per_step"], base.BLOCK_SIZE,
-                                        drafter.config.mask_token_id, gen)
-        for group in opt.param_groups:
-            group["lr"] = base._lr_at(step, steps)
-        total, head, sel = step_loss(drafter, batch)
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        for key, v in (("total", total), ("head", head), ("selector", sel)):
-            hist[key].append(v.item())
-    drafter.eval()
-    return hist
+    return base.fit_terms(drafter, samples, seed, steps, step_loss, ("total", "head", "selector"),
+                          "train tiny DFlash2 drafter")
 
 
 def measure(root: Path, target=None, tok=None, limit: int | None = None) -> dict:
     """Mean tau (block_size 8, greedy, the selector's path) of `<root>/drafter-dflash2`, checked lossless."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pipeline.models.formats import load_drafter
-    from pipeline.models.spec_decode import load_prompts, measure_tau
-
-    tok = tok or AutoTokenizer.from_pretrained(root / "target")
-    target = target or AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
-    drafter = load_drafter(root / OUT, target=target)
-    sets = load_prompts(root / "eval", tok, limit)
-    return measure_tau(target, drafter, sets, base.EVAL["max_new_tokens"], [tok.eos_token_id],
-                       base.EVAL["block_size"], check_lossless=True)
+    return base.measure(root, target, tok, limit=limit, drafter_dir=OUT)
 
 
 def render_readme(report: dict, tau: dict, dflash_tau: dict | None) -> str:

@@ -147,16 +147,19 @@ def build_drafter(target, mask_token_id: int, verifier: str = VERIFIER):
     return drafter
 
 
-def fit(drafter, samples: list[dict], seed: int, steps: int) -> list[float]:
+def fit_terms(drafter, samples: list[dict], seed: int, steps: int, loss_terms, names: tuple[str, ...],
+              desc: str) -> dict[str, list[float]]:
+    """The seeded training loop both tiny drafters share (AdamW, warmup + cosine, clipped): `loss_terms(drafter,
+    batch)` returns one tensor per name, the first the one optimized; every term is recorded per step."""
     from pipeline.models.calibration import build_calibration_batch
 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=TRAIN["lr"], weight_decay=TRAIN["weight_decay"], betas=(0.9, 0.95))
     order: list[int] = []
-    losses = []
+    hist: dict[str, list[float]] = {n: [] for n in names}
     drafter.train()
-    for step in tqdm(range(steps), desc="train tiny drafter", unit="step"):
+    for step in tqdm(range(steps), desc=desc, unit="step"):
         picked = []
         for _ in range(TRAIN["seqs_per_step"]):
             if not order:
@@ -167,19 +170,26 @@ def fit(drafter, samples: list[dict], seed: int, steps: int) -> list[float]:
                                         drafter.config.mask_token_id, gen)
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, steps)
-        loss = block_loss(drafter, batch)
+        terms = loss_terms(drafter, batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        terms[0].backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(loss.item())
+        for n, v in zip(names, terms):
+            hist[n].append(v.item())
     drafter.eval()
-    return losses
+    return hist
+
+
+def fit(drafter, samples: list[dict], seed: int, steps: int) -> list[float]:
+    return fit_terms(drafter, samples, seed, steps, lambda d, b: (block_loss(d, b),), ("loss",),
+                     "train tiny drafter")["loss"]
 
 
 def measure(root: Path, target=None, tok=None, drafter=None, limit: int | None = None,
-            eval_root: Path | None = None) -> dict:
-    """Mean tau (block_size 8, greedy) of the saved drafter on (eval_root or root)/eval/*.jsonl, checked lossless."""
+            eval_root: Path | None = None, drafter_dir: str = "drafter") -> dict:
+    """Mean tau (block_size 8, greedy; a DFlash2 drafter drafts along its selector's path) of the saved drafter
+    `<root>/<drafter_dir>` on (eval_root or root)/eval/*.jsonl, checked lossless."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.models.formats import load_drafter
@@ -187,7 +197,7 @@ def measure(root: Path, target=None, tok=None, drafter=None, limit: int | None =
 
     tok = tok or AutoTokenizer.from_pretrained(root / "target")
     target = target or AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
-    drafter = drafter or load_drafter(root / "drafter", target=target)
+    drafter = drafter or load_drafter(root / drafter_dir, target=target)
     sets = load_prompts(Path(eval_root or root) / "eval", tok, limit)
     return measure_tau(target, drafter, sets, EVAL["max_new_tokens"], [tok.eos_token_id], EVAL["block_size"],
                        check_lossless=True)
