@@ -60,7 +60,17 @@ CONFIGS: dict[str, tuple[str, str | None, int, dict]] = {
     "nvfp4a16/nvfp4/k15": ("target-nvfp4a16", "drafter-nvfp4", 15, {}),
     "bf16v32k/-": ("target-bf16-v32k", None, 0, {}),
     "bf16v32k/bf16/k15": ("target-bf16-v32k", "drafter-bf16-v32k", 15, {}),
+    # third run: the W4A16 target through Marlin instead of Machete (the drafter kernels follow the same switch),
+    # and the verify pass: the target alone at batch x (k+1) sequences computes the rows a pair's verify computes
+    # (batch 16 = one sequence's verify of 16 tokens, 256 = sixteen sequences'), so t(16) - t(1) and
+    # t(256) - t(16) bound the verify's extra rows at batch 1 and 16 (its LM head rows included)
+    "w4a16-marlin/-": ("target-w4a16", None, 0, MARLIN),
+    "w4a16-marlin/bf16/k15": ("target-w4a16", "drafter-bf16", 15, MARLIN),
+    "bf16/-/verify-rows": ("target-bf16", None, 0, {}),
 }
+# configs run at their own batch sizes (default: --batches) and with a larger KV cache where those need it
+BATCHES = {"bf16/-/verify-rows": [1, 16, 256]}
+KV_BYTES = {"bf16/-/verify-rows": 48 << 30}
 NVFP4_GROUP = 16
 
 
@@ -277,11 +287,12 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
                prompt_tokens=prompt_len, shapes="Qwen3-8B target (36 layers) / DFlash-b16 drafter (5 layers), random weights")
     vocab = json.loads(MODELS_JSON.read_text())["target"]["vocab_size"]
     # token ids below the 32k vocabulary of the LM-head split's target, so every engine gets the same prompts
-    prompts = _prompts(max(batches), prompt_len, min(vocab, SMALL_VOCAB), 0)
+    prompts = _prompts(max(batches + [b for bs in BATCHES.values() for b in bs]), prompt_len, min(vocab, SMALL_VOCAB), 0)
     t_start = time.perf_counter()
     root = str(HERE.parent)
     for name in only or list(CONFIGS):
         target, drafter, k, env_extra = CONFIGS[name]
+        cb = BATCHES.get(name, batches)
         if name in res["engines"] and res["engines"][name].get("ok"):
             continue
         elapsed = time.perf_counter() - t_start
@@ -293,10 +304,10 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
                "target": str(work / target), "tokenizer": str(work / "target-bf16"),
                "drafter": str(work / drafter) if drafter else None, "num_speculative_tokens": k,
                "enforce_eager": False, "max_model_len": prompt_len + max_tokens + 64,
-               "kv_cache_memory_bytes": 8 << 30, "dtype": "bfloat16", "attention_backend": "FLASH_ATTN",
+               "kv_cache_memory_bytes": KV_BYTES.get(name, 8 << 30), "dtype": "bfloat16", "attention_backend": "FLASH_ATTN",
                "max_tokens": 8, "seed": 0, "prompts": {"random": prompts[:2]},
-               "compilation_config": {"cudagraph_capture_sizes": _capture_sizes(batches, k)},
-               "speed": {"batches": batches, "max_tokens": max_tokens, "prompts": prompts}}
+               "compilation_config": {"cudagraph_capture_sizes": _capture_sizes(cb, k)},
+               "speed": {"batches": cb, "max_tokens": max_tokens, "prompts": prompts[:max(cb)]}}
         jf, rf = out / f".job-{len(res['engines'])}.json", Path("/tmp") / f"speed-result-{len(res['engines'])}.json"
         jf.write_text(json.dumps(job))
         env = {**os.environ, **env_extra, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -352,10 +363,10 @@ def report(inputs: list[Path], out_json: Path) -> str:
                    "load_s": r.get("load_s"), "drafter_kernels": r.get("drafter_kernels"),
                    "target_kernels": r.get("target_kernels")}
             if drafter is None:
-                alone[(row["target"], row["batch"])] = row
+                alone.setdefault((row["target"] + ("-marlin" if env else ""), row["batch"]), row)
             pairs.append(row)
     for row in pairs:
-        a = alone.get((row["target"], row["batch"]))
+        a = alone.get((row["target"] + ("-marlin" if row["env"] else ""), row["batch"]))
         if row["drafter"] and a:
             row["overhead_ms"] = round(row["ms_per_step"] - a["ms_per_step"], 3)
             row["overhead_ratio_to_target_step"] = round(row["overhead_ms"] / a["ms_per_step"], 3)

@@ -41,6 +41,9 @@ class Family:
     # checkpoint tensor names (regex, full match) that no transformers class of the family loads: copied
     # unchanged by quantize-target, skipped when a written checkpoint is read back
     unloaded: tuple[str, ...] = ()
+    # (text-only class, the image-text wrapper the family ships as): a vLLM that registers only the wrapper
+    # (0.26) serves a text-only checkpoint in the wrapper's layout (pipeline.serving.layout)
+    served_wrapper: tuple[str, str] | None = None
 
 
 DENSE = Family("dense", ("qwen3", "qwen2", "llama", "mistral"))
@@ -50,7 +53,8 @@ QWEN3_5 = Family(
     # in_proj_a / in_proj_b make the decay and beta gates (one output per value head): kept dense, as
     # A_log, dt_bias, conv1d and the gated norm are (those are not Linear layers at all)
     dense_linears=(r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$"),
-    hybrid=True, unloaded=(r"mtp\..*",))
+    hybrid=True, unloaded=(r"mtp\..*",),
+    served_wrapper=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"))
 FAMILIES = (DENSE, QWEN3_5)
 
 

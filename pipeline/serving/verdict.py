@@ -289,6 +289,8 @@ def render(summary: dict) -> str:
     subsets = sorted({s for p in summary["pairs"].values() for s in (p.get("tau") or {}) if s != "all"})
     head = ["target", "drafter", "drafter kernel", "loads", "lossless", "= bf16 drafter"] + [f"tau {s}" for s in subsets] + \
         ["tau all", "ref all", "vLLM - ref", "verdict"]
+    for t, lay in (summary.get("served_layouts") or {}).items():
+        lines += [f"Target {t}: {lay['reason']} (`pipeline/serving/layout.py`).", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in summary["pairs"].values():
         tau = p.get("tau") or {}

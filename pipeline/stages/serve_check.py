@@ -34,7 +34,7 @@ from pipeline.artifacts.rundir import RunDir
 from pipeline.core.errors import SpecquantError, bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text
 from pipeline.quant import pairing
-from pipeline.serving import verdict
+from pipeline.serving import layout, verdict
 
 REFERENCE = "bf16"
 PLATFORMS = {"cuda", "cpu"}  # what the worker drives (pipeline/serving/worker.py)
@@ -154,7 +154,9 @@ def _prompts(cfg) -> tuple[dict[str, list[list[int]]], list[int]]:
     return {s.name: s.prompts for s in subsets}, sorted(i for i in stop if i is not None)
 
 
-def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> list[dict]:
+def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int],
+               served: dict[str, dict] | None = None) -> list[dict]:
+    """The worker jobs; `served` (from `served_layouts`): targets served from a copy in another layout."""
     from pipeline.models.formats import load_drafter_config
 
     s = cfg.serve
@@ -189,21 +191,23 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int]) -> l
                      "num_speculative_tokens": int(load_drafter_config(dpath).block_size) - 1,
                      "max_model_len": max_len, "cpu_nvfp4_emulation": bool(s.cpu_nvfp4_emulation),
                      "cpu_int4_emulation": bool(s.cpu_int4_emulation)})
+    served = served or {}
     for t, tpath in targets.items() if drafters or not dflash2 else ():
         target = str(tpath.resolve()) if tpath.exists() else str(tpath)
+        as_served = {"target": served[t]["path"], "served_as": served[t], "language_model_only": True} if t in served else {}
         # linear_backend is engine-wide and vLLM 0.26 has no emulation kernel for int4 (W4A16) layers, so a
         # quantized target is paired with the drafters' default kernel only
         # (on the CPU build every NVFP4 layer is emulated already: serve.cpu_nvfp4_emulation)
         emulate = bool(s.emulate_w4a4) and not on_cpu and sm < 10 and not _quantized(tpath)
         jobs.append({**base, "name": f"{t}--target-only", "target_variant": t, "target": target, "drafter": None,
-                     "variant": None, "linear_backend": "auto", "prompts": prompts})
+                     "variant": None, "linear_backend": "auto", "prompts": prompts, **as_served})
         for v, dpath in drafters.items():
             k = int(load_drafter_config(dpath).block_size) - 1
             backends = ["auto"] + (["emulation"] if emulate and _w4a4(dpath) else [])
             for b in backends:
                 jobs.append({**base, "name": f"{t}--{v}" + ("" if b == "auto" else f"--{b}"), "target_variant": t,
                              "target": target, "drafter": str(dpath.resolve()), "variant": v, "linear_backend": b,
-                             "num_speculative_tokens": k, "prompts": prompts})
+                             "num_speculative_tokens": k, "prompts": prompts, **as_served})
     return jobs
 
 
@@ -448,15 +452,18 @@ def run(cfg) -> dict:
     targets, drafters = _targets(cfg, rd), _drafters(cfg, rd)  # bad names fail before the probe
     pairing_warnings, calibrated_on = check_pairing(cfg, rd, targets, drafters)  # an unservable pair: refused
     refuse_dflash2_contract(cfg, rd, drafters)  # static, before the probe: nothing written
-    info = probe(s.python, _architectures(targets))  # no vLLM: one sentence alone, before any pairing warning, nothing written
-    unbuilt = unbuildable_targets(info, targets)
+    archs = _architectures(targets)
+    wrappers = [w for a in archs for w in [layout.WRAPPERS.get(a)] if w and w not in archs]
+    info = probe(s.python, archs + wrappers)  # no vLLM: one sentence alone, before any pairing warning, nothing written
+    served = served_layouts(info, targets, rd.eval / "serve_check" / "served")
+    unbuilt = unbuildable_targets(info, {t: p for t, p in targets.items() if t not in served})
     if unbuilt:  # e.g. a hybrid target on an engine without its model class: said once, nothing written, exit 0
         print(f"[specquant] {unbuilt}", file=sys.stderr)
         return {"output": None, "engines": 0, "skipped": unbuilt}
     for sentence in pairing_warnings:
         pairing.warn(sentence, "serve-check")
     prompts, stop = _prompts(cfg)
-    jobs = build_jobs(cfg, rd, info, prompts, stop)
+    jobs = build_jobs(cfg, rd, info, prompts, stop, served)
     n = parallel(cfg, info)
     print(f"[specquant] serve-check: {len(jobs)} vLLM engines ({len(targets)} targets x {len(drafters)} drafters, "
           f"+ target alone), {n} at a time, {engine(info)}", file=sys.stderr)
@@ -479,6 +486,7 @@ def run(cfg) -> dict:
     summary["pairing_warnings"] = pairing_warnings
     summary["pair_comparison"] = verdict.pair_comparison(summary, calibrated_on)
     summary["probe"] = info
+    summary["served_layouts"] = served
     summary["settings"] = {k: (list(v) if k in ("targets", "variants") else v) for k, v in
                            ((k, s[k]) for k in s if k != "python")}
     atomic_write_json(rd.eval / "serve_check.json", summary)
@@ -505,6 +513,29 @@ def _architectures(targets: dict[str, Path]) -> list[str]:
             archs += [a for a in json.loads(conf.read_text(encoding="utf-8")).get("architectures") or []
                       if a not in archs]
     return archs
+
+
+def served_layouts(info: dict, targets: dict[str, Path], folder: Path) -> dict[str, dict]:
+    """{target: {"path", "architecture", "wrapper", "reason"}} for each target whose own class this vLLM cannot
+    build while its family's image-text wrapper it can (vLLM 0.26 and a text-only Qwen3.5 checkpoint): the
+    target is written in the wrapper's layout under `folder` (tensors renamed, bytes unchanged;
+    `pipeline.serving.layout`) and served from there with `language_model_only`."""
+    classes = info.get("model_classes") or {}
+    out: dict[str, dict] = {}
+    for t, path in targets.items():
+        conf = Path(path) / "config.json"
+        if not conf.is_file():
+            continue
+        config = json.loads(conf.read_text(encoding="utf-8"))
+        pair = layout.wrapper_for(config)
+        if not pair or classes.get(pair[0]) is None or pair[1] not in classes or classes[pair[1]] is not None:
+            continue
+        dest = layout.wrap_text_checkpoint(Path(path), folder / t)
+        out[t] = {"path": str(dest.resolve()), "architecture": pair[0], "wrapper": pair[1],
+                  "reason": f"{engine(info)} cannot build {pair[0]} ({classes[pair[0]]}); served as {pair[1]}, "
+                            "its text weights renamed and no vision tower built (language_model_only)"}
+        print(f"[specquant] serve-check: target {t}: {out[t]['reason']}", file=sys.stderr)
+    return out
 
 
 def unbuildable_targets(info: dict, targets: dict[str, Path]) -> str | None:
