@@ -130,13 +130,21 @@ def test_quantize_target_keeps_vision_tower_and_mtp_head_unchanged(tmp_path, wra
         expect |= {f"model.language_model.layers.{i}.{m}" for m in mixer + ["mlp.gate_proj", "mlp.up_proj",
                                                                               "mlp.down_proj"]}
     assert set(read_json(run / "checks" / "target-w4a16.json")["weight_error"]) == expect
-    with safe_open(str(out / "model.safetensors"), "pt") as got, safe_open(str(wrapped / "model.safetensors"), "pt") as src:
+    # the carried MTP tensors sit in a shard of their own, named by the index; the written shard is not rewritten
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map.values()) == {"model.safetensors", quantize_target.CARRIED_SHARD}
+    assert {k for k, f in weight_map.items() if f == quantize_target.CARRIED_SHARD} == \
+        {k for k in weight_map if k.startswith("mtp.")}
+    with safe_open(str(wrapped / "model.safetensors"), "pt") as src:
         kept = [k for k in src.keys() if k.startswith(("model.visual.", "mtp."))]
         assert any(k.startswith("mtp.") for k in kept) and any(k.startswith("model.visual.") for k in kept)
-        assert set(kept) <= set(got.keys())
+        assert set(kept) <= set(weight_map)
         for k in kept:
-            a, b = got.get_tensor(k), src.get_tensor(k)
+            with safe_open(str(out / weight_map[k]), "pt") as got:
+                a, b = got.get_tensor(k), src.get_tensor(k)
             assert a.dtype == b.dtype and torch.equal(a, b), k
+    with safe_open(str(out / "model.safetensors"), "pt") as got:
+        assert set(got.keys()) == {k for k, f in weight_map.items() if f == "model.safetensors"}
         quantized_prefixes = {k.rsplit(".", 1)[0] for k in got.keys() if k.endswith("weight_packed")}
     assert quantized_prefixes == expect
     written = json.loads((out / "config.json").read_text())

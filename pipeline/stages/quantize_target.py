@@ -161,12 +161,19 @@ def _write(cfg, model, tmp: Path, main: bool = True) -> None:
         _carry_unloaded(cfg, tmp)
 
 
+CARRIED_SHARD = "model-carried.safetensors"
+
+
 def _carry_unloaded(cfg, tmp: Path) -> None:
     """Copy the source checkpoint's tensors that transformers' class does not load (the MTP head `mtp.*`
-    of a Qwen3.5-family checkpoint: `targets.carried`) into the written checkpoint, bit-equal, same names;
-    a checkpoint without such tensors is left as written."""
+    of a Qwen3.5-family checkpoint: `targets.carried`) into the written checkpoint, bit-equal, same names:
+    into a shard of their own (`model-carried.safetensors`) named by `model.safetensors.index.json` beside
+    the shards compressed-tensors wrote, which are not read or rewritten (at 27B that file is ~17 GB); a
+    checkpoint without such tensors is left as written."""
+    import json
+
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from pipeline.core.loading import local_snapshot
     from pipeline.models.targets import carried
@@ -179,13 +186,39 @@ def _carry_unloaded(cfg, tmp: Path) -> None:
             extra.update({k: fh.get_tensor(k) for k in fh.keys() if carried(k, config)})
     if not extra:
         return
-    out = tmp / "model.safetensors"  # save_compressed writes one file (max_shard_size)
-    with safe_open(str(out), framework="pt") as fh:
-        metadata = fh.metadata()
-    tensors = load_file(str(out))
-    kept = {k: v for k, v in extra.items() if k not in tensors}
-    if kept:
-        save_file({**tensors, **kept}, str(out), metadata=metadata)
+    index_path = tmp / "model.safetensors.index.json"
+    weight_map: dict[str, str] = {}
+    if index_path.is_file():
+        weight_map = dict(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"])
+    else:
+        for f in sorted(tmp.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as fh:
+                weight_map.update({k: f.name for k in fh.keys()})
+    kept = {k: v.contiguous() for k, v in extra.items() if k not in weight_map}
+    if not kept:
+        return
+    save_file(kept, str(tmp / CARRIED_SHARD), metadata={"format": "pt"})
+    weight_map.update({k: CARRIED_SHARD for k in kept})
+    total = 0
+    for name in sorted(set(weight_map.values())):
+        with safe_open(str(tmp / name), framework="pt") as fh:
+            for k in fh.keys():
+                sl = fh.get_slice(k)
+                total += _numel(sl.get_shape()) * _itemsize(sl.get_dtype())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+            "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}.get(dtype, 1)
 
 
 def _load_dense(cfg, device: str | torch.device = "cpu"):
