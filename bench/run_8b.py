@@ -1,7 +1,7 @@
 """The whole pipeline at Qwen3-8B / DFlash-b16 shapes (random weights), against the stock tools.
 
     python -m bench.run_8b --out OUT [--phases build,data,cache,profile,quant,stock,manifest]
-    python -m bench.run_8b --out OUT --tiny --device cpu          # smoke test on a CPU
+    python -m bench.run_8b --out OUT --tiny --device cpu          # smoke test on a CPU (= --shape tiny)
     python -m bench.run_8b --out OUT --phases build,data,dist --nproc 2   # cache: one vs N GPUs
     python -m bench.run_8b --out OUT --phases build,data,disttarget --nproc 2  # GPTQ target: one vs N
 
@@ -10,6 +10,18 @@ plus wall time and peak GPU / host memory), in a work directory on the machine's
 Results accumulate in OUT/results.json after every phase (a run cut short still reports what it
 measured) and OUT/results.md holds the table for docs/benchmarks.md. Phases whose inputs are
 missing build them first, so any phase can be asked for alone.
+
+The hybrid target family (Qwen3.5 / Qwen3.8: `Qwen3_5ForCausalLM`, Gated DeltaNet + full attention 3:1)
+runs the same phases with `--shape qwen3.8-27b` (its text tower, random weights, with a DFlash b16 drafter
+of 5 layers at width 5120; bench/shapes.py) or `--shape tiny-hybrid` (CPU smoke test). On one H200:
+
+    python -m bench.run_8b --out OUT --shape qwen3.8-27b --work /root/w --runs /dev/shm/runs \\
+        --phases build,data,cache,quant --samples 64
+
+The target (54 GB in bf16) is built on the GPU and written in 5 GB safetensors shards; the quant phase of a
+hybrid shape makes only quantize-target[w4a16] unless --quant-variants says otherwise. With --samples 64 the
+second (host-memory) cache holds 16 samples (--small-samples). A results.json holds one shape's records
+(each labelled with it): use another --out for another shape.
 """
 
 from __future__ import annotations
@@ -24,9 +36,12 @@ import time
 from pathlib import Path
 
 from bench import report
-from bench.shapes import QWEN3_8B, TINY, build_drafter, build_target, dir_bytes, write_blend
+from bench.shapes import SHAPES, build_drafter, build_target, dir_bytes, write_blend
 
 ALL_PHASES = ("build", "data", "cache", "profile", "quant", "stock", "manifest")
+DENSE_QUANT_VARIANTS = "quantize-drafter[nvfp4],quantize-drafter[w4a16],quantize-target[w4a16]"
+HYBRID_QUANT_VARIANTS = "quantize-target[w4a16]"  # the drafter's quantization does not depend on the target family
+SMOKE_DEFAULTS = {"tiny-hybrid": {"samples": 24, "seq_len": 512}}  # --samples / --seq-len where not given
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,17 +50,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", default="auto", help="work folder on local disk (auto: the largest free of "
                    "/tmp, /var/tmp, /root, the current folder)")
     p.add_argument("--runs", default=None, help="runs_root (default WORK/runs), e.g. on a tmpfs")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="model shapes (bench/shapes.py): qwen3-8b (default), tiny (CPU smoke test), qwen3.8-27b "
+                   "(the hybrid Qwen3_5ForCausalLM target), tiny-hybrid (its CPU smoke test)")
+    p.add_argument("--tiny", action="store_true", help="the same as --shape tiny")
     p.add_argument("--device", default="cuda")
     p.add_argument("--phases", default=",".join(ALL_PHASES))
-    p.add_argument("--samples", type=int, default=264, help="blend samples = cached samples; the drafter "
-                   "calibrates on all but --heldout of them")
+    p.add_argument("--samples", type=int, default=None, help="blend samples = cached samples; the drafter "
+                   "calibrates on all but --heldout of them (default 264; tiny-hybrid: 24)")
     p.add_argument("--heldout", type=int, default=8, help="cached samples held apart for the drafter check")
-    p.add_argument("--small-samples", type=int, default=64, help="second cache size, for host memory")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--small-samples", type=int, default=None, help="second cache size, for host memory "
+                   "(default: 64, or a quarter of --samples when that is smaller)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 2048; tiny-hybrid: 512)")
     p.add_argument("--target-samples", type=int, default=64, help="target calibration samples (GPTQ/NVFP4)")
-    p.add_argument("--quant-variants", default="quantize-drafter[nvfp4],quantize-drafter[w4a16],quantize-target[w4a16]",
-                   help="which quantize runs the quant phase makes, in order")
+    p.add_argument("--quant-variants", default=None,
+                   help=f"which quantize runs the quant phase makes, in order (default {DENSE_QUANT_VARIANTS}; "
+                   f"for a hybrid shape {HYBRID_QUANT_VARIANTS})")
     p.add_argument("--nproc", type=int, default=2, help="processes for the `dist` phase (torchrun)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-reps", type=int, default=3)
@@ -54,13 +74,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-variants", default="stock,hf1,hf4,fp8,vllmraw,vllm,compile",
                    help="the `peers` phase: which of stock, hf1, hf4, fp8, vllmraw, vllm, compile to run")
     p.add_argument("--extra", default="", help="extra Hydra overrides for every stage, space-separated")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tiny and args.shape not in (None, "tiny"):
+        p.error(f"--tiny means --shape tiny, not --shape {args.shape}")
+    args.shape = "tiny" if args.tiny else (args.shape or "qwen3-8b")
+    args.tiny = args.shape.startswith("tiny")  # small shapes (CPU smoke tests)
+    # transformers' reference PyTorch Gated DeltaNet (no flash-linear-attention on a CPU) runs ~2k tok/s at the
+    # tiny hybrid shape on one CPU core: its smoke test caches 12k tokens, not the 540k of the defaults
+    small = SMOKE_DEFAULTS.get(args.shape, {})
+    args.samples = args.samples if args.samples is not None else small.get("samples", 264)
+    args.seq_len = args.seq_len if args.seq_len is not None else small.get("seq_len", 2048)
+    if args.quant_variants is None:
+        args.quant_variants = HYBRID_QUANT_VARIANTS if SHAPES[args.shape].hybrid else DENSE_QUANT_VARIANTS
+    if args.small_samples is None:
+        args.small_samples = min(64, max(1, args.samples // 4))
+    if not 0 <= args.heldout < args.samples:
+        p.error(f"--heldout {args.heldout} must leave calibration samples out of --samples {args.samples}")
+    return args
 
 
 class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.shapes = TINY if args.tiny else QWEN3_8B
+        self.shapes = SHAPES[args.shape]
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.work = pick_work_dir(args.work)
@@ -68,6 +104,11 @@ class Bench:
         self.runs = Path(args.runs) if args.runs else self.work / "runs"
         self.results_path = self.out / "results.json"
         self.results = json.loads(self.results_path.read_text()) if self.results_path.is_file() else {}
+        had = self.results.get("shape")
+        if had and had != self.shapes.name:
+            raise SystemExit(f"{self.results_path} holds {had}'s records, not {self.shapes.name}'s: use another --out")
+        self.results["shape"] = self.shapes.name
+        self.results["shape_config"] = shape_summary(self.shapes)
         self.results.setdefault("env", report.environment(self.work))
         self.results["env"]["argv"] = sys.argv
         self.results.setdefault("phases", {})
@@ -78,9 +119,10 @@ class Bench:
         tmp = self.results_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.results, indent=2, sort_keys=True, default=str) + "\n")
         os.replace(tmp, self.results_path)
-        (self.out / "results.md").write_text(report.markdown(self.results))
+        (self.out / "results.md").write_text(shape_line(self.results) + report.markdown(self.results))
 
     def record(self, key: str, value: dict) -> None:
+        value = {"shape": self.shapes.name, **value}
         self.results["phases"][key] = value
         self.save()
         print(f"[bench] {key}: {json.dumps(value, default=str)[:600]}", flush=True)
@@ -88,9 +130,10 @@ class Bench:
     def overrides(self, run: str, extra: list[str] = ()) -> list[str]:
         t, d = self.models / "target", self.models / "drafter"
         base = [f"run_name={run}", f"runs_root={self.runs}", f"seed={self.args.seed}",
-                f"target.path={t}", f"target.tokenizer={t}", "target.name=qwen3-8b-shape-random",
+                f"target.path={t}", f"target.tokenizer={t}", f"target.name={self.shapes.name}-shape-random",
                 f"target.device={self.args.device}", "target.dtype=bfloat16",
-                f"drafter.path={d}", "drafter.format=speculators", "drafter.name=dflash-b16-shape-random",
+                f"drafter.path={d}", "drafter.format=speculators",
+                f"drafter.name=dflash-b{self.shapes.block_size}-{self.shapes.name}-shape-random",
                 f"data.max_seq_len={self.args.seq_len}"]
         return base + list(extra) + self.args.extra.split()
 
@@ -117,9 +160,25 @@ class Bench:
         return rec
 
     # ---- phases ------------------------------------------------------------------------------
+    def _built_shape(self) -> bool:
+        """Whether the models in the work folder are this shape's (a work folder another shape used is rebuilt)."""
+        t, d = self.models / "target" / "config.json", self.models / "drafter" / "config.json"
+        if not (t.is_file() and d.is_file()):
+            return False
+        cfg, s = json.loads(t.read_text()), self.shapes
+        want = {"model_type": "qwen3_5_text" if s.hybrid else "qwen3", "hidden_size": s.hidden_size,
+                "vocab_size": s.vocab_size, "num_hidden_layers": s.num_target_layers,
+                "intermediate_size": s.intermediate_size}
+        return all(cfg.get(k) == v for k, v in want.items())
+
     def build(self) -> None:
-        if (self.models / "target" / "config.json").is_file() and (self.models / "drafter" / "config.json").is_file():
+        if self._built_shape():
             return
+        if (self.models / "target" / "config.json").is_file():  # another shape's models: its blends are stale too
+            print(f"[bench] {self.models} holds another shape's models: rebuilding them, dropping the bench runs",
+                  flush=True)
+            for run in ("bench", "bench-small"):
+                shutil.rmtree(self.runs / run, ignore_errors=True)
         shutil.rmtree(self.models, ignore_errors=True)
         t = build_target(self.shapes, self.models / "target", self.args.device, self.args.seed)
         d = build_drafter(self.shapes, self.models / "drafter", self.models / "target", self.args.device,
@@ -156,7 +215,7 @@ class Bench:
 
         self.build()
         aux = [i + 1 for i in self.shapes.zlab_layer_ids]
-        batch = 4 if not self.args.tiny else 2
+        batch = 4 if not self.args.tiny else 2  # args.tiny: any tiny shape
         res = profile(str(self.models / "target"), aux, self.args.device, batch, self.args.seq_len,
                       self.args.profile_reps, write_dir=str(self.work))
         self.record("profile", res)
@@ -177,6 +236,7 @@ class Bench:
         self.data()
         n = self.args.samples - self.args.heldout
         held = f"quant.heldout_samples={self.args.heldout}"
+        n_target = min(self.args.target_samples, self.args.samples)  # the blend holds --samples
         variants = [
             ("quantize-drafter[nvfp4]", "quantize-drafter",
              ["quant=nvfp4", "quant.observer=nvfp4_expanded_mse", f"quant.num_samples={n}", held,
@@ -188,7 +248,7 @@ class Bench:
             ("quantize-drafter[nvfp4a16-gptq]", "quantize-drafter",
              ["quant=nvfp4a16-gptq", f"quant.num_samples={n}", held, f"quant.max_seq_len={self.args.seq_len}"]),
             ("quantize-target[w4a16]", "quantize-target",
-             ["target_quant=w4a16", f"target_quant.num_samples={self.args.target_samples}",
+             ["target_quant=w4a16", f"target_quant.num_samples={n_target}",
               f"target_quant.max_seq_len={self.args.seq_len}"]),
         ]
         variants = sorted((v for v in variants if v[0] in wanted), key=lambda v: wanted.index(v[0]))
@@ -496,6 +556,27 @@ class Bench:
         rec["scaling_efficiency"] = round(rec["speedup"] / self.args.nproc, 3) if rec["speedup"] else None
         self.record(f"cache[{name}]", rec)
         shutil.rmtree(self.runs / name / "cache", ignore_errors=True)  # disk for the later phases
+
+
+def shape_summary(s) -> dict:
+    """The shape's defining numbers, for results.json."""
+    out = {"name": s.name, "target_architecture": s.target_architecture, "hidden_size": s.hidden_size,
+           "vocab_size": s.vocab_size, "target_layers": s.num_target_layers, "drafter_layers": s.drafter_layers,
+           "block_size": s.block_size, "aux_layer_ids": [i + 1 for i in s.zlab_layer_ids]}
+    if s.hybrid:
+        kinds = s.hybrid_target["layer_types"]
+        out["layer_mix"] = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    return out
+
+
+def shape_line(results: dict) -> str:
+    c = results.get("shape_config") or {}
+    if not c:
+        return ""
+    mix = ", ".join(f"{n} {k}" for k, n in (c.get("layer_mix") or {}).items())
+    return (f"Shape: {c['name']} (random weights): target {c['target_architecture']}, {c['target_layers']} layers"
+            f"{f' ({mix})' if mix else ''}, hidden {c['hidden_size']}, vocabulary {c['vocab_size']}; DFlash drafter "
+            f"{c['drafter_layers']} layers, block {c['block_size']}, aux layers {c['aux_layer_ids']}\n\n")
 
 
 def compare_checkpoints(a: Path, b: Path) -> dict:
