@@ -206,6 +206,9 @@ class ServeConfig:
     max_model_len: int | None = None  # None = longest prompt + eval.max_new_tokens + 64
     dtype: str = "bfloat16"  # what vLLM computes in (FLASH_ATTN needs 16-bit)
     attention_backend: str = "FLASH_ATTN"  # must support non-causal attention (DFlash drafts a block at once)
+    # vLLM's `additional_config` for every engine, e.g. {gdn_prefill_backend: triton} where FlashInfer (vLLM's
+    # default GDN prefill kernel for a hybrid target on Hopper) is not installed
+    additional_config: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = True  # no CUDA graphs (faster start-up for many short-lived engines)
     emulate_w4a4: bool = True  # NVFP4 W4A4 drafters run again with linear_backend=emulation below sm100
     # CPU build: register vLLM's own pure-torch NVFP4 kernel for the CPU platform (it lists none), so W4A4

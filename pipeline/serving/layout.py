@@ -26,6 +26,7 @@ from pipeline.core.io import atomic_dir
 from pipeline.models import targets as target_families
 
 TEXT_PREFIX, WRAPPED_PREFIX = "model.", "model.language_model."
+VISUAL_IGNORE = r"re:.*visual\..*"
 # text-only class -> the wrapper class its family ships as
 WRAPPERS = {f.served_wrapper[0]: f.served_wrapper[1] for f in target_families.FAMILIES if f.served_wrapper}
 
@@ -56,9 +57,16 @@ def wrapped_config(config: dict) -> dict:
     out["text_config"].update({k: text[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types")
                                if k in text})
     out["dtype"] = text.get("dtype") or text.get("torch_dtype")
-    out["vision_config"]["out_hidden_size"] = text.get("hidden_size")
+    # vLLM builds the vision tower before text-only mode drops it (0.26 `models/interfaces.py:257-290`), with the
+    # checkpoint's quant config: a small tower, kept dense by the ignore list (no weights of it are written)
+    out["vision_config"].update(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                                out_hidden_size=text.get("hidden_size"))
     if config.get("quantization_config"):
-        out["quantization_config"] = config["quantization_config"]
+        q = json.loads(json.dumps(config["quantization_config"]))
+        # plain module names move with their tensors (vLLM maps `model.language_model.` to its own prefix)
+        q["ignore"] = [WRAPPED_PREFIX + x[len(TEXT_PREFIX):] if x.startswith(TEXT_PREFIX) else x
+                       for x in q.get("ignore") or []] + [VISUAL_IGNORE]
+        out["quantization_config"] = q
     for k in ("transformers_version",):
         out.pop(k, None)
     return out

@@ -376,6 +376,8 @@ def run_job(job: dict) -> dict:
                 kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
         if job.get("compilation_config"):  # e.g. cudagraph_capture_sizes for a speed run
             kwargs["compilation_config"] = dict(job["compilation_config"])
+        if job.get("additional_config"):  # e.g. {"gdn_prefill_backend": "triton"}
+            kwargs["additional_config"] = dict(job["additional_config"])
         if job.get("language_model_only"):  # a text-only checkpoint served in its family's wrapper layout
             kwargs["language_model_only"] = True
         if job.get("linear_backend", "auto") != "auto":

@@ -169,7 +169,8 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int],
             "kv_cache_memory_bytes": int(s.kv_cache_memory_bytes), "seed": int(cfg.seed), "dtype": s.dtype,
             "gpu_memory_utilization": float(s.gpu_memory_utilization or round(0.9 / max(1, parallel(cfg, info)), 3)),
             "cpu_nvfp4_emulation": bool(s.cpu_nvfp4_emulation), "cpu_int4_emulation": bool(s.cpu_int4_emulation),
-            "attention_backend": s.attention_backend, "enforce_eager": bool(s.enforce_eager) and not speed_on(cfg, info),
+            "attention_backend": s.attention_backend, "additional_config": dict(s.additional_config or {}),
+            "enforce_eager": bool(s.enforce_eager) and not speed_on(cfg, info),
             "tokenizer": str(Path(str(cfg.target.tokenizer or cfg.target.path)).resolve())
             if Path(str(cfg.target.tokenizer or cfg.target.path)).exists() else str(cfg.target.tokenizer or cfg.target.path)}
     if s.speed:  # the worker says "not measured" on the CPU build
