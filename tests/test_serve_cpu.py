@@ -134,7 +134,8 @@ def test_the_check_fails_on_checkpoints_vllm_cannot_serve_as_written(tiny_world_
     _broken(run, "bf16", "bf16-causal", _causal)
     proc = _support.run_cli("serve-check", f"runs_root={root}", "run_name=tiny", f"serve.python={VLLM}", *EVAL,
                             "serve.targets=[bf16]", "serve.variants=[bf16,w4a16-hfignore,bf16-causal]",
-                            env=ENV, timeout=1200)
+                            # reaches every engine (the CPU platform ignores this key) and the summary's settings
+                            "+serve.additional_config.gdn_prefill_backend=triton", env=ENV, timeout=1200)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: serve-check failed for 2 of 3 pairs") and "Traceback" not in proc.stderr
@@ -144,5 +145,6 @@ def test_the_check_fails_on_checkpoints_vllm_cannot_serve_as_written(tiny_world_
     causal = s["pairs"]["bf16/bf16-causal"]
     assert any("causal" in x and "is_causal" in x for x in causal["problems"]), causal
     assert s["pairs"]["bf16/bf16"]["ok"]
+    assert s["settings"]["additional_config"] == {"gdn_prefill_backend": "triton"}
     # the same drafter served as written is built non-causal
     assert served["summary"]["pairs"]["bf16/bf16"]["ok"]

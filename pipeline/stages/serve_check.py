@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core.errors import SpecquantError, bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text
@@ -488,8 +490,8 @@ def run(cfg) -> dict:
     summary["pair_comparison"] = verdict.pair_comparison(summary, calibrated_on)
     summary["probe"] = info
     summary["served_layouts"] = served
-    summary["settings"] = {k: (list(v) if k in ("targets", "variants") else v) for k, v in
-                           ((k, s[k]) for k in s if k != "python")}
+    summary["settings"] = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+                           for k, v in ((k, s[k]) for k in s if k != "python")}
     atomic_write_json(rd.eval / "serve_check.json", summary)
     update_report(rd, verdict.render(summary))
     failed = summary["failures"]
