@@ -44,6 +44,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import ModelOutput
 
+from pipeline.core.errors import bad_value
 from pipeline.models.layout import DFLASH2_FIELDS, MODEL_TYPE
 
 
@@ -112,6 +113,16 @@ class DFlashConfig(PretrainedConfig):
         return self.target_hidden_size or self.hidden_size
 
     @property
+    def rotary_dim(self) -> int:
+        """Dimensions of a head that RoPE rotates: `rope_parameters.rope_dim`, else `partial_rotary_factor` x
+        head_dim (1 = the whole head), as vLLM builds the draft's rotary embedding (0.26
+        `layers/rotary_embedding/__init__.py:66-72`, from `qwen3_dflash.py:195-199`); transformers' Qwen3 ignores both."""
+        rp = self.rope_parameters or {}
+        if rp.get("rope_dim"):
+            return int(rp["rope_dim"])
+        return int(self.head_dim * float(rp.get("partial_rotary_factor", 1.0)))
+
+    @property
     def num_aux_layers(self) -> int:
         return len(self.aux_layer_ids or [])
 
@@ -144,15 +155,28 @@ SLIDING = "sliding_attention"  # the `layer_types` entry of a sliding-window lay
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies and attention scaling of `config`, as `Qwen3RotaryEmbedding` computes them."""
     rope_type = config.rope_parameters["rope_type"]
+    rd = config.rotary_dim
+    if rd != config.head_dim:  # partial rotary: frequencies over the rotated dimensions only (vLLM's cos/sin cache)
+        if rope_type != "default" or not 0 < rd <= config.head_dim or rd % 2:
+            raise bad_value("drafter rope_parameters", dict(config.rope_parameters),
+                            f"a partial rotary embedding of {rd} of {config.head_dim} dimensions is supported for "
+                            "rope_type 'default' only", "use the default RoPE or rotate the whole head")
+        base = float(config.rope_parameters["rope_theta"])
+        return 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float) / rd)), 1.0
     if rope_type == "default":
         return Qwen3RotaryEmbedding.compute_default_rope_parameters(config)
     return ROPE_INIT_FUNCTIONS[rope_type](config)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, S, D]; cos/sin [B, S, D]."""
+    """x [B, heads, S, D]; cos/sin [B, S, R] with R <= D: the first R dimensions rotate (neox style, as vLLM's
+    partial rotary embedding), the rest pass through."""
     # not apply_rotary_pos_emb: it rotates q and k with one cos/sin, but the queries here are the block rows only
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat((rot * cos.unsqueeze(1) + rotate_half(rot) * sin.unsqueeze(1), rest), dim=-1)
 
 
 class DraftKVCache:
@@ -356,6 +380,8 @@ class DFlashDrafter(PreTrainedModel):
             self.candidate_selector = CandidateSelector(config)
         # weights are initialised by PreTrainedModel._init_weights (normal Linear/Embedding, ones for norms, RoPE)
         self.post_init()
+        if config.rotary_dim != config.head_dim:  # transformers' Qwen3 RoPE rotates the whole head
+            self.inv_freq = rope_inv_freq(config)[0]
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -135,9 +135,12 @@ def build_drafter(target, mask_token_id: int, verifier: str = VERIFIER):
     from pipeline.models.dflash import DFlashConfig, DFlashDrafter
 
     tc = target.config
+    # the drafter's RoPE rotates its whole head: a hybrid target's partial rotary (Qwen3.5: 0.25 of its head) is
+    # the target's own; copied into the drafter's config vLLM would rotate only that part of the drafter's heads
+    rope = {k: v for k, v in dict(tc.rope_parameters).items() if k not in ("partial_rotary_factor", "rope_dim")}
     cfg = DFlashConfig(**ARCH, vocab_size=tc.vocab_size, rms_norm_eps=tc.rms_norm_eps,
                        max_position_embeddings=tc.max_position_embeddings,
-                       rope_parameters=dict(tc.rope_parameters), block_size=BLOCK_SIZE,
+                       rope_parameters=rope, block_size=BLOCK_SIZE,
                        mask_token_id=mask_token_id, aux_layer_ids=AUX_LAYER_IDS,
                        num_target_layers=tc.num_hidden_layers, eos_token_id=tc.eos_token_id,
                        pad_token_id=tc.pad_token_id, verifier_name_or_path=verifier,
