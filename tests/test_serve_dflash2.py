@@ -136,9 +136,15 @@ def test_every_dflash2_variant_is_loaded_by_vllms_dflash2_class_with_the_intende
         fwd = e["forward"]
         assert fwd["slots"] == _support.dflash2_geometry()["block_size"] - 1
         if v != "nvfp4":  # W4A4 activations: two emulations, reported (docs/serving.md)
-            assert fwd["path_equal"], fwd  # the head's argmax and top-K sets are reported: bf16 near-ties flip them
+            # the head's argmax and top-K sets are reported: bf16 near-ties flip them; a path may part only on such a
+            # tie (vLLM's own scores of the two tokens within PROBE_TIE), which the verdict says in a warning
+            first = fwd.get("path_first_difference")
+            assert fwd["path_equal"] or (first["score_gap"] <= verdict.PROBE_TIE and "near-tie" in e["warnings"][0]), fwd
             assert max(fwd["hidden_max_rel_diff"], fwd["logits_max_rel_diff"]) <= verdict.PROBE_TOLERANCE, fwd
-    assert "int4" in entries["w4a16"]["emulated"] and "NVFP4" in entries["nvfp4"]["emulated"]
+    # int4 runs through vLLM's own CPUWNA16 kernel where the CPU build has it (AVX-512), else through our emulation
+    w4 = entries["w4a16"]
+    assert "int4" in (w4["emulated"] or "") or set(w4["kernels"].values()) == {"CPUWNA16LinearKernel"}, w4
+    assert "NVFP4" in entries["nvfp4"]["emulated"]
     a16 = entries["nvfp4a16"]  # weight-only NVFP4 forces Marlin: no layer of it can be built on the CPU build
     assert a16["ok"] is False and "not loadable on the CPU build" in a16["unsupported"] and not a16["problems"]
     status = verdict.variant_status(s, "w4a16")
@@ -169,9 +175,12 @@ def test_vllms_class_refuses_the_checkpoints_the_contract_refuses(world, served,
                                    str(tmp_path / f"{name}.json")], env=serve_check.worker_env(info),
                                   cwd=str(_support.REPO), capture_output=True, text=True, timeout=600)
             result = json.loads((tmp_path / f"{name}.json").read_text())
-            assert proc.returncode == 1 and result["ok"] is False and result["failed_at"] == "load", result.get("error")
+            # at its load step (a tensor it has no parameter for), or already building the layer where the CPU build's
+            # own int4 kernel (AVX-512) cannot take a kernel_projection's shape
+            assert proc.returncode == 1 and result["ok"] is False and result["failed_at"] in ("build", "load"), \
+                result.get("error")
             entry = verdict.dflash2_entry(result, [], None)
-            assert "fails at its load step" in entry["problems"][0]
+            assert f"fails at its {result['failed_at']} step" in entry["problems"][0]
     finally:
         for path in broken.values():
             shutil.rmtree(path)

@@ -333,6 +333,20 @@ def compare_probe(reference: dict, job: dict) -> dict:
                                        zip(vllm_out["candidates"], reference["candidates"])),
            "path_score_max_rel_diff": rel(v_chosen, reference["path_scores"])}
     out["path_equal"] = out["path_vllm"] == out["path_reference"]
+    if not out["path_equal"]:  # where the walks part: a near-tie in vLLM's own scores, or a real difference
+        slot = next(i for i, (a, b) in enumerate(zip(out["path_vllm"], out["path_reference"])) if a != b)
+        row, cands = vllm_out["path_scores"][slot], vllm_out["candidates"][slot].tolist()
+        ref_tok = out["path_reference"][slot]
+        if ref_tok in cands:  # vLLM's score of its own choice minus its score of the reference's, over the row's scale
+            gap = float((row[cands.index(out["path_vllm"][slot])] - row[cands.index(ref_tok)]).abs()
+                        / max(1e-12, float(row.abs().max())))
+            why = "selector scores"
+        else:  # the reference's token fell out of vLLM's top-K: its logit against vLLM's lowest candidate's
+            lg = vllm_out["logits"][slot + 1]
+            gap = float((lg[cands].min() - lg[ref_tok]).clamp(min=0) / max(1e-12, float(lg.abs().max())))
+            why = "top-K edge"
+        out["path_first_difference"] = {"slot": slot, "vllm": out["path_vllm"][slot], "reference": ref_tok,
+                                        "score_gap": round(gap, 6), "where": why}
     for key in ("probe", "probe_out"):
         Path(job[key]).unlink(missing_ok=True)
     return out
