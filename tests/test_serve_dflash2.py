@@ -256,14 +256,9 @@ def _qwen38_27b(root: Path) -> tuple[dict, list[str], Path]:
     from pipeline.stages import quantize_drafter
 
     q, a, t = QWEN38, ASSUMED, QWEN38["target_layers"]
-    target = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": q["hidden"],
-              "vocab_size": q["vocab"], "num_hidden_layers": t,
-              "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (t // 4),
-              "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 17408,
-              "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
-              "linear_num_value_heads": 48, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
-              "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
-              "rope_parameters": {"partial_rotary_factor": 0.25, "rope_theta": 1e7, "rope_type": "default"}}
+    from bench.shapes import qwen38_27b_target_config
+
+    target = qwen38_27b_target_config(q["hidden"], q["vocab"], t)  # the one source (bench/run_8b.py's 27B shape too)
     drafter = {"architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": q["hidden"],
                "vocab_size": q["vocab"], "num_hidden_layers": q["draft_layers"],
                "layer_types": ["sliding_attention"] * q["draft_layers"], "sliding_window": q["window"],
