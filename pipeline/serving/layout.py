@@ -31,6 +31,11 @@ VISUAL_IGNORE = r"re:.*visual\..*"
 WRAPPERS = {f.served_wrapper[0]: f.served_wrapper[1] for f in target_families.FAMILIES if f.served_wrapper}
 
 
+def wrapped_name(name: str) -> str:
+    """A text checkpoint's tensor or module name in the wrapper's layout (`lm_head.*` and patterns unchanged)."""
+    return WRAPPED_PREFIX + name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
+
+
 def wrapper_for(config: dict) -> tuple[str, str] | None:
     """(text class, wrapper class) when `config` is a text-only checkpoint whose family ships a wrapper, else None."""
     if target_families.multimodal(config):
@@ -54,8 +59,6 @@ def wrapped_config(config: dict) -> dict:
     outer = AutoConfig.for_model(outer_type, text_config=text, tie_word_embeddings=bool(config.get("tie_word_embeddings")))
     out = outer.to_dict()
     out["architectures"] = [wrapper]
-    out["text_config"].update({k: text[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types")
-                               if k in text})
     out["dtype"] = text.get("dtype") or text.get("torch_dtype")
     # vLLM builds the vision tower before text-only mode drops it (0.26 `models/interfaces.py:257-290`), with the
     # checkpoint's quant config: a small tower, kept dense by the ignore list (no weights of it are written)
@@ -64,11 +67,9 @@ def wrapped_config(config: dict) -> dict:
     if config.get("quantization_config"):
         q = json.loads(json.dumps(config["quantization_config"]))
         # plain module names move with their tensors (vLLM maps `model.language_model.` to its own prefix)
-        q["ignore"] = [WRAPPED_PREFIX + x[len(TEXT_PREFIX):] if x.startswith(TEXT_PREFIX) else x
-                       for x in q.get("ignore") or []] + [VISUAL_IGNORE]
+        q["ignore"] = [wrapped_name(x) for x in q.get("ignore") or []] + [VISUAL_IGNORE]
         out["quantization_config"] = q
-    for k in ("transformers_version",):
-        out.pop(k, None)
+    out.pop("transformers_version", None)
     return out
 
 
@@ -89,8 +90,7 @@ def wrap_text_checkpoint(src: Path, out: Path) -> Path:
         for shard in shards:
             with safe_open(str(shard), "pt") as fh:
                 meta = fh.metadata()
-                tensors = {(WRAPPED_PREFIX + k[len(TEXT_PREFIX):] if k.startswith(TEXT_PREFIX) else k): fh.get_tensor(k)
-                           for k in fh.keys()}
+                tensors = {wrapped_name(k): fh.get_tensor(k) for k in fh.keys()}
             save_file(tensors, str(tmp / shard.name), metadata=meta)
             weight_map.update({k: shard.name for k in tensors})
         if (src / "model.safetensors.index.json").is_file():

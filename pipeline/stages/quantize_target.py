@@ -199,26 +199,16 @@ def _carry_unloaded(cfg, tmp: Path) -> None:
         return
     save_file(kept, str(tmp / CARRIED_SHARD), metadata={"format": "pt"})
     weight_map.update({k: CARRIED_SHARD for k in kept})
-    total = 0
-    for name in sorted(set(weight_map.values())):
-        with safe_open(str(tmp / name), framework="pt") as fh:
-            for k in fh.keys():
-                sl = fh.get_slice(k)
-                total += _numel(sl.get_shape()) * _itemsize(sl.get_dtype())
+    total = sum(_tensor_bytes(tmp / name) for name in sorted(set(weight_map.values())))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _itemsize(dtype: str) -> int:
-    return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-            "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}.get(dtype, 1)
+def _tensor_bytes(path: Path) -> int:
+    """The tensor bytes of a safetensors file: its size less the 8-byte header length and the JSON header."""
+    with open(path, "rb") as fh:
+        header = int.from_bytes(fh.read(8), "little")
+    return path.stat().st_size - 8 - header
 
 
 def _load_dense(cfg, device: str | torch.device = "cpu"):
