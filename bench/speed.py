@@ -66,6 +66,7 @@ CONFIGS: dict[str, tuple[str, str | None, int, dict]] = {
     # t(256) - t(16) bound the verify's extra rows at batch 1 and 16 (its LM head rows included)
     "w4a16-marlin/-": ("target-w4a16", None, 0, MARLIN),
     "w4a16-marlin/bf16/k15": ("target-w4a16", "drafter-bf16", 15, MARLIN),
+    "w4a16-marlin/nvfp4/k15": ("target-w4a16", "drafter-nvfp4", 15, MARLIN),
     "bf16/-/verify-rows": ("target-bf16", None, 0, {}),
 }
 # configs run at their own batch sizes (default: --batches) and with a larger KV cache where those need it

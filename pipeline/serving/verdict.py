@@ -103,11 +103,61 @@ def _prefix_share(r: dict, base: dict, prompts: dict) -> float:
     return round(same / total, 4) if total else 1.0
 
 
+def _mismatches(r: dict, base: dict, prompts: dict) -> list[tuple[str, int, int | None, int | None]]:
+    """(subset/index, first differing position, the target alone's token there, the pair's) per differing
+    output; a token is None where that output has already ended."""
+    out = []
+    for s in prompts:
+        for i, (a, b) in enumerate(zip(r["subsets"][s]["outputs"], base["subsets"][s]["outputs"])):
+            if a == b:
+                continue
+            j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append((f"{s}/{i}", j, b[j] if j < len(b) else None, a[j] if j < len(a) else None))
+    return out
+
+
+def divergences(results: list[dict], prompts: dict) -> dict[str, dict[str, dict]]:
+    """Per target: each prompt where some pair's output parts from the target alone's, with the target
+    alone's tokens before that position (`prefix`, what the reference target is run on) and every token
+    seen there (the alone's first). What `lossless_tie` asks the reference logits about."""
+    alone = {r["job"]["target_variant"]: r for r in results if r["job"].get("variant") is None and r.get("ok")}
+    points: dict[str, dict[str, dict]] = {}
+    for r in results:
+        t = r["job"]["target_variant"]
+        if r["job"].get("variant") is None or not r.get("ok") or t not in alone:
+            continue
+        for key, j, a, b in _mismatches(r, alone[t], prompts):
+            if a is None or b is None:
+                continue  # one output ended: no two tokens to weigh
+            s, i = key.rsplit("/", 1)
+            pt = points.setdefault(t, {}).setdefault(
+                key, {"position": j, "prefix": alone[t]["subsets"][s]["outputs"][int(i)][:j], "tokens": [a]})
+            if pt["position"] == j and b not in pt["tokens"]:
+                pt["tokens"].append(b)
+    return points
+
+
+def near_tie(entry: dict | None, a: int | None, b: int | None, tie: float) -> float | None:
+    """The gap |logit(a) - logit(b)| / max |logit| of the reference row when tokens a and b are both within
+    `tie` of the row's top and of each other (a near-tie either rounding may break), else None."""
+    if not entry or tie <= 0 or a is None or b is None or "logits" not in entry:
+        return None
+    la, lb = entry["logits"].get(str(a)), entry["logits"].get(str(b))
+    if la is None or lb is None or not entry.get("scale"):
+        return None
+    gap = abs(la - lb) / entry["scale"]
+    below_top = (entry["top"] - min(la, lb)) / entry["scale"]
+    return round(gap, 6) if gap <= tie and below_top <= tie else None
+
+
 def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, min_tau: float,
               ref_target: str | None, ref_tau: dict[str, dict[str, float]], require_lossless: bool = True,
-              ref_matrix: dict[str, dict[str, dict[str, float]]] | None = None) -> dict[str, Any]:
+              ref_matrix: dict[str, dict[str, dict[str, float]]] | None = None,
+              ties: dict[str, dict[str, dict]] | None = None, tie: float = 0.0) -> dict[str, Any]:
     """`ref_tau`: the reference loop's {variant: {subset: tau}} with `ref_target`; `ref_matrix`: the same
-    per target ({target: {variant: ...}}, evaluate's pair matrix), used where it has the pair."""
+    per target ({target: {variant: ...}}, evaluate's pair matrix), used where it has the pair. `ties`: the
+    reference target's logits at each divergence ({target: {subset/index: entry}}, the stage's
+    `tie_logits`); a difference whose two tokens are a near-tie within `tie` is warned, not failed."""
     alone = {r["job"]["target_variant"]: r for r in results if r["job"].get("variant") is None}
     pairs: dict[str, dict] = {}
     failures: list[str] = []
@@ -157,8 +207,21 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
         if bf16 is not None and v != "bf16":  # same served numerics but the drafter's rounding
             p["lossless"]["equal_to_bf16_drafter"] = sum(
                 int(a == b) for s in prompts for a, b in zip(r["subsets"][s]["outputs"], bf16["subsets"][s]["outputs"]))
-        if equal is not None and equal != n and require_lossless:
-            p["problems"].append(f"not lossless ({equal}/{n} outputs equal the target alone)")
+        if equal is not None and equal != n:
+            diffs = _mismatches(r, base, prompts)
+            tied = [(key, j, a, b, g) for key, j, a, b in diffs
+                    for g in [near_tie(((ties or {}).get(t) or {}).get(key), a, b, tie)] if g is not None]
+            if tied:
+                p["lossless"]["near_ties"] = [{"prompt": key, "position": j, "tokens": [a, b], "gap": g}
+                                              for key, j, a, b, g in tied]
+            if len(tied) == len(diffs):
+                p["warnings"] = [f"{n - equal} of {n} outputs part from the target alone's on a near-tie of the "
+                                 "target's own logits (" + "; ".join(
+                                     f"{key} token {j}: {a} vs {b}, gap {g:.2%} of the row's largest"
+                                     for key, j, a, b, g in tied) + "): lossless up to the target's rounding"]
+            elif require_lossless:
+                p["problems"].append(f"not lossless ({equal}/{n} outputs equal the target alone"
+                                     + (f"; {len(tied)} of the differences are near-ties" if tied else "") + ")")
         tau, per_pos = {}, {}
         drafts = accepted = 0
         pos_total: list[int] = []
@@ -197,7 +260,7 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
     unsupported = sorted(k for k, p in pairs.items() if "unsupported" in p)
     return {"schema": "specquant.serve_check/v1", "versions": versions, "min_tau_ratio": min_ratio,
             "engine": engine_words(versions), "unsupported": unsupported,
-            "require_lossless": require_lossless,
+            "require_lossless": require_lossless, "lossless_tie": tie,
             "min_tau": min_tau, "reference_target": ref_target, "pairs": pairs,
             "targets_alone": {t: {"ok": r.get("ok"), "error": r.get("error"), "load_s": r.get("load_s"),
                                   "kernel": _main_kernel(r, "target"), "layers": layer_kernels(r),
@@ -312,7 +375,9 @@ def render(summary: dict) -> str:
         row = [p["target"], p["variant"] + backend, kernel_words(p.get("drafter_kernel"))
                + (" [emulated on CPU]" if "drafter" in (p.get("emulated") or {}) else ""),
                "no" if p.get("error") else "yes",
-               f"{ll.get('equal')}/{ll.get('prompts')}" if ll else "-",
+               (f"{ll.get('equal')}/{ll.get('prompts')}"
+                + (f" (+{len(ll['near_ties'])} near-tie)" if p.get("warnings") and ll.get("near_ties") else "")
+                if ll else "-"),
                f"{ll['equal_to_bf16_drafter']}/{ll.get('prompts')}" if "equal_to_bf16_drafter" in ll else "-"] + \
             [_fmt(tau.get(s)) for s in subsets] + \
             [_fmt(tau.get("all")), _fmt((p.get("reference_tau") or {}).get("all")),
@@ -343,6 +408,14 @@ def render(summary: dict) -> str:
         lines += [f"- {what} - {', '.join(keys)}" for what, keys in said.items()]
     for k in summary.get("unsupported") or []:
         lines += ["", f"- `{k}`: {summary['pairs'][k]['unsupported']} - not checked here, neither passed nor failed."]
+    tie_notes: dict[str, list[str]] = {}
+    for k, p in summary["pairs"].items():
+        for w in p.get("warnings") or []:
+            tie_notes.setdefault(w, []).append(k)
+    if tie_notes:
+        lines += ["", "Near-ties (the reference target's own fp32 logits, `serve.lossless_tie` = "
+                  f"{summary.get('lossless_tie')}):", ""]
+        lines += [f"- {', '.join(f'`{k}`' for k in keys)}: {w}" for w, keys in tie_notes.items()]
     if summary.get("pairing_warnings"):
         lines += ["", "Pairing warnings:", ""] + [f"- {w}" for w in summary["pairing_warnings"]]
     if summary["failures"]:
@@ -351,6 +424,8 @@ def render(summary: dict) -> str:
         lossless = ("is lossless" if summary.get("require_lossless", True)
                     else "runs (losslessness reported, not required: serve.require_lossless=false)")
         some = " that this engine can load" if summary.get("unsupported") else ""
+        if tie_notes and summary.get("require_lossless", True):
+            lossless += " (up to the near-ties above)"
         lines += ["", f"Every pair{some} loads, {lossless} and keeps tau >= {summary['min_tau_ratio']} x bf16's "
                   f"and >= {summary['min_tau']}."]
     lines += render_dflash2(summary.get("dflash2") or {})
@@ -422,7 +497,10 @@ def variant_status(summary: dict, variant: str) -> dict[str, Any]:
             continue
         ll = p.get("lossless") or {}
         parts.append(f"with target {p['target']}{'' if p['linear_backend'] == 'auto' else ' [' + p['linear_backend'] + ']'}: "
-                     f"loads, lossless {ll.get('equal')}/{ll.get('prompts')}, tau {_fmt((p.get('tau') or {}).get('all'))}, "
+                     f"loads, lossless {ll.get('equal')}/{ll.get('prompts')}"
+                     + (f" (+{len(ll['near_ties'])} near-tie of the target's logits)"
+                        if p.get("warnings") and ll.get("near_ties") else "")
+                     + f", tau {_fmt((p.get('tau') or {}).get('all'))}, "
                      f"{kernel_words(p.get('drafter_kernel'))}"
                      + (" (emulated on CPU)" if "drafter" in (p.get("emulated") or {}) else "")
                      + ("" if p["ok"] else " - FAILED: " + "; ".join(p["problems"])))

@@ -10,7 +10,10 @@ engine in `serve.python` (`pipeline.serving.worker`) -> lossless count against t
 alone, vLLM's tau per subset and acceptance per position, the kernel of every quantized layer ->
 `eval/serve_check.json`, the per-job files under `eval/serve_check/`, a section in `eval/report.md`
 -> exit non-zero naming every variant that does not load, is not lossless or whose tau falls below
-`serve.min_tau_ratio` of the bf16 drafter's (same target, same kernel) or below `serve.min_tau`.
+`serve.min_tau_ratio` of the bf16 drafter's (same target, same kernel) or below `serve.min_tau`. Where a
+pair's output parts from the target alone's, the reference target (fp32, transformers) is run on the prompt
+and the tokens before the difference (`tie_logits`): two tokens within `serve.lossless_tie` of each other and
+of the row's top are a near-tie the engine's batch shapes break either way, reported with its gap, not failed.
 
 With `serve.speed` on a GPU every engine is also timed as served (CUDA graphs: enforce_eager off, one
 engine at a time): decode ms per step and tokens/s at batch 1 and `serve.speed_batch`, tau from the same
@@ -410,6 +413,42 @@ def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int, env: di
     return results
 
 
+def tie_logits(targets: dict[str, Path], results: list[dict], prompts: dict, limit: int) -> dict[str, dict]:
+    """The reference target's own fp32 logits where a pair's output parts from the target alone's
+    (`verdict.divergences`): run on the prompt and the target alone's tokens before the difference, the
+    logits of every token seen there, the row's top and largest |logit|. At most `limit` prompts per target
+    (the rest stay plain differences); a target that cannot be loaded here is recorded with the reason."""
+    points = verdict.divergences(results, prompts)
+    if not points:
+        return {}
+    import torch
+    from tqdm import tqdm
+
+    from pipeline.evaluation.fakequant import load_target
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out: dict[str, dict] = {}
+    for t, pts in points.items():
+        chosen = sorted(pts.items())[:max(0, limit)]
+        if not chosen:
+            continue
+        try:
+            model = load_target(str(targets[t]), torch.float32, device)
+        except (SpecquantError, OSError, RuntimeError, ValueError) as exc:
+            out[t] = {"error": f"the reference target could not be loaded here ({str(exc).splitlines()[0][:300]})"}
+            continue
+        for key, pt in tqdm(chosen, desc=f"near-tie check, target {t}", unit="prompt"):
+            s, i = key.rsplit("/", 1)
+            ids = torch.tensor([list(prompts[s][int(i)]) + list(pt["prefix"])], device=device)
+            with torch.no_grad():
+                row = model(input_ids=ids).logits[0, -1].float()
+            out.setdefault(t, {})[key] = {
+                "position": pt["position"], "top_token": int(row.argmax()), "top": float(row.max()),
+                "scale": float(row.abs().max()), "logits": {str(tok): float(row[tok]) for tok in pt["tokens"]}}
+        del model
+    return out
+
+
 # ---------------------------------------------------------------- the stage
 def _reference_tau(rd: RunDir) -> tuple[str | None, dict, dict]:
     """{variant: {subset|all: tau}} of the reference loop (evaluate), which target it ran with, and the
@@ -490,9 +529,12 @@ def run(cfg) -> dict:
     references = {j["name"]: dflash2_probe(cfg, j, first, folder) for j in jobs if j.get("kind") == "dflash2_load"}
     results = run_jobs(str(s.python), jobs, folder, n, worker_env(info))
     ref_target, ref_tau, ref_matrix = _reference_tau(rd)
-    summary = verdict.summarize([r for r in results if r.get("kind") != "dflash2_load"], prompts,
-                                float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau,
-                                require_lossless=bool(s.require_lossless), ref_matrix=ref_matrix)
+    engines = [r for r in results if r.get("kind") != "dflash2_load"]
+    ties = tie_logits(targets, engines, prompts, int(s.lossless_tie_checks)) if float(s.lossless_tie) > 0 else {}
+    summary = verdict.summarize(engines, prompts, float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau,
+                                require_lossless=bool(s.require_lossless), ref_matrix=ref_matrix,
+                                ties=ties, tie=float(s.lossless_tie))
+    summary["tie_logits"] = ties
     summary["dflash2"] = check_dflash2([r for r in results if r.get("kind") == "dflash2_load"], jobs, references)
     summary["failures"] += [f"DFlash2 drafter {v}: {x}" for v, e in summary["dflash2"].items() for x in e["problems"]]
     if summary["dflash2"] and not summary["versions"]:  # no engine ran: the versions the DFlash2 loads ran under
