@@ -227,7 +227,7 @@ class ServeConfig:
     # up to a near-tie (vLLM's multi-token verify and one-token decode round differently): warned with the gap,
     # not failed; 0 = exact equality only
     lossless_tie: float = 0.01
-    lossless_tie_checks: int = 16  # divergent prompts per target whose reference logits are computed (the rest fail)
+    lossless_tie_checks: int = 16  # divergence points (prompt, token) per target given reference logits (the rest fail)
     # speed (GPU only): CUDA graphs on (enforce_eager off), one engine at a time, decode timed at batch 1 and
     # speed_batch with speed_max_tokens tokens per sequence; the CPU build says "not measured"
     speed: bool = False

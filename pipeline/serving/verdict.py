@@ -116,10 +116,15 @@ def _mismatches(r: dict, base: dict, prompts: dict) -> list[tuple[str, int, int 
     return out
 
 
+def divergence_key(prompt: str, position: int) -> str:
+    """`subset/index@position`: one point where a pair's output parts from the target alone's."""
+    return f"{prompt}@{position}"
+
+
 def divergences(results: list[dict], prompts: dict) -> dict[str, dict[str, dict]]:
-    """Per target: each prompt where some pair's output parts from the target alone's, with the target
-    alone's tokens before that position (`prefix`, what the reference target is run on) and every token
-    seen there (the alone's first). What `lossless_tie` asks the reference logits about."""
+    """Per target: each point (`divergence_key`) where some pair's output parts from the target alone's,
+    with the target alone's tokens before it (`prefix`, what the reference target is run on) and every
+    token seen there (the alone's first). What `lossless_tie` asks the reference logits about."""
     alone = {r["job"]["target_variant"]: r for r in results if r["job"].get("variant") is None and r.get("ok")}
     points: dict[str, dict[str, dict]] = {}
     for r in results:
@@ -130,9 +135,9 @@ def divergences(results: list[dict], prompts: dict) -> dict[str, dict[str, dict]
             if a is None or b is None:
                 continue  # one output ended: no two tokens to weigh
             s, i = key.rsplit("/", 1)
-            pt = points.setdefault(t, {}).setdefault(
-                key, {"position": j, "prefix": alone[t]["subsets"][s]["outputs"][int(i)][:j], "tokens": [a]})
-            if pt["position"] == j and b not in pt["tokens"]:
+            pt = points.setdefault(t, {}).setdefault(divergence_key(key, j), {
+                "prompt": key, "position": j, "prefix": alone[t]["subsets"][s]["outputs"][int(i)][:j], "tokens": [a]})
+            if b not in pt["tokens"]:
                 pt["tokens"].append(b)
     return points
 
@@ -210,7 +215,8 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
         if equal is not None and equal != n:
             diffs = _mismatches(r, base, prompts)
             tied = [(key, j, a, b, g) for key, j, a, b in diffs
-                    for g in [near_tie(((ties or {}).get(t) or {}).get(key), a, b, tie)] if g is not None]
+                    for g in [near_tie(((ties or {}).get(t) or {}).get(divergence_key(key, j)), a, b, tie)]
+                    if g is not None]
             if tied:
                 p["lossless"]["near_ties"] = [{"prompt": key, "position": j, "tokens": [a, b], "gap": g}
                                               for key, j, a, b, g in tied]

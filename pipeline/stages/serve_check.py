@@ -416,7 +416,7 @@ def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int, env: di
 def tie_logits(targets: dict[str, Path], results: list[dict], prompts: dict, limit: int) -> dict[str, dict]:
     """The reference target's own fp32 logits where a pair's output parts from the target alone's
     (`verdict.divergences`): run on the prompt and the target alone's tokens before the difference, the
-    logits of every token seen there, the row's top and largest |logit|. At most `limit` prompts per target
+    logits of every token seen there, the row's top and largest |logit|. At most `limit` points per target
     (the rest stay plain differences); a target that cannot be loaded here is recorded with the reason."""
     points = verdict.divergences(results, prompts)
     if not points:
@@ -437,13 +437,13 @@ def tie_logits(targets: dict[str, Path], results: list[dict], prompts: dict, lim
         except (SpecquantError, OSError, RuntimeError, ValueError) as exc:
             out[t] = {"error": f"the reference target could not be loaded here ({str(exc).splitlines()[0][:300]})"}
             continue
-        for key, pt in tqdm(chosen, desc=f"near-tie check, target {t}", unit="prompt"):
-            s, i = key.rsplit("/", 1)
+        for key, pt in tqdm(chosen, desc=f"near-tie check, target {t}", unit="point"):
+            s, i = pt["prompt"].rsplit("/", 1)
             ids = torch.tensor([list(prompts[s][int(i)]) + list(pt["prefix"])], device=device)
             with torch.no_grad():
                 row = model(input_ids=ids).logits[0, -1].float()
             out.setdefault(t, {})[key] = {
-                "position": pt["position"], "top_token": int(row.argmax()), "top": float(row.max()),
+                "prompt": pt["prompt"], "position": pt["position"], "top_token": int(row.argmax()), "top": float(row.max()),
                 "scale": float(row.abs().max()), "logits": {str(tok): float(row[tok]) for tok in pt["tokens"]}}
         del model
     return out
