@@ -224,10 +224,10 @@ class ServeConfig:
     require_lossless: bool = True
     # a pair that parts from the target alone only where the target's own fp32 logits (run by the stage) hold
     # both tokens within this share of the row's largest |logit| of each other and of the row's top is lossless
-    # up to a near-tie (vLLM's multi-token verify and one-token decode round differently): warned with the gap,
-    # not failed; 0 = exact equality only
+    # up to a near-tie when every later token the pair served is within it of its row's top too (vLLM's
+    # multi-token verify and one-token decode round differently): warned with the gaps, not failed; 0 = exact only
     lossless_tie: float = 0.01
-    lossless_tie_checks: int = 16  # divergence points (prompt, token) per target given reference logits (the rest fail)
+    lossless_tie_checks: int = 16  # differing pair outputs per target run through the reference (the rest fail)
     # speed (GPU only): CUDA graphs on (enforce_eager off), one engine at a time, decode timed at batch 1 and
     # speed_batch with speed_max_tokens tokens per sequence; the CPU build says "not measured"
     speed: bool = False

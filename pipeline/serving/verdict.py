@@ -3,6 +3,7 @@ and, where the engines were timed (`serve.speed`), the speed table (`speed_summa
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -103,56 +104,62 @@ def _prefix_share(r: dict, base: dict, prompts: dict) -> float:
     return round(same / total, 4) if total else 1.0
 
 
-def _mismatches(r: dict, base: dict, prompts: dict) -> list[tuple[str, int, int | None, int | None]]:
-    """(subset/index, first differing position, the target alone's token there, the pair's) per differing
-    output; a token is None where that output has already ended."""
+def _mismatches(r: dict, base: dict, prompts: dict) -> list[tuple[str, int, int | None, int | None, list]]:
+    """(subset/index, first differing position, the target alone's token there, the pair's, the pair's whole
+    output) per differing output; a token is None where that output has already ended."""
     out = []
     for s in prompts:
         for i, (a, b) in enumerate(zip(r["subsets"][s]["outputs"], base["subsets"][s]["outputs"])):
             if a == b:
                 continue
             j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            out.append((f"{s}/{i}", j, b[j] if j < len(b) else None, a[j] if j < len(a) else None))
+            out.append((f"{s}/{i}", j, b[j] if j < len(b) else None, a[j] if j < len(a) else None, a))
     return out
 
 
-def divergence_key(prompt: str, position: int) -> str:
-    """`subset/index@position`: one point where a pair's output parts from the target alone's."""
-    return f"{prompt}@{position}"
+def divergence_key(prompt: str, position: int, output: list[int]) -> str:
+    """`subset/index@position:hash`: one pair output that parts from the target alone's at `position`
+    (pairs that served the same output share it)."""
+    import hashlib
+
+    return f"{prompt}@{position}:" + hashlib.sha256(json.dumps(list(output)).encode()).hexdigest()[:12]
 
 
 def divergences(results: list[dict], prompts: dict) -> dict[str, dict[str, dict]]:
-    """Per target: each point (`divergence_key`) where some pair's output parts from the target alone's,
-    with the target alone's tokens before it (`prefix`, what the reference target is run on) and every
-    token seen there (the alone's first). What `lossless_tie` asks the reference logits about."""
+    """Per target: each distinct pair output (`divergence_key`) that parts from the target alone's, with the
+    position, the alone's token there, the whole output (what the reference target is run on, teacher-forced)
+    and how many pairs served it. What `lossless_tie` asks the reference logits about."""
     alone = {r["job"]["target_variant"]: r for r in results if r["job"].get("variant") is None and r.get("ok")}
     points: dict[str, dict[str, dict]] = {}
     for r in results:
         t = r["job"]["target_variant"]
         if r["job"].get("variant") is None or not r.get("ok") or t not in alone:
             continue
-        for key, j, a, b in _mismatches(r, alone[t], prompts):
+        for prompt, j, a, b, output in _mismatches(r, alone[t], prompts):
             if a is None or b is None:
                 continue  # one output ended: no two tokens to weigh
-            s, i = key.rsplit("/", 1)
-            pt = points.setdefault(t, {}).setdefault(divergence_key(key, j), {
-                "prompt": key, "position": j, "prefix": alone[t]["subsets"][s]["outputs"][int(i)][:j], "tokens": [a]})
-            if b not in pt["tokens"]:
-                pt["tokens"].append(b)
+            pt = points.setdefault(t, {}).setdefault(divergence_key(prompt, j, output), {
+                "prompt": prompt, "position": j, "alone_token": a, "output": list(output), "pairs": 0})
+            pt["pairs"] += 1
     return points
 
 
-def near_tie(entry: dict | None, a: int | None, b: int | None, tie: float) -> float | None:
-    """The gap |logit(a) - logit(b)| / max |logit| of the reference row when tokens a and b are both within
-    `tie` of the row's top and of each other (a near-tie either rounding may break), else None."""
-    if not entry or tie <= 0 or a is None or b is None or "logits" not in entry:
+def near_tie(entry: dict | None, a: int | None, b: int | None, tie: float) -> dict | None:
+    """Where the pair's output parts from the target alone's (token b against a): the reference's gap between
+    the two at that row (of the row's largest |logit|) and the largest gap below the row's top of any pair
+    token from there on (teacher-forced on the pair's own output); a near-tie when both tokens are within `tie`
+    of the top there and every later pair token is within `tie` of its row's top, else None."""
+    if not entry or tie <= 0 or a is None or b is None or "first" not in entry:
         return None
-    la, lb = entry["logits"].get(str(a)), entry["logits"].get(str(b))
-    if la is None or lb is None or not entry.get("scale"):
+    first = entry["first"]
+    la, lb = first["logits"].get(str(a)), first["logits"].get(str(b))
+    if la is None or lb is None or not first.get("scale"):
         return None
-    gap = abs(la - lb) / entry["scale"]
-    below_top = (entry["top"] - min(la, lb)) / entry["scale"]
-    return round(gap, 6) if gap <= tie and below_top <= tie else None
+    gap = abs(la - lb) / first["scale"]
+    below_top = (first["top"] - min(la, lb)) / first["scale"]
+    if gap > tie or below_top > tie or entry["worst_gap"] > tie:
+        return None
+    return {"gap": round(gap, 6), "worst_gap": round(entry["worst_gap"], 6), "tokens_checked": entry["tokens_checked"]}
 
 
 def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, min_tau: float,
@@ -161,8 +168,9 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
               ties: dict[str, dict[str, dict]] | None = None, tie: float = 0.0) -> dict[str, Any]:
     """`ref_tau`: the reference loop's {variant: {subset: tau}} with `ref_target`; `ref_matrix`: the same
     per target ({target: {variant: ...}}, evaluate's pair matrix), used where it has the pair. `ties`: the
-    reference target's logits at each divergence ({target: {subset/index: entry}}, the stage's
-    `tie_logits`); a difference whose two tokens are a near-tie within `tie` is warned, not failed."""
+    reference target's verdict on each differing pair output ({target: {"points": {divergence_key: entry},
+    "unchecked": n, "error": ...}}, the stage's `tie_logits`); a pair whose every difference is a near-tie
+    within `tie` (`near_tie`) is warned, not failed."""
     alone = {r["job"]["target_variant"]: r for r in results if r["job"].get("variant") is None}
     pairs: dict[str, dict] = {}
     failures: list[str] = []
@@ -213,21 +221,31 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
             p["lossless"]["equal_to_bf16_drafter"] = sum(
                 int(a == b) for s in prompts for a, b in zip(r["subsets"][s]["outputs"], bf16["subsets"][s]["outputs"]))
         if equal is not None and equal != n:
+            found = (ties or {}).get(t) or {}
             diffs = _mismatches(r, base, prompts)
-            tied = [(key, j, a, b, g) for key, j, a, b in diffs
-                    for g in [near_tie(((ties or {}).get(t) or {}).get(divergence_key(key, j)), a, b, tie)]
+            tied = [(prompt, j, a, b, g) for prompt, j, a, b, out in diffs
+                    for g in [near_tie((found.get("points") or {}).get(divergence_key(prompt, j, out)), a, b, tie)]
                     if g is not None]
             if tied:
-                p["lossless"]["near_ties"] = [{"prompt": key, "position": j, "tokens": [a, b], "gap": g}
-                                              for key, j, a, b, g in tied]
-            if len(tied) == len(diffs):
+                p["lossless"]["near_ties"] = [{"prompt": prompt, "position": j, "tokens": [a, b], **g}
+                                              for prompt, j, a, b, g in tied]
+            if tied and len(tied) == n - equal:  # every differing output judged a near-tie (none missing)
                 p["warnings"] = [f"{n - equal} of {n} outputs part from the target alone's on a near-tie of the "
-                                 "target's own logits (" + "; ".join(
-                                     f"{key} token {j}: {a} vs {b}, gap {g:.2%} of the row's largest"
-                                     for key, j, a, b, g in tied) + "): lossless up to the target's rounding"]
+                                 "target's own fp32 logits (" + "; ".join(
+                                     f"{prompt} token {j}: {a} alone vs {b} here, {g['gap']:.2%} of the row's "
+                                     f"largest |logit| apart; the pair's {g['tokens_checked']} tokens from there "
+                                     f"each within {g['worst_gap']:.2%} of the reference's top"
+                                     for prompt, j, a, b, g in tied) + ")"]
             elif require_lossless:
+                why = []
+                if tied:
+                    why.append(f"{len(tied)} of the {n - equal} differences {'is a near-tie' if len(tied) == 1 else 'are near-ties'}")
+                if found.get("error"):
+                    why.append(f"the near-tie check did not run: {found['error']}")
+                elif found.get("unchecked"):
+                    why.append(f"{found['unchecked']} differing outputs past serve.lossless_tie_checks were not checked")
                 p["problems"].append(f"not lossless ({equal}/{n} outputs equal the target alone"
-                                     + (f"; {len(tied)} of the differences are near-ties" if tied else "") + ")")
+                                     + "".join(f"; {w}" for w in why) + ")")
         tau, per_pos = {}, {}
         drafts = accepted = 0
         pos_total: list[int] = []

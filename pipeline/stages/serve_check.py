@@ -413,11 +413,31 @@ def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int, env: di
     return results
 
 
-def tie_logits(targets: dict[str, Path], results: list[dict], prompts: dict, limit: int) -> dict[str, dict]:
-    """The reference target's own fp32 logits where a pair's output parts from the target alone's
-    (`verdict.divergences`): run on the prompt and the target alone's tokens before the difference, the
-    logits of every token seen there, the row's top and largest |logit|. At most `limit` points per target
-    (the rest stay plain differences); a target that cannot be loaded here is recorded with the reason."""
+def _fp32_bytes(target: Path) -> int:
+    """About what the target takes in fp32 once loaded: its safetensors bytes x 2 (bf16) or x 8 (4-bit packed)."""
+    files = sum(f.stat().st_size for f in Path(target).glob("*.safetensors")) if Path(target).is_dir() else 0
+    return files * (8 if _quantized(Path(target)) else 2)
+
+
+def _free_bytes(device: str) -> int:
+    import torch
+
+    if device == "cuda":
+        return int(torch.cuda.mem_get_info()[0])
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def tie_logits(targets: dict[str, Path], results: list[dict], prompts: dict, limit: int,
+               load: dict[str, dict] | None = None) -> dict[str, dict]:
+    """The reference target's own fp32 logits over each distinct pair output that parts from the target
+    alone's (`verdict.divergences`), teacher-forced on the prompt and that output: at the first difference,
+    the logits of the alone's and the pair's tokens, the row's top and largest |logit|; from there on, the
+    largest gap below its row's top of any token the pair served. At most `limit` outputs per target (those
+    most pairs served first; the rest counted as `unchecked`); a target that cannot be loaded or run here
+    (memory, files) is recorded with the reason, never raised. `load`: revision / trust_remote_code per target."""
     points = verdict.divergences(results, prompts)
     if not points:
         return {}
@@ -429,23 +449,43 @@ def tie_logits(targets: dict[str, Path], results: list[dict], prompts: dict, lim
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out: dict[str, dict] = {}
     for t, pts in points.items():
-        chosen = sorted(pts.items())[:max(0, limit)]
+        chosen = sorted(pts.items(), key=lambda kv: (-kv[1]["pairs"], kv[0]))[:max(0, limit)]
+        found: dict[str, Any] = {"points": {}, "unchecked": len(pts) - len(chosen)}
+        out[t] = found
         if not chosen:
             continue
+        model = None
         try:
-            model = load_target(str(targets[t]), torch.float32, device)
-        except (SpecquantError, OSError, RuntimeError, ValueError) as exc:
-            out[t] = {"error": f"the reference target could not be loaded here ({str(exc).splitlines()[0][:300]})"}
-            continue
-        for key, pt in tqdm(chosen, desc=f"near-tie check, target {t}", unit="point"):
-            s, i = pt["prompt"].rsplit("/", 1)
-            ids = torch.tensor([list(prompts[s][int(i)]) + list(pt["prefix"])], device=device)
-            with torch.no_grad():
-                row = model(input_ids=ids).logits[0, -1].float()
-            out.setdefault(t, {})[key] = {
-                "prompt": pt["prompt"], "position": pt["position"], "top_token": int(row.argmax()), "top": float(row.max()),
-                "scale": float(row.abs().max()), "logits": {str(tok): float(row[tok]) for tok in pt["tokens"]}}
-        del model
+            need, free = _fp32_bytes(targets[t]), _free_bytes(device)
+            if need > 0.8 * free:
+                found["error"] = (f"the reference target {t} needs about {need / 1e9:.1f} GB in fp32 and {device} "
+                                  f"has {free / 1e9:.1f} GB free (serve.lossless_tie=0 skips the check)")
+                continue
+            model = load_target(str(targets[t]), torch.float32, device, **((load or {}).get(t) or {}))
+            for key, pt in tqdm(chosen, desc=f"near-tie check, target {t}", unit="output"):
+                s, i = pt["prompt"].rsplit("/", 1)
+                prompt, output, j = list(prompts[s][int(i)]), pt["output"], pt["position"]
+                with torch.no_grad():
+                    rows = model(input_ids=torch.tensor([prompt + output], device=device)).logits[0].float()
+                rows = rows[len(prompt) - 1:len(prompt) - 1 + len(output)]  # row k predicts output[k]
+                top, scale = rows.max(dim=-1).values, rows.abs().max(dim=-1).values
+                served = rows.gather(1, torch.tensor(output, device=device)[:, None])[:, 0]
+                below = ((top - served) / scale)[j:]
+                first = rows[j]
+                found["points"][key] = {
+                    "prompt": pt["prompt"], "position": j, "pairs": pt["pairs"],
+                    "first": {"top_token": int(first.argmax()), "top": float(top[j]), "scale": float(scale[j]),
+                              "logits": {str(x): float(first[x]) for x in (pt["alone_token"], output[j])}},
+                    "worst_gap": float(below.max()), "worst_position": j + int(below.argmax()),
+                    "tokens_checked": len(output) - j}
+        except Exception as exc:  # noqa: BLE001 - any failure of the check is reported, the verdict stays strict
+            found["error"] = f"the reference target {t} could not be run here ({type(exc).__name__}: " \
+                             f"{str(exc).splitlines()[0][:300] if str(exc) else ''})"
+            found["points"] = {}
+        finally:
+            del model
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return out
 
 
@@ -502,6 +542,11 @@ def run(cfg) -> dict:
     s = cfg.serve
     if not 0 < float(s.min_tau_ratio) <= 1:
         raise bad_value("serve.min_tau_ratio", s.min_tau_ratio, "it must be in (0, 1]", "use e.g. 0.9")
+    if not 0 <= float(s.lossless_tie) <= 0.1:
+        raise bad_value("serve.lossless_tie", s.lossless_tie, "it is a share of the row's largest |logit| and must be "
+                        "in [0, 0.1]", "use e.g. 0.01 (1%), or 0 for exact equality only")
+    if int(s.lossless_tie_checks) < 0:
+        raise bad_value("serve.lossless_tie_checks", s.lossless_tie_checks, "it must be >= 0", "use e.g. 16")
     rd = RunDir.from_cfg(cfg)
     if not rd.root.is_dir():
         raise bad_value("run_dir", str(rd.root), "the run directory does not exist", "run the earlier stages first")
@@ -530,7 +575,9 @@ def run(cfg) -> dict:
     results = run_jobs(str(s.python), jobs, folder, n, worker_env(info))
     ref_target, ref_tau, ref_matrix = _reference_tau(rd)
     engines = [r for r in results if r.get("kind") != "dflash2_load"]
-    ties = tie_logits(targets, engines, prompts, int(s.lossless_tie_checks)) if float(s.lossless_tie) > 0 else {}
+    load = {REFERENCE: {"revision": cfg.target.revision, "trust_remote_code": bool(cfg.target.trust_remote_code)}}
+    ties = (tie_logits(targets, engines, prompts, int(s.lossless_tie_checks), load)
+            if float(s.lossless_tie) > 0 and bool(s.require_lossless) else {})
     summary = verdict.summarize(engines, prompts, float(s.min_tau_ratio), float(s.min_tau), ref_target, ref_tau,
                                 require_lossless=bool(s.require_lossless), ref_matrix=ref_matrix,
                                 ties=ties, tie=float(s.lossless_tie))
