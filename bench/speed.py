@@ -3,6 +3,8 @@
     python -m bench.speed configs                      # here: bench/speed_models.json (config.json files)
     python -m bench.speed build --work DIR             # GPU machine: random-weight checkpoints under DIR
     python -m bench.speed run --work DIR --out OUT [--only NAME,...] [--budget-s 540]
+    python -m bench.speed report OUT/speed.json ... --json bench/results/<date>-h200-speed.json
+    python -m bench.speed plot bench/results/<date>-h200-speed*.json --png docs/img/h200-speed.png
 
 `build` writes, from bench/speed_models.json and seeded random tensors (torch + safetensors only, no
 pipeline stage, no llm-compressor): the bf16 target, a W4A16 target (compressed-tensors pack-quantized,
@@ -388,10 +390,67 @@ def report(inputs: list[Path], out_json: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# the plot's rows (target as served) and bars (drafter beside it), k = 15
+PLOT_TARGETS = {"bf16": "bf16", "w4a16": "W4A16 (Machete)", "w4a16-marlin": "W4A16 (Marlin)",
+                "nvfp4a16": "NVFP4A16 (Marlin FP4)"}
+PLOT_DRAFTERS = {None: "target alone", "bf16": "+ bf16 drafter", "w4a16": "+ W4A16 drafter",
+                 "nvfp4": "+ NVFP4 drafter"}
+
+
+def plot_cells(results: list[Path]) -> dict[tuple[str, str | None, int], dict]:
+    """{(target as served, drafter, batch): row} from bench/results speed files; a later file wins a cell, so
+    pass them oldest first. Rows outside the matrix (one-layer or 32k drafters, k != 15) are left out."""
+    cells: dict[tuple[str, str | None, int], dict] = {}
+    for f in results:
+        for row in json.loads(Path(f).read_text())["pairs"]:
+            marlin = bool((row.get("env") or {}).get("VLLM_DISABLED_KERNELS"))
+            target = row["target"] + ("-marlin" if marlin else "")
+            if target not in PLOT_TARGETS or row["drafter"] not in PLOT_DRAFTERS:
+                continue
+            if row["drafter"] and row["num_speculative_tokens"] != 15:
+                continue
+            cells[(target, row["drafter"], row["batch"])] = {**row, "source": Path(f).name}
+    return cells
+
+
+def plot(results: list[Path], out: Path, title: str) -> Path:
+    """ms per decode step, target alone and with each drafter, at batch 1 and 16 (one panel each)."""
+    from pipeline.core.plotting import pyplot, save_png
+
+    cells = plot_cells(results)
+    plt = pyplot()
+    batches = sorted({b for (_, _, b) in cells if b in (1, 16)})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.2), squeeze=False)
+    targets = [t for t in PLOT_TARGETS if any(k[0] == t for k in cells)]
+    width = 0.8 / len(PLOT_DRAFTERS)
+    for ax, b in zip(axes[0], batches):
+        for n, (d, label) in enumerate(PLOT_DRAFTERS.items()):
+            xs, ys = [], []
+            for i, t in enumerate(targets):
+                if (t, d, b) in cells:
+                    xs.append(i + (n - (len(PLOT_DRAFTERS) - 1) / 2) * width)
+                    ys.append(cells[(t, d, b)]["ms_per_step"])
+            bars = ax.bar(xs, ys, width, label=label)
+            ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
+        ax.set_xticks(range(len(targets)), [PLOT_TARGETS[t] for t in targets], fontsize=8)
+        ax.set_ylabel("ms per decode step (whole batch)")
+        ax.set_title(f"batch {b}, k = 15", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return save_png(fig, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cmd", choices=("configs", "build", "run", "report"))
-    p.add_argument("inputs", nargs="*", help="report: the runs' speed.json files")
+    p.add_argument("cmd", choices=("configs", "build", "run", "report", "plot"))
+    p.add_argument("inputs", nargs="*", help="report: the runs' speed.json files; plot: bench/results speed "
+                   "files, oldest first (a later one wins a cell)")
+    p.add_argument("--png", default="docs/img/h200-speed.png", help="plot: where the PNG goes")
+    p.add_argument("--title", default="H200, vLLM 0.26.0, Qwen3-8B / DFlash-b16 shapes, random weights",
+                   help="plot: its title")
     p.add_argument("--json", default=None, help="report: where the bench/results JSON goes")
     p.add_argument("--work", default="/dev/shm/speed")
     p.add_argument("--out", default="speed-out")
@@ -406,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         write_configs()
     elif a.cmd == "report":
         print(report([Path(x) for x in a.inputs], Path(a.json)))
+    elif a.cmd == "plot":
+        print(plot([Path(x) for x in a.inputs], Path(a.png), a.title))
     elif a.cmd == "build":
         print(json.dumps(build(Path(a.work), only_models=[x for x in a.models.split(",") if x])), flush=True)
     else:
