@@ -3,6 +3,7 @@ and, where the engines were timed (`serve.speed`), the speed table (`speed_summa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -99,9 +100,13 @@ def _prefix_share(r: dict, base: dict, prompts: dict) -> float:
     same = total = 0
     for s in prompts:
         for a, b in zip(r["subsets"][s]["outputs"], base["subsets"][s]["outputs"]):
-            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            same, total = same + k, total + len(b)
+            same, total = same + _first_difference(a, b), total + len(b)
     return round(same / total, 4) if total else 1.0
+
+
+def _first_difference(a: list, b: list) -> int:
+    """The first position where two outputs differ (the shorter one's length where one extends the other)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _mismatches(r: dict, base: dict, prompts: dict) -> list[tuple[str, int, int | None, int | None, list]]:
@@ -112,7 +117,7 @@ def _mismatches(r: dict, base: dict, prompts: dict) -> list[tuple[str, int, int 
         for i, (a, b) in enumerate(zip(r["subsets"][s]["outputs"], base["subsets"][s]["outputs"])):
             if a == b:
                 continue
-            j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            j = _first_difference(a, b)
             out.append((f"{s}/{i}", j, b[j] if j < len(b) else None, a[j] if j < len(a) else None, a))
     return out
 
@@ -120,8 +125,6 @@ def _mismatches(r: dict, base: dict, prompts: dict) -> list[tuple[str, int, int 
 def divergence_key(prompt: str, position: int, output: list[int]) -> str:
     """`subset/index@position:hash`: one pair output that parts from the target alone's at `position`
     (pairs that served the same output share it)."""
-    import hashlib
-
     return f"{prompt}@{position}:" + hashlib.sha256(json.dumps(list(output)).encode()).hexdigest()[:12]
 
 

@@ -11,9 +11,10 @@ alone, vLLM's tau per subset and acceptance per position, the kernel of every qu
 `eval/serve_check.json`, the per-job files under `eval/serve_check/`, a section in `eval/report.md`
 -> exit non-zero naming every variant that does not load, is not lossless or whose tau falls below
 `serve.min_tau_ratio` of the bf16 drafter's (same target, same kernel) or below `serve.min_tau`. Where a
-pair's output parts from the target alone's, the reference target (fp32, transformers) is run on the prompt
-and the tokens before the difference (`tie_logits`): two tokens within `serve.lossless_tie` of each other and
-of the row's top are a near-tie the engine's batch shapes break either way, reported with its gap, not failed.
+pair's output parts from the target alone's, the reference target (fp32, transformers) is run teacher-forced
+over the prompt and that output (`tie_logits`): the two tokens at the difference within `serve.lossless_tie` of
+each other and of the row's top, and every later served token within it of its row's top, is a near-tie the
+engine's batch shapes break either way, reported with its gaps, not failed.
 
 With `serve.speed` on a GPU every engine is also timed as served (CUDA graphs: enforce_eager off, one
 engine at a time): decode ms per step and tokens/s at batch 1 and `serve.speed_batch`, tau from the same
