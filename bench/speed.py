@@ -2,7 +2,7 @@
 
     python -m bench.speed configs                      # here: bench/speed_models.json (config.json files)
     python -m bench.speed build --work DIR             # GPU machine: random-weight checkpoints under DIR
-    python -m bench.speed run --work DIR --out OUT [--only NAME,...] [--budget-s 540]
+    python -m bench.speed run --work DIR --out OUT [--only NAME,...] [--budget-s 540] [--profile]
     python -m bench.speed report OUT/speed.json ... --json bench/results/<date>-h200-speed.json
     python -m bench.speed plot bench/results/<date>-h200-speed*.json --png docs/img/h200-speed.png
 
@@ -71,11 +71,24 @@ CONFIGS: dict[str, tuple[str, str | None, int, dict]] = {
     "w4a16-marlin/bf16/k15": ("target-w4a16", "drafter-bf16", 15, MARLIN),
     "w4a16-marlin/nvfp4/k15": ("target-w4a16", "drafter-nvfp4", 15, MARLIN),
     "bf16/-/verify-rows": ("target-bf16", None, 0, {}),
+    # fifth run: a vocabulary-trimmed draft head (`draft_vocab_size` 32,768 + `d2t`, the drafter's own head rows;
+    # vLLM 0.26 `qwen3_dflash.py:673-689, :715-724`): the drafter's head reads 32,768 / 151,936 of the bytes;
+    # beside the targets alone and the full-head pairs of the same run
+    "w4a16-marlin/w4a16-head32k/k15": ("target-w4a16", "drafter-w4a16-head32k", 15, MARLIN),
+    "w4a16-marlin/nvfp4-head32k/k15": ("target-w4a16", "drafter-nvfp4-head32k", 15, MARLIN),
+    "w4a16-marlin/bf16-head32k/k15": ("target-w4a16", "drafter-bf16-head32k", 15, MARLIN),
+    "bf16/w4a16-head32k/k15": ("target-bf16", "drafter-w4a16-head32k", 15, {}),
+    "bf16/bf16-head32k/k15": ("target-bf16", "drafter-bf16-head32k", 15, {}),
+    "w4a16/w4a16-head32k/k15": ("target-w4a16", "drafter-w4a16-head32k", 15, {}),
 }
 # configs run at their own batch sizes (default: --batches) and with a larger KV cache where those need it
 BATCHES = {"bf16/-/verify-rows": [1, 16, 256]}
 KV_BYTES = {"bf16/-/verify-rows": 48 << 30}
 NVFP4_GROUP = 16
+# configs whose engine is also profiled (`--profile`): one more run per batch under torch's profiler after the
+# timed runs (pipeline.serving.worker.profile_steps), split by bench/steptrace.py
+PROFILED = ("bf16/-", "bf16/bf16/k15", "w4a16-marlin/-", "w4a16-marlin/bf16/k15", "w4a16-marlin/w4a16-head32k/k15")
+HEAD_VOCAB = 32768  # the trimmed draft head's rows
 
 
 # ---- here: the config.json files --------------------------------------------------------------------
@@ -222,13 +235,16 @@ def build(work: Path, seed: int = 0, only_models: list[str] | None = None) -> di
     lc = dc["transformer_layer_config"]
     ignore = ["re:.*self_attn\\.(q|k|v|qkv)_proj$", "re:(.*\\.)?lm_head$", "re:(.*\\.)?embed_tokens$"]
     n_layers = lc["num_hidden_layers"]
-    for name, quant, fc_quant, layers, kind, verifier in (
-            ("drafter-bf16", set(), False, n_layers, False, "target-bf16"),
-            ("drafter-w4a16", no_qkv, True, n_layers, "w4a16", "target-bf16"),
-            ("drafter-w4a16-fcdense", no_qkv, False, n_layers, "w4a16", "target-bf16"),
-            ("drafter-bf16-1layer", set(), False, 1, False, "target-bf16"),
-            ("drafter-nvfp4", no_qkv, True, n_layers, "nvfp4", "target-bf16"),
-            ("drafter-bf16-v32k", set(), False, n_layers, False, "target-bf16-v32k")):
+    for name, quant, fc_quant, layers, kind, verifier, head in (
+            ("drafter-bf16", set(), False, n_layers, False, "target-bf16", None),
+            ("drafter-w4a16", no_qkv, True, n_layers, "w4a16", "target-bf16", None),
+            ("drafter-w4a16-fcdense", no_qkv, False, n_layers, "w4a16", "target-bf16", None),
+            ("drafter-bf16-1layer", set(), False, 1, False, "target-bf16", None),
+            ("drafter-nvfp4", no_qkv, True, n_layers, "nvfp4", "target-bf16", None),
+            ("drafter-bf16-v32k", set(), False, n_layers, False, "target-bf16-v32k", None),
+            ("drafter-bf16-head32k", set(), False, n_layers, False, "target-bf16", HEAD_VOCAB),
+            ("drafter-w4a16-head32k", no_qkv, True, n_layers, "w4a16", "target-bf16", HEAD_VOCAB),
+            ("drafter-nvfp4-head32k", no_qkv, True, n_layers, "nvfp4", "target-bf16", HEAD_VOCAB)):
         out = work / name
         if (out / "config.json").is_file() or (only_models and name not in only_models):
             continue
@@ -241,11 +257,16 @@ def build(work: Path, seed: int = 0, only_models: list[str] | None = None) -> di
         for li in range(layers):
             _layer(state, f"layers.{li}", lc, quant, gen, dev, kind)
         state["norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        if head:  # its own head over `head` target tokens (here the first ones: d2t offsets 0) and the map
+            _linear(state, "lm_head", head, h, False, gen, dev)
+            state["d2t"] = torch.zeros(head, dtype=torch.int64)
         cfg = json.loads(json.dumps(dc))
         cfg["speculators_config"]["verifier"]["name_or_path"] = str(work / verifier)
         tl = cfg["transformer_layer_config"]
         tl["num_hidden_layers"], tl["max_window_layers"] = layers, layers
         tl["layer_types"] = tl["layer_types"][:layers]
+        if head:
+            cfg["draft_vocab_size"] = head
         if verifier != "target-bf16":
             tl["vocab_size"] = cfg["draft_vocab_size"] = SMALL_VOCAB
             cfg["mask_token_id"] = SMALL_VOCAB - 1
@@ -281,7 +302,7 @@ def _capture_sizes(batches: list[int], k: int) -> list[int]:
 
 
 def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[int], max_tokens: int,
-        prompt_len: int) -> None:
+        prompt_len: int, profile: bool = False, profile_tokens: int = 32) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "speed.json"
     res = json.loads(path.read_text()) if path.is_file() else {}
@@ -312,6 +333,9 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
                "max_tokens": 8, "seed": 0, "prompts": {"random": prompts[:2]},
                "compilation_config": {"cudagraph_capture_sizes": _capture_sizes(cb, k)},
                "speed": {"batches": cb, "max_tokens": max_tokens, "prompts": prompts[:max(cb)]}}
+        if profile and name in PROFILED:
+            job["speed"]["profile"] = {"dir": str(out / "traces"), "batches": cb, "tokens": profile_tokens,
+                                       "prefix": name.replace("/", "_")}
         jf, rf = out / f".job-{len(res['engines'])}.json", Path("/tmp") / f"speed-result-{len(res['engines'])}.json"
         jf.write_text(json.dumps(job))
         env = {**os.environ, **env_extra, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -457,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated CONFIGS names (default all, in order)")
     p.add_argument("--models", default="", help="build: only these checkpoints (comma-separated; default all)")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no engine after this many seconds")
+    p.add_argument("--profile", action="store_true", help="run: also profile the PROFILED configs (traces under OUT/traces)")
+    p.add_argument("--profile-tokens", type=int, default=32, help="run: tokens per profiled run")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=512)
@@ -471,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(build(Path(a.work), only_models=[x for x in a.models.split(",") if x])), flush=True)
     else:
         run(Path(a.work), Path(a.out), [x for x in a.only.split(",") if x], a.budget_s,
-            [int(b) for b in a.batches.split(",")], a.max_tokens, a.prompt_len)
+            [int(b) for b in a.batches.split(",")], a.max_tokens, a.prompt_len, a.profile, a.profile_tokens)
     return 0
 
 

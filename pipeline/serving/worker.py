@@ -25,7 +25,9 @@ CUDA graphs unless `enforce_eager`) generates `max_tokens` tokens (ignore_eos) f
 `max_tokens`, after one untimed warm-up. Per batch: wall times, decode seconds (vLLM's own per-request
 first/last token timestamps, and the difference of the two runs), engine steps per sequence (spec-decode
 drafts per sequence for a pair, tokens - 1 alone), ms per step, decode tokens/s, tau from the same run.
-Also the bytes of weights each model holds on the GPU and the peak memory. The worker measures; the
+Also the bytes of weights each model holds on the GPU and the peak memory. With `speed.profile`
+(`{"dir", "batches", "tokens", "prefix"}`) a batch is run once more under torch's profiler after its timed
+runs (`profile_steps`). The worker measures; the
 speedup over the target alone is the stage's arithmetic (`verdict.speed_rows`). On the CPU build the
 speed block is skipped and said so (`speed: {"measured": false, ...}`).
 
@@ -280,6 +282,50 @@ def _decode_seconds(outs) -> float | None:
     return sum(spans) / len(spans) if spans and len(spans) == len(outs) else None
 
 
+def profile_steps(llm, batch_prompts: list[dict], tokens: int, seed: int, path: Path) -> dict:
+    """One more greedy run of `tokens` tokens over `batch_prompts` under torch's profiler (CPU and CUDA
+    activity, input shapes), with vLLM's own step scopes switched on for that run only (the runner's
+    `record_function_or_nullcontext` names: preprocess, forward, postprocess, sample, draft, ...; vLLM 0.26
+    `v1/utils.py:744-762`); the Chrome trace is written gzipped to `path` (atomically). The timed runs stay
+    unprofiled; `bench/steptrace.py` splits the trace's kernels by scope."""
+    import gzip
+    import shutil
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from vllm import SamplingParams
+
+    try:
+        import vllm.v1.utils as vutils
+    except ImportError:  # pragma: no cover - older layouts
+        vutils = None
+    before = getattr(vutils, "_PROFILER_FUNC", None)
+    scopes = vutils is not None and hasattr(vutils, "_PROFILER_FUNC")
+    if scopes:
+        vutils._PROFILER_FUNC = record_function
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, seed=seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            llm.generate(batch_prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+    finally:
+        if scopes:
+            vutils._PROFILER_FUNC = before
+    wall = time.perf_counter() - t
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        part = path.with_name(path.name + ".part")
+        with open(raw, "rb") as src, gzip.GzipFile(part, "wb", mtime=0) as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(part, path)
+    return {"trace": str(path), "tokens": tokens, "batch": len(batch_prompts), "wall_s": round(wall, 4),
+            "scopes": scopes, "bytes": path.stat().st_size}
+
+
 def measure_speed(llm, prompts: list[list[int]], spec: dict, drafter: bool) -> dict:
     """Decode speed of `llm` at each batch size of `spec["batches"]` (see the module docstring)."""
     import torch
@@ -326,6 +372,14 @@ def measure_speed(llm, prompts: list[list[int]], spec: dict, drafter: bool) -> d
             "tok_s": round(batch * max(per_seq - 1, 1) / decode_s, 2),
             "tok_s_end_to_end": round(batch * per_seq / total_s, 2),
             "tau": round(tau, 4) if tau is not None else None, **{f"spec_{k}": v for k, v in spec_counts.items()}}
+        prof = spec.get("profile") or {}
+        if batch in [int(b) for b in prof.get("batches", [])]:
+            try:
+                out["batches"][str(batch)]["profile"] = profile_steps(
+                    llm, batch_prompts, int(prof.get("tokens", 32)), seed,
+                    Path(prof["dir"]) / f"{prof.get('prefix', 'engine')}-b{batch}.json.gz")
+            except Exception as exc:  # noqa: BLE001 - the profile is a report; the timings stand
+                out["batches"][str(batch)]["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 
