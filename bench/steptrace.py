@@ -9,18 +9,20 @@ memcpy, memset) is tied to the CPU call that launched it by its correlation id, 
 scope around it on its thread, so a kernel replayed from a CUDA graph counts where its `cudaGraphLaunch` was made.
 Parts of a step:
 
-- `target layers`: the `forward` scope (the target's decoder over the step's rows: 1 per sequence alone,
+- `target layers`: the target's forward (its CUDA graph: the decoder over the step's rows, 1 per sequence alone,
   k + 1 per sequence with a drafter, i.e. the verify pass);
-- `target head`: `postprocess` (vLLM computes the target's logits there: its LM head over the rows sampled);
-- `sampling`: `sample` (greedy / rejection sampling of the draft);
-- `drafter layers`: `draft`, launched as a CUDA graph (the drafter's decoder layers over the block);
-- `drafter head`: `draft`, eager, under an operator one of whose inputs has a vocabulary-sized dimension
-  (`--vocab`: the drafter's head, the draft-to-target map, the argmax over the vocabulary);
-- `drafter other`: the rest of `draft` (`fc` and the context K/V of the accepted tokens, input preparation);
-- `runner other`: `preprocess`, `bookkeep` and the other scopes (input and output bookkeeping on the GPU);
-- `unscoped`: activity launched outside any runner scope.
+- `target head`: the target's `compute_logits` (its LM head over the rows sampled);
+- `sampling`: the rest of `sample` (greedy / rejection sampling of the draft);
+- `drafter layers`: the drafter's forward or CUDA graph, up to its last RMSNorm kernel (its decoder layers);
+- `drafter head`: the drafter graph's kernels after that (the rows sampled, the LM head GEMM, the argmax), or
+  the drafter's eager `compute_logits` / an eager operator with a vocabulary-sized input (`--vocab`);
+- `drafter other`: the rest of the proposal (`fc` and the context K/V of the accepted tokens, input preparation);
+- `runner other`: input preparation and the rest of the runner's step;
+- `unscoped`: activity launched outside any scope.
 
-Steps are cut at each `preprocess` scope; the first `--skip` (the prefill) and the last are left out. Per step:
+The scopes are those `pipeline.serving.worker.PROFILE_SCOPES` sets on vLLM 0.26's V2 runner (`specquant: ...`)
+or vLLM's own V1 runner scopes (`gpu_model_runner: ...`). Steps are cut at each `specquant: step` (or
+`gpu_model_runner: preprocess`) scope; the first `--skip` (the prefill) and the last are left out. Per step:
 the GPU busy time of each part (kernel durations; a part's share is of the busy time), the GPU span (first
 activity start of the step to the next step's), and the span not covered by any activity (`gpu idle`: launch
 gaps and CPU-side scheduling, inflated by the profiler's own overhead - the unprofiled ms/step of the same
@@ -92,21 +94,43 @@ def _enclosing(intervals: list[tuple[float, float, dict]], points: list[float]) 
     return out
 
 
+# scope -> part, for the runner scopes bench.speed's profile sets (`specquant: <part>`, pipeline.serving.worker.
+# PROFILE_SCOPES: vLLM 0.26's V2 runner) and vLLM's own V1 runner scopes (`gpu_model_runner: <phase>`)
+OURS = "specquant: "
+PART_OF = {OURS + "target layers": "target layers", OURS + "target head": "target head", OURS + "sample": "sampling",
+           OURS + "drafter layers": "drafter layers", OURS + "drafter graph": "drafter layers",
+           OURS + "drafter head": "drafter head", OURS + "drafter fc": "drafter other",
+           OURS + "drafter context": "drafter other", OURS + "draft": "drafter other",
+           OURS + "prepare": "runner other", OURS + "step": "runner other",
+           SCOPE + "forward": "target layers", SCOPE + "postprocess": "target head", SCOPE + "sample": "sampling",
+           SCOPE + "draft": "drafter other"}
+STEP_SCOPES = (OURS + "step", SCOPE + "preprocess")
+
+
+def _graph_head(kernels: list[dict]) -> set[int]:
+    """Indices (into `kernels`, one drafter graph replay in time order) of the draft head's kernels: those
+    after the graph's last RMSNorm kernel (the drafter's final norm; then the rows sampled, the LM head GEMM,
+    the argmax). A graph without an RMSNorm kernel gives none."""
+    last = max((i for i, k in enumerate(kernels) if "rms_norm" in k.get("name", "").lower()), default=None)
+    return set() if last is None else set(range(last + 1, len(kernels)))
+
+
 def decompose(events: list[dict], vocab: set[int], skip: int = 2) -> dict:
     scopes: dict[int, list] = defaultdict(list)
     ops: dict[int, list] = defaultdict(list)
     launches: dict[int, dict] = {}
     gpu: list[dict] = []
-    step_starts: list[float] = []
+    starts: dict[str, list[float]] = defaultdict(list)
     for ev in events:
         if ev.get("ph") != "X":
             continue
         cat, name = ev.get("cat"), ev.get("name", "")
         ts, dur = float(ev.get("ts", 0)), float(ev.get("dur", 0))
-        if cat == "user_annotation" and name.startswith(SCOPE):
-            scopes[ev.get("tid")].append((ts, ts + dur, ev))
-            if name == SCOPE + "preprocess":
-                step_starts.append(ts)
+        if cat == "user_annotation" and (name in PART_OF or name in STEP_SCOPES):
+            if name in PART_OF:
+                scopes[ev.get("tid")].append((ts, ts + dur, ev))
+            if name in STEP_SCOPES:
+                starts[name].append(ts)
         elif cat == "cpu_op":
             ops[ev.get("tid")].append((ts, ts + dur, ev))
         elif cat in LAUNCH_CATS:
@@ -115,9 +139,10 @@ def decompose(events: list[dict], vocab: set[int], skip: int = 2) -> dict:
                 launches[corr] = ev
         elif cat in GPU_CATS:
             gpu.append(ev)
+    step_starts = next((sorted(starts[n]) for n in STEP_SCOPES if starts.get(n)), [])
     if not step_starts:
-        raise TraceError("the trace has no `gpu_model_runner: preprocess` scopes: it was not made with vLLM's "
-                         "step scopes on; make it with `bench.speed run --profile`")
+        raise TraceError("the trace has no step scopes (`specquant: step` or `gpu_model_runner: preprocess`): "
+                         "it was not made with the runner's scopes on; make it with `bench.speed run --profile`")
     if not gpu:
         raise TraceError("the trace has no GPU activity: it was made without CUDA activity (a CPU engine?); "
                          "profile on a GPU")
@@ -131,45 +156,42 @@ def decompose(events: list[dict], vocab: set[int], skip: int = 2) -> dict:
     for tid, pts in by_tid.items():
         ts_list = [t for _, t in pts]
         sc, op = _enclosing(scopes.get(tid, []), ts_list), _enclosing(ops.get(tid, []), ts_list)
-        for (i, _), a, b in zip(pts, sc, op):
-            where[i] = (a, b)
-    step_starts.sort()
+        for (i, _), x, y in zip(pts, sc, op):
+            where[i] = (x, y)
     n_steps = len(step_starts)
     busy = [defaultdict(float) for _ in range(n_steps)]
     first = [float("inf")] * n_steps
     intervals: list[list[tuple[float, float]]] = [[] for _ in range(n_steps)]
     graph_launches = 0
+    assigned: list[tuple[int, str, int | None]] = []  # (gpu index, part, step)
+    drafter_graphs: dict = defaultdict(list)  # correlation -> gpu indices of one drafter graph replay
     for gi, g in enumerate(gpu):
         corr = (g.get("args") or {}).get("correlation")
         launch = launches.get(corr)
-        ts, dur = float(g.get("ts", 0)), float(g.get("dur", 0))
         if launch is None:
-            part, step = "unscoped", None
-        else:
-            lts, tid = float(launch["ts"]), launch.get("tid")
-            step = bisect.bisect_right(step_starts, lts) - 1
-            inner, enclosing = where.get(gi, ([], []))
-            scope = inner[-1]["name"][len(SCOPE):] if inner else None
-            graph = "Graph" in launch.get("name", "")
-            graph_launches += graph
-            if scope == "forward":
-                part = "target layers"
-            elif scope == "postprocess":
-                part = "target head"
-            elif scope == "sample":
-                part = "sampling"
-            elif scope == "draft":
-                if graph:
-                    part = "drafter layers"
-                else:
-                    part = "drafter head" if any(_dims(o) & vocab for o in enclosing) else "drafter other"
-            elif scope is None:
-                part = "unscoped"
-            else:
-                part = "runner other"
+            assigned.append((gi, "unscoped", None))
+            continue
+        step = bisect.bisect_right(step_starts, float(launch["ts"])) - 1
+        inner, enclosing = where.get(gi, ([], []))
+        part = PART_OF[inner[-1]["name"]] if inner else "unscoped"
+        graph = "Graph" in launch.get("name", "")
+        if part == "drafter other" and not graph and any(_dims(o) & vocab for o in enclosing):
+            part = "drafter head"  # an eager operator over the vocabulary (V1 runner: the draft head, argmax)
+        if part == "drafter layers" and graph:
+            drafter_graphs[corr].append(gi)
+        assigned.append((gi, part, step))
+    head: set[int] = set()
+    for idx in drafter_graphs.values():
+        idx.sort(key=lambda i: float(gpu[i].get("ts", 0)))
+        head.update(idx[j] for j in _graph_head([gpu[i] for i in idx]))
+    graph_launches = len({(gpu[gi].get("args") or {}).get("correlation") for gi, _, _ in assigned
+                          if "Graph" in (launches.get((gpu[gi].get("args") or {}).get("correlation")) or {}).get("name", "")})
+    for gi, part, step in assigned:
         if step is None or step < 0:
             continue
-        busy[step][part] += dur
+        g = gpu[gi]
+        ts, dur = float(g.get("ts", 0)), float(g.get("dur", 0))
+        busy[step]["drafter head" if gi in head else part] += dur
         first[step] = min(first[step], ts)
         intervals[step].append((ts, ts + dur))
     kept = [i for i in range(skip, n_steps - 1) if first[i] < float("inf") and first[i + 1] < float("inf")]

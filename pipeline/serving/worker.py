@@ -282,12 +282,77 @@ def _decode_seconds(outs) -> float | None:
     return sum(spans) / len(spans) if spans and len(spans) == len(outs) else None
 
 
+# (object path from the model runner, method, scope): vLLM 0.26's V2 runner (`v1/worker/gpu/model_runner.py`, which
+# has no profiler scopes of its own) and its DFlash speculator (`v1/worker/gpu/spec_decode/dflash/speculator.py`)
+PROFILE_SCOPES = (("", "execute_model", "step"), ("", "prepare_inputs", "prepare"), ("", "sample", "sample"),
+                  ("model", "forward", "target layers"), ("model", "compute_logits", "target head"),
+                  ("cudagraph_manager", "run_fullgraph", "target layers"),
+                  ("cudagraph_manager", "run_pw_graph", "target layers"),
+                  ("speculator", "propose", "draft"), ("speculator.model", "forward", "drafter layers"),
+                  ("speculator.model", "compute_logits", "drafter head"),
+                  ("speculator.model", "combine_hidden_states", "drafter fc"),
+                  ("speculator.model", "precompute_and_store_context_kv", "drafter context"),
+                  ("speculator.query_cudagraph_manager", "run_fullgraph", "drafter graph"))
+SCOPE_PREFIX = "specquant: "
+
+
+def _scope_runner(worker, on: bool) -> list[str]:
+    """Wrap (on) or unwrap the runner's methods of PROFILE_SCOPES in torch profiler scopes named
+    `specquant: <part>`; returns the scopes set. Instance attributes only: the classes stay untouched."""
+    from functools import wraps
+
+    from torch.profiler import record_function
+
+    runner = getattr(worker, "model_runner", None)
+    done = []
+    for path, meth, scope in PROFILE_SCOPES:
+        obj = runner
+        for part in [x for x in path.split(".") if x]:
+            obj = getattr(obj, part, None)
+        if obj is None:
+            continue
+        own = getattr(obj, "__dict__", {})
+        if not on:
+            cur = own.get(meth)
+            saved = getattr(cur, "__dict__", {}).get("__specquant_saved__")
+            if saved is not None:  # put back what the instance held, or let the class's method show again
+                if saved[0]:
+                    setattr(obj, meth, saved[1])
+                else:
+                    delattr(obj, meth)
+            continue
+        orig = getattr(obj, meth, None)
+        if orig is None or not callable(orig) or "__specquant_saved__" in getattr(own.get(meth), "__dict__", {}):
+            continue
+
+        def wrapped(*a, __orig=orig, __name=SCOPE_PREFIX + scope, **k):
+            with record_function(__name):
+                return __orig(*a, **k)
+
+        wraps(orig)(wrapped)
+        wrapped.__dict__["__specquant_saved__"] = (meth in own, own.get(meth))
+        try:
+            setattr(obj, meth, wrapped)
+            done.append(f"{path or 'runner'}.{meth}")
+        except (AttributeError, TypeError):
+            pass
+    return done
+
+
+def _scopes_on(worker) -> list[str]:
+    return _scope_runner(worker, True)
+
+
+def _scopes_off(worker) -> list[str]:
+    return _scope_runner(worker, False)
+
+
 def profile_steps(llm, batch_prompts: list[dict], tokens: int, seed: int, path: Path) -> dict:
     """One more greedy run of `tokens` tokens over `batch_prompts` under torch's profiler (CPU and CUDA
-    activity, input shapes), with vLLM's own step scopes switched on for that run only (the runner's
-    `record_function_or_nullcontext` names: preprocess, forward, postprocess, sample, draft, ...; vLLM 0.26
-    `v1/utils.py:744-762`); the Chrome trace is written gzipped to `path` (atomically). The timed runs stay
-    unprofiled; `bench/steptrace.py` splits the trace's kernels by scope."""
+    activity, input shapes), with the runner's parts in named scopes for that run only (PROFILE_SCOPES; and
+    vLLM's own `gpu_model_runner: ...` scopes where the V1 runner has them, `v1/utils.py:744-762`); the Chrome
+    trace is written gzipped to `path` (atomically). The timed runs stay unprofiled; `bench/steptrace.py`
+    splits the trace's GPU time by scope."""
     import gzip
     import shutil
     import tempfile
@@ -301,9 +366,10 @@ def profile_steps(llm, batch_prompts: list[dict], tokens: int, seed: int, path: 
     except ImportError:  # pragma: no cover - older layouts
         vutils = None
     before = getattr(vutils, "_PROFILER_FUNC", None)
-    scopes = vutils is not None and hasattr(vutils, "_PROFILER_FUNC")
-    if scopes:
+    v1_scopes = vutils is not None and hasattr(vutils, "_PROFILER_FUNC")
+    if v1_scopes:
         vutils._PROFILER_FUNC = record_function
+    scoped = [x for r in llm.collective_rpc(_scopes_on) for x in (r or [])]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
@@ -312,8 +378,9 @@ def profile_steps(llm, batch_prompts: list[dict], tokens: int, seed: int, path: 
             llm.generate(batch_prompts, params, use_tqdm=False)
             torch.cuda.synchronize()
     finally:
-        if scopes:
+        if v1_scopes:
             vutils._PROFILER_FUNC = before
+        llm.collective_rpc(_scopes_off)
     wall = time.perf_counter() - t
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
@@ -323,7 +390,7 @@ def profile_steps(llm, batch_prompts: list[dict], tokens: int, seed: int, path: 
             shutil.copyfileobj(src, dst)
         os.replace(part, path)
     return {"trace": str(path), "tokens": tokens, "batch": len(batch_prompts), "wall_s": round(wall, 4),
-            "scopes": scopes, "bytes": path.stat().st_size}
+            "scoped": scoped, "bytes": path.stat().st_size}
 
 
 def measure_speed(llm, prompts: list[list[int]], spec: dict, drafter: bool) -> dict:
