@@ -398,16 +398,25 @@ def report(inputs: list[Path], out_json: Path) -> str:
         if row["drafter"] and a:
             row["overhead_ms"] = round(row["ms_per_step"] - a["ms_per_step"], 3)
             row["overhead_ratio_to_target_step"] = round(row["overhead_ms"] / a["ms_per_step"], 3)
+    # each drafter's overhead against the bf16 drafter's (full head) beside the same target, kernel, batch and k
+    bf16 = {(r["target"], bool(r["env"]), r["batch"], r["num_speculative_tokens"]): r for r in pairs
+            if r["drafter"] == "bf16" and "overhead_ms" in r}
+    for row in pairs:
+        ref = bf16.get((row["target"], bool(row["env"]), row["batch"], row["num_speculative_tokens"]))
+        if ref is not None and "overhead_ms" in row and ref["overhead_ms"] > 0:
+            row["overhead_vs_bf16_drafter"] = round(row["overhead_ms"] / ref["overhead_ms"], 3)
     first = next(iter(engines.values()), {})
     out = {"issue": 34, "runs": meta, "versions": first.get("versions"), "pairs": pairs}
     out_json.write_text(json.dumps(out, indent=1) + "\n")
-    lines = ["| config | target | drafter | k | batch | ms/step | + vs target alone | tok/s | drafter kernel | "
-             "weights GB (target + drafter own) | peak GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | target | drafter | k | batch | ms/step | + vs target alone | vs bf16 drafter | tok/s | "
+             "drafter kernel | weights GB (target + drafter own) | peak GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in pairs:
         wb = r["weight_bytes"] or {}
         lines.append(f"| {r['config']} | {r['target']} | {r['drafter'] or '-'} | {r['num_speculative_tokens'] or '-'} | "
                      f"{r['batch']} | {r['ms_per_step']:.2f} | "
                      + (f"{r['overhead_ms']:+.2f}" if "overhead_ms" in r else "-")
+                     + (f" | {100 * r['overhead_vs_bf16_drafter']:.0f}%" if "overhead_vs_bf16_drafter" in r else " | -")
                      + f" | {r['tok_s']:.0f} | {', '.join(f'{k} x{n}' for k, n in (r['drafter_kernels'] or {}).items()) or '-'} | "
                      f"{(wb.get('target') or 0) / 1e9:.2f} + {(wb.get('drafter') or 0) / 1e9:.2f} | "
                      f"{(r['peak_bytes'] or 0) / 1e9:.1f} |")
