@@ -72,7 +72,7 @@ CONFIGS: dict[str, tuple[str, str | None, int, dict]] = {
     "w4a16-marlin/nvfp4/k15": ("target-w4a16", "drafter-nvfp4", 15, MARLIN),
     "bf16/-/verify-rows": ("target-bf16", None, 0, {}),
     # fifth run: a vocabulary-trimmed draft head (`draft_vocab_size` 32,768 + `d2t`, the drafter's own head rows;
-    # vLLM 0.26 `qwen3_dflash.py:673-689, :715-724`): the drafter's head reads 32,768 / 151,936 of the bytes;
+    # vLLM 0.26 `qwen3_dflash.py:673-689, :715-730`): the drafter's head reads 32,768 / 151,936 of the bytes;
     # beside the targets alone and the full-head pairs of the same run
     "w4a16-marlin/w4a16-head32k/k15": ("target-w4a16", "drafter-w4a16-head32k", 15, MARLIN),
     "w4a16-marlin/nvfp4-head32k/k15": ("target-w4a16", "drafter-nvfp4-head32k", 15, MARLIN),
