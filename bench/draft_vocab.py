@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.models.draft_vocab import assistant_counts, kept_ids  # the rule `convert --draft-vocab` writes
 
 FULL = 1.0
 
@@ -92,25 +93,6 @@ def check_variants(wanted: list[str], have: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- token counts and kept sets
-def assistant_counts(samples, vocab: int) -> list[int]:
-    """Occurrences of each id among the loss-masked (assistant) tokens of the calibration samples."""
-    counts = [0] * vocab
-    for s in samples:
-        for t, m in zip(s["input_ids"], s["loss_mask"]):
-            if m:
-                if not 0 <= t < vocab:
-                    raise bad_value("data/samples.jsonl", s["id"], f"it holds token id {t} outside the target's "
-                                    f"vocabulary of {vocab}", "re-run `make data` with the run's target tokenizer")
-                counts[t] += 1
-    return counts
-
-
-def kept_ids(counts: list[int], n: int) -> list[int]:
-    """The n most frequent ids, ties broken by the lower id; returned in id order."""
-    order = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
-    return sorted(order[:n])
-
-
 def coverage(counts: list[int], keep: set[int]) -> float:
     total = sum(counts)
     return sum(counts[i] for i in keep) / total if total else 0.0

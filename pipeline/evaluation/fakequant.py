@@ -143,8 +143,9 @@ def load_drafter_variant(path: str | Path, target, dtype: torch.dtype, device: s
     """A drafter checkpoint (dense or compressed-tensors) as a `DFlashDrafter`, plus its quantization summary.
 
     Dense checkpoints go through `pipeline.models.formats.load_drafter`. Quantized ones are built
-    from the same config, given the target's embedding and lm_head, then loaded with
-    `load_checkpoint_into`, so `spec_decode` runs them like any other drafter.
+    from the same config, given the target's embedding and lm_head (the embedding only where the drafter has
+    its own trimmed head), then loaded with `load_checkpoint_into`, so `spec_decode` runs them like any other
+    drafter.
     """
     from pipeline.models.dflash import DFlashDrafter
     from pipeline.models.formats import load_drafter, load_drafter_config
@@ -157,6 +158,10 @@ def load_drafter_variant(path: str | Path, target, dtype: torch.dtype, device: s
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     drafter.attach_target_weights(embed, head)
     summary = load_checkpoint_into(drafter, path)
+    if cfg.has_draft_vocab:  # its own trimmed head (dense, in `ignore`) and d2t, read from the checkpoint
+        from pipeline.models.formats import check_d2t
+
+        check_d2t(cfg, drafter.d2t, str(path))
     drafter = drafter.to(device)
     drafter.inv_freq = drafter.inv_freq.float()
     return drafter.eval(), summary

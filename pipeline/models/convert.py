@@ -4,6 +4,14 @@ Only config.json changes between formats (plus the explicit layer-id shift, see
 `pipeline.models.formats`); the tensors are copied bit for bit. No target is needed, except that a
 speculators checkpoint must name its verifier (`--verifier`, stored as given; we write paths
 relative to the drafter directory, e.g. `../target`).
+
+`--draft-vocab N --target DIR --counts-from RUN_DIR_OR_SAMPLES_JSONL` also trims the head
+(`pipeline.models.draft_vocab`): the drafter gets its own `lm_head.weight` (the target's head rows of the N
+ids most frequent among the assistant tokens of the run's `data/samples.jsonl`, in id order, in the
+target's stored dtype), `d2t` (int64, target id = draft id + d2t) and `draft_vocab_size` = N, which vLLM
+serves with an N-row head GEMM. A quantized (compressed-tensors) SRC, as quantize-drafter writes it, is
+trimmed too (`--to speculators` only): its tensors and config are kept as they are, the new head stays
+dense and the quantization_config's `ignore` is made to cover `lm_head`.
 """
 
 from __future__ import annotations
@@ -27,10 +35,12 @@ def check_empty_target(dst: Path) -> None:
 
 
 def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = None,
-            verifier_architectures: list[str] | None = None) -> Path:
+            verifier_architectures: list[str] | None = None, draft_vocab: int | None = None,
+            target: str | Path | None = None, counts_from: str | Path | None = None) -> Path:
     from pipeline.core.io import read_json
     from pipeline.models.formats import (
         FORMATS,
+        borrowed_keys,
         check_tensors,
         config_dict_for,
         load_drafter_config,
@@ -44,6 +54,18 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
     if dst.resolve() == src.resolve():
         raise bad_value("DST", str(dst), "it is the source directory", "write the converted checkpoint elsewhere")
     check_empty_target(dst)
+    trim = draft_vocab is not None or target is not None or counts_from is not None
+    if trim and (draft_vocab is None or target is None or counts_from is None):
+        missing = [n for n, v in (("--draft-vocab", draft_vocab), ("--target", target),
+                                  ("--counts-from", counts_from)) if v is None]
+        raise bad_value(missing[0], None, "a trimmed head needs --draft-vocab, --target and --counts-from together",
+                        f"add {' and '.join(missing)}")
+    from pipeline.artifacts.checkpoint import read_quantization_config
+
+    quantized = (src / "config.json").is_file() and read_quantization_config(src) is not None
+    if quantized and not trim:
+        raise bad_value("SRC", str(src), "it is a quantized (compressed-tensors) checkpoint, which convert re-labels "
+                        "only while trimming its head", "convert the full-precision drafter, or add --draft-vocab")
     cfg = load_drafter_config(src)
     if verifier is not None:
         cfg.verifier_name_or_path = verifier
@@ -52,10 +74,93 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
             verifier_architectures = read_json(vdir / "config.json").get("architectures")
     if verifier_architectures is not None:
         cfg.verifier_architectures = list(verifier_architectures)
+    if trim:
+        return write_trimmed(src, dst, to, cfg, int(draft_vocab), Path(target), counts_from, quantized)
     tensors = read_tensors(src)
     check_tensors(cfg, tensors, str(src))
     config = config_dict_for(cfg, to)  # fails (one sentence) before anything is written
-    return write_checkpoint(tensors, config, dst)
+    return write_checkpoint(tensors, config, dst, borrowed_keys(cfg))  # a trimmed head is the drafter's own
+
+
+def trimmed_head(target: Path, vocab: int, n: int, counts_from: str | Path):
+    """(kept ids, lm_head rows [n, hidden] in the target's stored dtype, d2t int64 [n]) for a head of n ids."""
+    import torch
+
+    from pipeline.core.io import read_json
+    from pipeline.models import draft_vocab
+    from pipeline.models.formats import target_head_weights
+    from pipeline.models.targets import text_config
+
+    if not (target / "config.json").is_file():
+        raise bad_value("--target", str(target), "it is not a local target checkpoint directory (no config.json)",
+                        "point it at the target whose head the drafter borrows")
+    t_vocab = text_config(read_json(target / "config.json", "--target")).get("vocab_size")
+    if t_vocab != vocab:
+        raise bad_value("--target", str(target), f"its vocabulary has {t_vocab} tokens but the drafter's has {vocab}",
+                        "use the target the drafter was trained for")
+    if not 1 <= n < vocab:
+        raise bad_value("--draft-vocab", n, f"a trimmed head keeps 1 to {vocab - 1} of the target's {vocab} tokens",
+                        f"give N in 1..{vocab - 1} (without --draft-vocab the target's head is borrowed whole)")
+    counts = draft_vocab.assistant_counts(draft_vocab.load_count_samples(counts_from), vocab)
+    kept = draft_vocab.kept_ids(counts, n)
+    _, head = target_head_weights(target)
+    if tuple(head.shape) != (vocab, head.shape[1]):
+        raise bad_value("--target", str(target), f"its lm_head is {tuple(head.shape)}, not {vocab} rows",
+                        "point it at a complete causal LM checkpoint")
+    index = torch.tensor(kept, dtype=torch.long)
+    return kept, head.index_select(0, index).contiguous(), index - torch.arange(n, dtype=torch.long)
+
+
+HEAD_IGNORE = r"re:(.*\.)?lm_head$"  # the entry quantize-drafter writes for the borrowed head
+
+
+def _ignores_head(qc: dict) -> bool:
+    from pipeline.serving import contract
+
+    return contract.matches("lm_head", qc.get("ignore") or [])
+
+
+def write_trimmed(src: Path, dst: Path, to: str, cfg, n: int, target: Path, counts_from, quantized: bool) -> Path:
+    """Write SRC with a head trimmed to `n` ids to DST in one rename (`atomic_dir`)."""
+    from pipeline.core.io import atomic_dir, read_json
+    from pipeline.models.formats import check_tensors, config_dict_for, read_tensors, write_checkpoint
+
+    if cfg.has_draft_vocab:
+        raise bad_value("SRC", str(src), f"its head is already trimmed to {cfg.draft_vocab_size} tokens",
+                        "trim the full-vocabulary drafter instead")
+    if cfg.is_dflash2:
+        raise bad_value("SRC", str(src), "it is a DFlash2 drafter, whose candidate selector reads the target's whole "
+                        "head", "trim a DFlash drafter's head only")
+    if quantized and to != "speculators":
+        raise bad_value("--to", to, "a quantized drafter is written in speculators layout only (where vLLM reads its "
+                        "quantization_config)", "use --to speculators")
+    if quantized and not read_json(src / "config.json", "SRC").get("speculators_model_type"):
+        raise bad_value("SRC", str(src), "it is a quantized checkpoint not in speculators layout",
+                        "trim the checkpoint quantize-drafter wrote (runs/<run>/drafter/<variant>)")
+    tensors = read_tensors(src)
+    if not quantized:
+        check_tensors(cfg, tensors, str(src))
+    own = {"lm_head.weight", "d2t"} & tensors.keys()
+    if own:
+        raise bad_value("SRC", str(src), f"it already stores {sorted(own)}", "trim the full-vocabulary drafter instead")
+    kept, rows, d2t = trimmed_head(target, int(cfg.vocab_size), n, counts_from)
+    tensors["lm_head.weight"], tensors["d2t"] = rows, d2t
+    cfg.draft_vocab_size = n
+    if quantized:  # the source's own config (quantize-drafter's, serving contract included) plus the new head
+        config = read_json(src / "config.json", "SRC")
+        config["draft_vocab_size"] = n
+        for qc in (config.get("quantization_config"), (config.get("transformer_layer_config") or {}).get(
+                "quantization_config")):
+            if qc is not None and not _ignores_head(qc):
+                qc["ignore"] = [*(qc.get("ignore") or []), HEAD_IGNORE]  # the trimmed head is dense (bf16)
+    else:
+        config = config_dict_for(cfg, to)  # fails (one sentence) before anything is written
+        check_tensors(cfg, tensors, str(src))  # the written tensors fit the trimmed config
+    with atomic_dir(dst) as tmp:
+        write_checkpoint(tensors, config, tmp, borrowed=("embed_tokens.weight",))
+    print(f"kept {n} of {cfg.vocab_size} ids (the most frequent assistant tokens of {counts_from}); "
+          f"ids {kept[0]}..{kept[-1]}")
+    return dst
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--to", required=True, choices=["zlab", "speculators", "native"])
     ap.add_argument("--verifier", default=None, help="speculators verifier name_or_path (target path or Hub id)")
     ap.add_argument("--verifier-arch", action="append", default=None, help="e.g. Qwen3ForCausalLM")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="trim the head to the N most frequent assistant tokens (needs --target and --counts-from)")
+    ap.add_argument("--target", default=None, help="the target directory whose lm_head rows the trimmed head copies")
+    ap.add_argument("--counts-from", default=None, metavar="RUN_DIR_OR_SAMPLES_JSONL",
+                    help="a run directory (its data/samples.jsonl) or a samples.jsonl whose assistant tokens are counted")
     ap.add_argument("src")
     ap.add_argument("dst")
     args = ap.parse_args(argv)
-    out = convert(args.src, args.dst, args.to, args.verifier, args.verifier_arch)
+    out = convert(args.src, args.dst, args.to, args.verifier, args.verifier_arch, args.draft_vocab, args.target,
+                  args.counts_from)
     print(f"wrote {args.to} drafter to {out}")
     return 0

@@ -88,6 +88,9 @@ class DFlashConfig(PretrainedConfig):
     num_target_layers: int | None = None
     verifier_name_or_path: str | None = None
     verifier_architectures: list[str] | None = None
+    # a vocabulary-trimmed head (None: the target's head is borrowed): the drafter's own `lm_head` has this many
+    # rows and `d2t` maps them to target ids (pipeline.models.draft_vocab)
+    draft_vocab_size: int | None = None
     # DFlash2 fields (None: a DFlash drafter; see DFLASH2_FIELDS)
     conv_kernel_size: int | None = None  # taps of the grouped dynamic convolution
     conv_group_size: int | None = None  # hidden channels sharing one dynamic coefficient
@@ -138,10 +141,15 @@ class DFlashConfig(PretrainedConfig):
     def is_dflash2(self) -> bool:
         return self.has_conv or self.has_selector
 
+    @property
+    def has_draft_vocab(self) -> bool:
+        """The drafter ships its own trimmed head (`draft_vocab_size` rows) and `d2t`, not the target's head."""
+        return self.draft_vocab_size is not None and int(self.draft_vocab_size) != int(self.vocab_size)
+
     def to_dict(self) -> dict:
         # a DFlash config serialises as before: the DFlash2 fields appear only when set
         d = super().to_dict()
-        for key in DFLASH2_FIELDS:
+        for key in (*DFLASH2_FIELDS, "draft_vocab_size"):
             if d.get(key) is None:
                 d.pop(key, None)
         return d
@@ -374,7 +382,11 @@ class DFlashDrafter(PreTrainedModel):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(h, config.rms_norm_eps)
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
+        if config.has_draft_vocab:  # its own head of the kept ids; target id = draft id + d2t[draft id]
+            self.lm_head = nn.Linear(h, int(config.draft_vocab_size), bias=False)
+            self.register_buffer("d2t", torch.zeros(int(config.draft_vocab_size), dtype=torch.long))
+        else:
+            self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         if config.has_selector:
             self.candidate_selector = CandidateSelector(config)
@@ -416,10 +428,23 @@ class DFlashDrafter(PreTrainedModel):
         return self.lm_head
 
     def attach_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Borrow the target's embedding and lm_head (frozen; never saved)."""
+        """Borrow the target's embedding and lm_head (frozen; never saved). A drafter with its own trimmed
+        head (`config.has_draft_vocab`) borrows the embedding only."""
         dev, dt = self.fc.weight.device, self.fc.weight.dtype
         self.embed_tokens.weight = nn.Parameter(embed_weight.detach().to(dev, dt), requires_grad=False)
-        self.lm_head.weight = nn.Parameter(lm_head_weight.detach().to(dev, dt), requires_grad=False)
+        if not self.config.has_draft_vocab:
+            self.lm_head.weight = nn.Parameter(lm_head_weight.detach().to(dev, dt), requires_grad=False)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary [..., vocab_size]. A trimmed head's `draft_vocab_size` logits are
+        placed at their target ids (draft id + d2t) and every other id is -inf, as vLLM's `compute_logits` does."""
+        logits = self.lm_head(hidden)
+        if not self.config.has_draft_vocab:
+            return logits
+        ids = torch.arange(logits.shape[-1], device=logits.device) + self.d2t.to(logits.device)
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., ids] = logits
+        return full
 
     def fuse_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, S, n_aux*H] or [B, S, n_aux, H] target hidden states -> fused context [B, S, H]."""
@@ -478,14 +503,14 @@ class DFlashDrafter(PreTrainedModel):
         i.e. `len(cache) .. start + block_size - 1`. Afterwards `cache` holds the context rows only
         (the block's K/V are cropped away, as z-lab does with `crop(start)`).
         """
-        return self.lm_head(self.draft_hidden(aux_hidden, block_ids, position_ids, cache))
+        return self.head_logits(self.draft_hidden(aux_hidden, block_ids, position_ids, cache))
 
     def draft_path(self, aux_hidden: torch.Tensor, block_ids: torch.Tensor, position_ids: torch.Tensor,
                    cache: DraftKVCache | None = None) -> SelectorPath:
         """DFlash2: the candidate selector's greedy path over the block's draft slots (rows 1..), from its
         bonus token; arguments and cache as `draft_block`."""
         hidden = self.draft_hidden(aux_hidden, block_ids, position_ids, cache)[:, 1:]
-        return self.candidate_selector.select(hidden, self.lm_head(hidden), block_ids[:, 0])
+        return self.candidate_selector.select(hidden, self.head_logits(hidden), block_ids[:, 0])
 
     def draft_hidden(self, aux_hidden: torch.Tensor, block_ids: torch.Tensor, position_ids: torch.Tensor,
                      cache: DraftKVCache | None = None) -> torch.Tensor:
@@ -538,7 +563,7 @@ class DFlashDrafter(PreTrainedModel):
             positions = (block_pos[None], torch.cat([position_ids.reshape(1, -1), block_pos[None]], 1))
         hidden = self._run_layers(x, ctx, (cos_q, sin_q), rope_kv, mask[None, None].to(x.device),
                                   block=bs if self.config.has_conv else None, positions=positions)
-        logits = self.lm_head(hidden)
+        logits = self.head_logits(hidden)
         if not (select and self.config.has_selector):
             return DFlashOutput(logits=logits, hidden_states=hidden)
         return DFlashOutput(logits=logits, hidden_states=hidden, selected=self.select_blocks(hidden, logits, block_ids))

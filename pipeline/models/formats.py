@@ -9,7 +9,9 @@ vLLM (after vllm#40727) maps speculators ids back with `target_layer_ids = [m - 
 agrees with this convention. We always write speculators ids as HF indices.
 
 Weights: both formats store the same body keys (`fc`, `hidden_norm`, `layers.*`, `norm`);
-neither stores the target's `embed_tokens` / `lm_head`, which `load_drafter` attaches.
+neither stores the target's `embed_tokens` / `lm_head`, which `load_drafter` attaches. A drafter with a
+vocabulary-trimmed head (config `draft_vocab_size` < `vocab_size`, `pipeline.models.draft_vocab`) stores its own
+`lm_head.weight` [draft_vocab_size, hidden] and `d2t` and borrows only `embed_tokens` (`borrowed_keys`).
 
 DFlash2 adds `layers.*.{attention,mlp}_conv.{base_kernel,kernel_projection.weight}` and
 `candidate_selector.{hidden_projection.weight,predecessor_codebook,successor_codebook}`. The codebooks are
@@ -40,6 +42,11 @@ LAYER_FIELDS = layout.LAYER_FIELDS
 zlab_to_hf_ids, hf_to_zlab_ids, detect_format = layout.zlab_to_hf_ids, layout.hf_to_zlab_ids, layout.detect_format
 
 
+def borrowed_keys(cfg: DFlashConfig) -> tuple[str, ...]:
+    """The target's tensors a drafter borrows (never stored): both, or only the embedding for a trimmed head."""
+    return ("embed_tokens.weight",) if cfg.has_draft_vocab else TARGET_KEYS
+
+
 def _dtype_name(cfg: DFlashConfig) -> str:
     dt = cfg.dtype
     return str(dt).removeprefix("torch.") if dt is not None else "float32"
@@ -66,6 +73,8 @@ def zlab_config_dict(cfg: DFlashConfig) -> dict:
                                 **{k: getattr(cfg, k) for k in layout.DFLASH2_FIELDS},
                                 "target_layer_ids": hf_to_zlab_ids(cfg.aux_layer_ids or [])})
         return d
+    if cfg.has_draft_vocab:  # vLLM reads it from the draft's HF config (qwen3_dflash.py DFlashQwen3ForCausalLM)
+        d["draft_vocab_size"] = int(cfg.draft_vocab_size)
     rope = dict(cfg.rope_parameters)
     theta = rope.pop("rope_theta", 1e6)
     d.update(rope_theta=theta, rope_scaling=None if rope.get("rope_type", "default") == "default" else rope)
@@ -104,7 +113,7 @@ def speculators_config_dict(cfg: DFlashConfig, quantization_config: dict | None 
         "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids or []),
         "block_size": cfg.block_size,
         "mask_token_id": cfg.mask_token_id,
-        "draft_vocab_size": cfg.vocab_size,
+        "draft_vocab_size": int(cfg.draft_vocab_size) if cfg.has_draft_vocab else cfg.vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "sample_from_anchor": False,
         # vLLM 0.26 sets causal = not this flag for EVERY layer; DFlash layers are non-causal
@@ -248,9 +257,10 @@ def resolve_verifier(cfg: DFlashConfig, drafter_path: str | Path) -> Path | None
 
 def check_tensors(cfg: DFlashConfig, state: dict[str, torch.Tensor], path: str) -> None:
     """Refuse weights whose names or shapes do not match the config (before anything is built)."""
+    borrowed = borrowed_keys(cfg)
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in DFlashDrafter(cfg).state_dict().items() if k not in TARGET_KEYS}
-    got = {k for k in state if k not in TARGET_KEYS}
+        expected = {k: v.shape for k, v in DFlashDrafter(cfg).state_dict().items() if k not in borrowed}
+    got = {k for k in state if k not in borrowed}
     missing, extra = sorted(expected.keys() - got), sorted(got - expected.keys())
     if missing or extra:
         raise bad_value("drafter.path", path, f"its weights do not match its config (missing {missing[:3]}, "
@@ -259,6 +269,20 @@ def check_tensors(cfg: DFlashConfig, state: dict[str, torch.Tensor], path: str) 
         if state[k].shape != expected[k]:
             raise bad_value("drafter.path", path, f"tensor {k} has shape {tuple(state[k].shape)} but the config "
                             f"implies {tuple(expected[k])}", "fix config.json or the weights")
+    if cfg.has_draft_vocab:
+        check_d2t(cfg, state["d2t"], path)
+
+
+def check_d2t(cfg: DFlashConfig, d2t: torch.Tensor, path: str) -> None:
+    """`d2t` must map the trimmed head's rows to distinct target ids in increasing order, inside the vocabulary."""
+    if d2t.dtype != torch.int64:
+        raise bad_value("drafter.path", path, f"its d2t is {str(d2t.dtype).removeprefix('torch.')}, not int64",
+                        "re-export it with `python -m pipeline convert --draft-vocab N`")
+    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or bool((ids.diff() <= 0).any())):
+        raise bad_value("drafter.path", path, f"its d2t does not map the {d2t.numel()} head rows to distinct, "
+                        f"increasing target ids below {cfg.vocab_size}",
+                        "re-export it with `python -m pipeline convert --draft-vocab N`")
 
 
 def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
@@ -282,22 +306,26 @@ def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
     # every tensor read straight to `device` and cast there, one at a time: the host never holds the
     # drafter or the target's embedding/head whole (nor a float32 copy of them); a bf16 -> fp32 cast
     # is exact, and `model.to` below finds everything in place (the same values as casting the model)
-    state = read_tensors(Path(path), skip=TARGET_KEYS, device=device, dtype=dtype)
-    state = {k: v for k, v in state.items() if k not in TARGET_KEYS}
+    borrowed = borrowed_keys(cfg)  # a trimmed head is the drafter's own (read, cast like every other weight)
+    state = read_tensors(Path(path), skip=borrowed, device=device, dtype=dtype)
+    state = {k: v for k, v in state.items() if k not in borrowed}
     check_tensors(cfg, state, str(path))
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     embed, head = target_head_weights(target, device=device, dtype=dtype) if not isinstance(target, torch.nn.Module) \
-        else target_head_weights(target)
+        else (w.detach() for w in target_head_weights(target))  # new tensors, the same storage: the cast
+    # below (`model.to(dtype)`) then replaces the drafter's parameters, never the loaded target's own
     want = (cfg.vocab_size, cfg.hidden_size)
     if tuple(embed.shape) != want or tuple(head.shape) != want:
         raise bad_value("target", str(getattr(target, "name_or_path", target)), f"its embed_tokens/lm_head are "
                         f"{tuple(embed.shape)}/{tuple(head.shape)} but the drafter needs {want}",
                         "use the target the drafter was trained for (see pipeline.models.compat)")
-    state["embed_tokens.weight"], state["lm_head.weight"] = embed, head
+    state["embed_tokens.weight"] = embed
+    if not cfg.has_draft_vocab:
+        state["lm_head.weight"] = head
     model.load_state_dict(state, assign=True, strict=True)
     model.inv_freq = rope_inv_freq(cfg)[0]  # the meta-device buffer, recomputed for real
-    for p in (model.embed_tokens.weight, model.lm_head.weight):
+    for p in (model.embed_tokens.weight, model.lm_head.weight):  # a trimmed head is frozen too (the target's rows)
         p.requires_grad_(False)
     model = model.to(device=device, dtype=dtype)
     model.inv_freq = model.inv_freq.float()
@@ -306,22 +334,25 @@ def load_drafter(path: str | Path, target: Any = None, fmt: str = "auto",
 
 def drafter_state(model: DFlashDrafter) -> dict[str, torch.Tensor]:
     """The drafter's own tensors (no embed_tokens / lm_head), contiguous, on CPU."""
+    borrowed = borrowed_keys(model.config)
     return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
-            if k not in TARGET_KEYS and k != "inv_freq"}
+            if k not in borrowed and k != "inv_freq"}
 
 
-def write_checkpoint(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
-    """Atomically write model.safetensors (drafter tensors only) and config.json."""
+def write_checkpoint(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
+                     borrowed: tuple[str, ...] = TARGET_KEYS) -> Path:
+    """Atomically write model.safetensors (drafter tensors only: never the `borrowed` target tensors) and
+    config.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in sorted(state.items()) if k not in TARGET_KEYS}
+    state = {k: v.contiguous() for k, v in sorted(state.items()) if k not in borrowed}
     atomic_write_bytes(out / "model.safetensors", st_save(state, metadata={"format": "pt"}))
     atomic_write_json(out / "config.json", config)
     return out
 
 
 def _write(model: DFlashDrafter, out_dir: str | Path, config: dict) -> Path:
-    return write_checkpoint(drafter_state(model), config, out_dir)
+    return write_checkpoint(drafter_state(model), config, out_dir, borrowed_keys(model.config))
 
 
 def save_zlab(model: DFlashDrafter, out_dir: str | Path) -> Path:

@@ -83,6 +83,18 @@ def _dflash2_fields(src: dict, path: str, where: str) -> dict:
     return {k: int(v) for k, v in got.items()}
 
 
+def draft_vocab_size(d: dict, vocab, path: str = "") -> int | None:
+    """A top-level `draft_vocab_size` below the vocabulary (a trimmed head, `pipeline.models.draft_vocab`), else
+    None (absent, or equal to the vocabulary: the target's head is borrowed)."""
+    n = d.get("draft_vocab_size")
+    if n is None or n == vocab:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or vocab is None or not 1 <= n < int(vocab):
+        raise bad_value("drafter.path", path, f"its draft_vocab_size {n!r} is not a count of 1 to {vocab} tokens "
+                        "(the vocabulary)", "re-export the drafter (`python -m pipeline convert --draft-vocab N`)")
+    return n
+
+
 def config_from_zlab(d: dict, path: str = "") -> dict:
     dc = d.get("dflash_config") or {}
     block_size = d.get("block_size", dc.get("block_size"))
@@ -101,6 +113,9 @@ def config_from_zlab(d: dict, path: str = "") -> dict:
         raise bad_value("drafter.dflash_config.use_swa", dc["use_swa"], "vLLM then serves every draft layer with a "
                         "sliding window, which the config's layer_types does not say",
                         "write layer_types with one sliding_attention entry per draft layer instead")
+    trimmed = draft_vocab_size(d, layer.get("vocab_size"), path)
+    if trimmed is not None:
+        extra["draft_vocab_size"] = trimmed
     return dict(**layer, block_size=int(block_size), mask_token_id=dc.get("mask_token_id"),
                         aux_layer_ids=zlab_to_hf_ids(dc.get("target_layer_ids") or []),
                         num_target_layers=d.get("num_target_layers"), dtype=d.get("dtype", d.get("torch_dtype")),
@@ -112,10 +127,7 @@ def config_from_speculators(d: dict, path: str = "") -> dict:
     if not tlc:
         raise bad_value("drafter.path", path, "its speculators config has no `transformer_layer_config`",
                         "re-export the drafter with speculators or `python -m pipeline convert`")
-    draft_vocab = d.get("draft_vocab_size")
-    if draft_vocab is not None and draft_vocab != tlc.get("vocab_size"):
-        raise bad_value("draft_vocab_size", draft_vocab, f"a reduced draft vocabulary (target vocab "
-                        f"{tlc.get('vocab_size')}) is not supported", "use a full-vocabulary DFlash drafter")
+    draft_vocab = draft_vocab_size(d, tlc.get("vocab_size"), path)
     verifier = (d.get("speculators_config") or {}).get("verifier") or {}
     extra = {}
     if d.get("speculators_model_type") == "dflash2":
@@ -123,6 +135,8 @@ def config_from_speculators(d: dict, path: str = "") -> dict:
         if not extra:
             raise bad_value("drafter.path", path, "its speculators `dflash2` config has no "
                             f"{', '.join(DFLASH2_FIELDS)}", "re-export the drafter with its DFlash2 fields")
+    if draft_vocab is not None:
+        extra["draft_vocab_size"] = draft_vocab
     return dict(**_layer_fields(tlc), block_size=int(d["block_size"]), mask_token_id=d.get("mask_token_id"),
                         aux_layer_ids=list(d.get("aux_hidden_state_layer_ids") or []),
                         target_hidden_size=d.get("target_hidden_size"),
@@ -191,6 +205,7 @@ def light_config(path: str | Path, fmt: str = "auto") -> SimpleNamespace:
     kw.setdefault("num_key_value_heads", kw.get("num_attention_heads"))
     if kw.get("head_dim") is None and kw.get("num_attention_heads"):
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
-    for key in ("target_hidden_size", "num_target_layers", "mask_token_id", "aux_layer_ids", *DFLASH2_FIELDS):
+    for key in ("target_hidden_size", "num_target_layers", "mask_token_id", "aux_layer_ids", "draft_vocab_size",
+                *DFLASH2_FIELDS):
         kw.setdefault(key, None)
     return SimpleNamespace(**kw)

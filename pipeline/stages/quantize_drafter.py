@@ -121,6 +121,10 @@ def validate(cfg):
                         "cached hidden states), so no target's states can calibrate it",
                         "leave calibration_target=bf16, or pick a calibrated preset (e.g. quant=w4a16-gptq)")
     dconf = drafter_config(cfg)
+    if dconf.has_draft_vocab:  # its head is its own; the quantized checkpoint would be written without it
+        raise bad_value("drafter.path", str(cfg.drafter.path), f"the drafter has a trimmed head of "
+                        f"{dconf.draft_vocab_size} tokens", "quantize the full-vocabulary drafter, then trim its "
+                        "head with `python -m pipeline convert --draft-vocab N`")
     if dconf.is_dflash2:  # a range without a DFlash2 model class, in one sentence before any weight is read
         contract.refuse_dflash2(contract.profile(q.vllm, f"{FIELD}.vllm"), FIELD)
         recipes.check_dflash2(q, dconf, FIELD)

@@ -253,7 +253,7 @@ def dflash2_probe(cfg, job: dict, prompt: list[int], folder: Path) -> dict:
         block = torch.tensor([bonus] + [int(dc.mask_token_id)] * (bs - 1))
         positions = torch.arange(n + bs)
         hidden = drafter.draft_hidden(aux[None], block[None], positions[None])
-        logits = drafter.lm_head(hidden)
+        logits = drafter.head_logits(hidden)
         path = drafter.candidate_selector.select(hidden[:, 1:], logits[:, 1:], block[:1])
     job["probe"], job["probe_out"] = str(folder / f"{job['name']}.probe.safetensors"), \
         str(folder / f"{job['name']}.vllm.safetensors")
