@@ -60,8 +60,9 @@ def load(path: Path) -> list[dict]:
         raise TraceError(f"trace {path}: not a readable Chrome trace ({type(exc).__name__}: {exc}); "
                          "pass a file written by `bench.speed run --profile`") from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
-    if not isinstance(events, list):
-        raise TraceError(f"trace {path}: no `traceEvents` list; pass a file written by `bench.speed run --profile`")
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise TraceError(f"trace {path}: no `traceEvents` list of events; pass a file written by "
+                         "`bench.speed run --profile`")
     return events
 
 
@@ -227,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=2, help="steps left out at the start (the prefill)")
     p.add_argument("--json", default=None, help="write the decompositions here")
     a = p.parse_args(argv)
+    if a.skip < 0:
+        print(f"--skip {a.skip}: steps cannot be skipped backwards; give 0 or more (2 leaves out the prefill)",
+              file=sys.stderr)
+        return 2
     try:
         vocab = {int(x) for x in a.vocab.split(",") if x}
     except ValueError:
@@ -236,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     for t in a.traces:
         try:
             out[Path(t).name] = d = decompose(load(Path(t)), vocab, a.skip)
-        except (TraceError, FileNotFoundError) as exc:
-            print(f"{t}: {exc}", file=sys.stderr)
+        except TraceError as exc:
+            print(str(exc) if str(exc).startswith(f"trace {t}") else f"{t}: {exc}", file=sys.stderr)
+            return 2
+        except FileNotFoundError:
+            print(f"{t}: no such file; pass a trace written by `bench.speed run --profile`", file=sys.stderr)
             return 2
         parts = ", ".join(f"{k} {v:.3f}" for k, v in d["parts_ms"].items() if v)
         print(f"{Path(t).name}: {d['steps_kept']} steps; busy {d['gpu_busy_ms']:.3f} ms of span "

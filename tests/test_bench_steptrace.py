@@ -85,7 +85,10 @@ def test_refusals_are_one_sentence(events, tmp_path):
         steptrace.decompose(events, VOCAB, skip=100)
     bad = tmp_path / "bad.json.gz"
     bad.write_bytes(b"not gzip")
-    for args in ([str(bad)], [str(TRACE), "--vocab", "x"]):
+    numbers = tmp_path / "numbers.json"
+    numbers.write_text("[1, 2]")
+    for args in ([str(bad)], [str(numbers)], [str(tmp_path / "missing.json.gz")], [str(TRACE), "--vocab", "x"],
+                 [str(TRACE), "--skip", "-3"]):
         r = subprocess.run([sys.executable, "-m", "bench.steptrace", *args], cwd=ROOT, capture_output=True,
                            text=True)
         assert r.returncode == 2

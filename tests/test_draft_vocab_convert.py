@@ -265,3 +265,42 @@ def test_quantize_drafter_refuses_a_trimmed_drafter(trimmed, tmp_path):
     cfg = compose([f"runs_root={tmp_path}", "run_name=tiny", f"drafter.path={trimmed['bf16']}", "quant=w4a16"])
     with pytest.raises(SpecquantError, match="trimmed head.*convert --draft-vocab"):
         quantize_drafter.validate(cfg)
+
+
+def test_spec_decode_cli_reads_a_quantized_trimmed_drafter(run, trimmed, target, capsys):
+    """The reference-loop CLI reads the compressed-tensors checkpoint (untrimmed and trimmed) as evaluate does,
+    losslessly, and its tau is the evaluate stage's loader's; a missing drafter is one sentence, exit 2."""
+    from pipeline.evaluation.fakequant import load_drafter_variant
+    from pipeline.models.spec_decode import cli, load_prompts, measure_tau
+
+    quant = [v for v in VARIANTS if v != "bf16"][0]
+    args = ["--target", str(TINY / "target"), "--prompts", str(TINY / "eval"), "--limit", "1",
+            "--max-new-tokens", "24", "--check-lossless", "--threads", "2"]
+    for d in (run / "drafter" / quant, trimmed[quant]):
+        assert cli(["--drafter", str(d), *args]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["lossless_mismatches"] == 0
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(TINY / "target"))
+        drafter = load_drafter_variant(d, target, torch.float32, "cpu")[0]
+        stop = [t for t in [tok.eos_token_id] if t is not None]
+        want = measure_tau(target, drafter, load_prompts(str(TINY / "eval"), tok, 1), 24, stop, None, False)
+        assert report["mean_tau"] == want["mean_tau"]
+    assert cli(["--drafter", str(run / "no-such-drafter"), *args]) == 2
+    err = capsys.readouterr().err.strip()  # after the target's loading bar: one sentence, no traceback
+    last = err.splitlines()[-1]
+    assert last.startswith("error:") and "no-such-drafter" in last and "Traceback" not in err
+
+
+@pytest.mark.parametrize("row", ['{"input_ids": "abc", "loss_mask": [1]}', '{"input_ids": [1.5, 2], "loss_mask": [1, 1]}',
+                                 '{"input_ids": [1, 2], "loss_mask": [1]}', '{"input_ids": null, "loss_mask": null}'])
+def test_counted_samples_of_the_wrong_shape_are_one_sentence(row, tmp_path):
+    from pipeline.core.errors import SpecquantError
+    from pipeline.models.draft_vocab import load_count_samples
+
+    f = tmp_path / "samples.jsonl"
+    f.write_text(row + "\n")
+    with pytest.raises(SpecquantError, match="integer lists of one length") as exc:
+        load_count_samples(f)
+    assert str(f) in str(exc.value)

@@ -83,7 +83,8 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
 
 
 def trimmed_head(target: Path, vocab: int, n: int, counts_from: str | Path):
-    """(kept ids, lm_head rows [n, hidden] in the target's stored dtype, d2t int64 [n]) for a head of n ids."""
+    """(kept ids, lm_head rows [n, hidden] in the target's stored dtype, d2t int64 [n], how many kept ids never
+    occur in the counted text: those are the lowest ids left) for a head of n ids."""
     import torch
 
     from pipeline.core.io import read_json
@@ -101,14 +102,15 @@ def trimmed_head(target: Path, vocab: int, n: int, counts_from: str | Path):
     if not 1 <= n < vocab:
         raise bad_value("--draft-vocab", n, f"a trimmed head keeps 1 to {vocab - 1} of the target's {vocab} tokens",
                         f"give N in 1..{vocab - 1} (without --draft-vocab the target's head is borrowed whole)")
-    counts = draft_vocab.assistant_counts(draft_vocab.load_count_samples(counts_from), vocab)
+    counts = draft_vocab.assistant_counts(draft_vocab.load_count_samples(counts_from), vocab, str(counts_from))
     kept = draft_vocab.kept_ids(counts, n)
+    unseen = sum(1 for i in kept if counts[i] == 0)
     _, head = target_head_weights(target)
     if tuple(head.shape) != (vocab, head.shape[1]):
         raise bad_value("--target", str(target), f"its lm_head is {tuple(head.shape)}, not {vocab} rows",
                         "point it at a complete causal LM checkpoint")
     index = torch.tensor(kept, dtype=torch.long)
-    return kept, head.index_select(0, index).contiguous(), index - torch.arange(n, dtype=torch.long)
+    return kept, head.index_select(0, index).contiguous(), index - torch.arange(n, dtype=torch.long), unseen
 
 
 HEAD_IGNORE = r"re:(.*\.)?lm_head$"  # the entry quantize-drafter writes for the borrowed head
@@ -143,12 +145,17 @@ def write_trimmed(src: Path, dst: Path, to: str, cfg, n: int, target: Path, coun
     own = {"lm_head.weight", "d2t"} & tensors.keys()
     if own:
         raise bad_value("SRC", str(src), f"it already stores {sorted(own)}", "trim the full-vocabulary drafter instead")
-    kept, rows, d2t = trimmed_head(target, int(cfg.vocab_size), n, counts_from)
+    kept, rows, d2t, unseen = trimmed_head(target, int(cfg.vocab_size), n, counts_from)
     tensors["lm_head.weight"], tensors["d2t"] = rows, d2t
     cfg.draft_vocab_size = n
     if quantized:  # the source's own config (quantize-drafter's, serving contract included) plus the new head
         config = read_json(src / "config.json", "SRC")
         config["draft_vocab_size"] = n
+        verifier = config.setdefault("speculators_config", {}).setdefault("verifier", {})
+        if cfg.verifier_name_or_path:  # --verifier / --verifier-arch, as for a dense drafter
+            verifier["name_or_path"] = cfg.verifier_name_or_path
+        if cfg.verifier_architectures:
+            verifier["architectures"] = list(cfg.verifier_architectures)
         for qc in (config.get("quantization_config"), (config.get("transformer_layer_config") or {}).get(
                 "quantization_config")):
             if qc is not None and not _ignores_head(qc):
@@ -160,6 +167,9 @@ def write_trimmed(src: Path, dst: Path, to: str, cfg, n: int, target: Path, coun
         write_checkpoint(tensors, config, tmp, borrowed=("embed_tokens.weight",))
     print(f"kept {n} of {cfg.vocab_size} ids (the most frequent assistant tokens of {counts_from}); "
           f"ids {kept[0]}..{kept[-1]}")
+    if unseen:
+        print(f"warning: {unseen} of the {n} kept ids never occur in that text (the lowest unused ids fill the "
+              f"head); count a larger blend or give a smaller --draft-vocab")
     return dst
 
 

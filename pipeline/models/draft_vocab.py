@@ -18,15 +18,15 @@ from pathlib import Path
 from pipeline.core.errors import bad_value
 
 
-def assistant_counts(samples, vocab: int) -> list[int]:
+def assistant_counts(samples, vocab: int, source: str = "data/samples.jsonl") -> list[int]:
     """Occurrences of each id among the loss-masked (assistant) tokens of the calibration samples."""
     counts = [0] * vocab
     for s in samples:
         for t, m in zip(s["input_ids"], s["loss_mask"]):
             if m:
                 if not 0 <= t < vocab:
-                    raise bad_value("data/samples.jsonl", s["id"], f"it holds token id {t} outside the target's "
-                                    f"vocabulary of {vocab}", "re-run `make data` with the run's target tokenizer")
+                    raise bad_value(str(source), s["id"], f"it holds token id {t} outside the target's "
+                                    f"vocabulary of {vocab}", "count samples made with the run's target tokenizer")
                 counts[t] += 1
     return counts
 
@@ -70,6 +70,11 @@ def load_count_samples(source: str | Path, field: str = "--counts-from") -> list
             if not isinstance(row, dict) or not {"input_ids", "loss_mask"} <= row.keys():
                 raise bad_value(field, f"{source}:{line_no}", "the line has no `input_ids` and `loss_mask`",
                                 "give a samples.jsonl written by `make data`")
+            ids, mask = row["input_ids"], row["loss_mask"]
+            if not (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask)
+                    and all(type(t) is int for t in ids) and all(type(m) in (int, bool) for m in mask)):
+                raise bad_value(field, f"{source}:{line_no}", "its `input_ids` and `loss_mask` are not integer lists "
+                                "of one length", "give a samples.jsonl written by `make data`")
             row.setdefault("id", f"line {line_no}")
             out.append(row)
     if not out:

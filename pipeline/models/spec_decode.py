@@ -208,13 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from pipeline.core.loading import load_target
+    from pipeline.evaluation.fakequant import load_drafter_variant, read_quantization_config
     from pipeline.models.compat import check_compatible
     from pipeline.models.formats import load_drafter, load_drafter_config
 
-    tok = AutoTokenizer.from_pretrained(args.target)
     target = load_target(args.target, dtype=torch.float32, field="--target")
+    tok = AutoTokenizer.from_pretrained(args.target)
     check_compatible(load_drafter_config(args.drafter), target.config, tok)
-    drafter = load_drafter(args.drafter, target=target)
+    if read_quantization_config(args.drafter) is None:
+        drafter = load_drafter(args.drafter, target=target)
+    else:  # a compressed-tensors checkpoint (quantize-drafter's, or one trimmed from it): dequantized as evaluate does
+        drafter = load_drafter_variant(args.drafter, target, torch.float32, "cpu")[0]
     stop = [t for t in [tok.eos_token_id] if t is not None]
     report = measure_tau(target, drafter, load_prompts(args.prompts, tok, args.limit), args.max_new_tokens,
                          stop, args.block_size, args.check_lossless)
@@ -222,5 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """`main`, with bad input as one sentence (exit 2) instead of a traceback."""
+    from pipeline.core.errors import SpecquantError
+
+    try:
+        return main(argv)
+    except SpecquantError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

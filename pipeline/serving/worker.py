@@ -308,18 +308,24 @@ def _scope_runner(worker, on: bool) -> list[str]:
     for path, meth, scope in PROFILE_SCOPES:
         obj = runner
         for part in [x for x in path.split(".") if x]:
-            obj = getattr(obj, part, None)
+            try:
+                obj = getattr(obj, part, None)
+            except Exception:  # noqa: BLE001 - a property that fails: that object is not scoped
+                obj = None
         if obj is None:
             continue
         own = getattr(obj, "__dict__", {})
         if not on:
             cur = own.get(meth)
             saved = getattr(cur, "__dict__", {}).get("__specquant_saved__")
-            if saved is not None:  # put back what the instance held, or let the class's method show again
-                if saved[0]:
-                    setattr(obj, meth, saved[1])
-                else:
-                    delattr(obj, meth)
+            try:
+                if saved is not None:  # put back what the instance held, or let the class's method show again
+                    if saved[0]:
+                        setattr(obj, meth, saved[1])
+                    else:
+                        delattr(obj, meth)
+            except (AttributeError, TypeError):  # the next methods are still restored
+                pass
             continue
         orig = getattr(obj, meth, None)
         if orig is None or not callable(orig) or "__specquant_saved__" in getattr(own.get(meth), "__dict__", {}):
@@ -367,13 +373,13 @@ def profile_steps(llm, batch_prompts: list[dict], tokens: int, seed: int, path: 
         vutils = None
     before = getattr(vutils, "_PROFILER_FUNC", None)
     v1_scopes = vutils is not None and hasattr(vutils, "_PROFILER_FUNC")
-    if v1_scopes:
-        vutils._PROFILER_FUNC = record_function
-    scoped = [x for r in llm.collective_rpc(_scopes_on) for x in (r or [])]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    try:
+    try:  # every scope set inside: the `finally` takes all of them off, whatever fails
+        if v1_scopes:
+            vutils._PROFILER_FUNC = record_function
+        scoped = [x for r in llm.collective_rpc(_scopes_on) for x in (r or [])]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             llm.generate(batch_prompts, params, use_tqdm=False)
             torch.cuda.synchronize()
@@ -386,9 +392,15 @@ def profile_steps(llm, batch_prompts: list[dict], tokens: int, seed: int, path: 
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
         part = path.with_name(path.name + ".part")
-        with open(raw, "rb") as src, gzip.GzipFile(part, "wb", mtime=0) as dst:
-            shutil.copyfileobj(src, dst)
-        os.replace(part, path)
+        try:
+            with open(raw, "rb") as src, open(part, "wb") as fh:
+                with gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as dst:
+                    shutil.copyfileobj(src, dst)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(part, path)
+        finally:
+            part.unlink(missing_ok=True)
     return {"trace": str(path), "tokens": tokens, "batch": len(batch_prompts), "wall_s": round(wall, 4),
             "scoped": scoped, "bytes": path.stat().st_size}
 
