@@ -35,6 +35,16 @@ def _config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
+@pytest.fixture(autouse=True)
+def _threads_kept():
+    """The CLI sets torch's thread count for the process; the tests after these (same worker) must see theirs
+    (stage records and manifests record it)."""
+    before = torch.get_num_threads()
+    yield
+    assert torch.get_num_threads() == before
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """data (40 samples) + cache + quantize-drafter (w4a16, data-free) of the tiny world, via `run_stage`."""
@@ -193,7 +203,7 @@ def test_spec_decode_cli_and_format_round_trip(trimmed, n, tmp_path, capsys):
     taus = []
     for d in (trimmed["bf16"], z):
         assert spec_main(["--target", str(TINY / "target"), "--drafter", str(d), "--prompts", str(TINY / "eval"),
-                          "--limit", "1", "--max-new-tokens", "24", "--check-lossless", "--threads", "2"]) == 0
+                          "--limit", "1", "--max-new-tokens", "24", "--check-lossless", "--threads", str(torch.get_num_threads())]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["lossless_mismatches"] == 0
         taus.append(report["mean_tau"])
@@ -275,7 +285,7 @@ def test_spec_decode_cli_reads_a_quantized_trimmed_drafter(run, trimmed, target,
 
     quant = [v for v in VARIANTS if v != "bf16"][0]
     args = ["--target", str(TINY / "target"), "--prompts", str(TINY / "eval"), "--limit", "1",
-            "--max-new-tokens", "24", "--check-lossless", "--threads", "2"]
+            "--max-new-tokens", "24", "--check-lossless", "--threads", str(torch.get_num_threads())]
     for d in (run / "drafter" / quant, trimmed[quant]):
         assert cli(["--drafter", str(d), *args]) == 0
         report = json.loads(capsys.readouterr().out)
