@@ -163,7 +163,7 @@ def decompose(events: list[dict], vocab: set[int], skip: int = 2) -> dict:
     busy = [defaultdict(float) for _ in range(n_steps)]
     first = [float("inf")] * n_steps
     intervals: list[list[tuple[float, float]]] = [[] for _ in range(n_steps)]
-    graph_launches = 0
+    graph_corrs: set = set()  # the CUDA-graph launches the activities came from
     assigned: list[tuple[int, str, int | None]] = []  # (gpu index, part, step)
     drafter_graphs: dict = defaultdict(list)  # correlation -> gpu indices of one drafter graph replay
     for gi, g in enumerate(gpu):
@@ -176,6 +176,8 @@ def decompose(events: list[dict], vocab: set[int], skip: int = 2) -> dict:
         inner, enclosing = where.get(gi, ([], []))
         part = PART_OF[inner[-1]["name"]] if inner else "unscoped"
         graph = "Graph" in launch.get("name", "")
+        if graph:
+            graph_corrs.add(corr)
         if part == "drafter other" and not graph and any(_dims(o) & vocab for o in enclosing):
             part = "drafter head"  # an eager operator over the vocabulary (V1 runner: the draft head, argmax)
         if part == "drafter layers" and graph:
@@ -185,8 +187,6 @@ def decompose(events: list[dict], vocab: set[int], skip: int = 2) -> dict:
     for idx in drafter_graphs.values():
         idx.sort(key=lambda i: float(gpu[i].get("ts", 0)))
         head.update(idx[j] for j in _graph_head([gpu[i] for i in idx]))
-    graph_launches = len({(gpu[gi].get("args") or {}).get("correlation") for gi, _, _ in assigned
-                          if "Graph" in (launches.get((gpu[gi].get("args") or {}).get("correlation")) or {}).get("name", "")})
     for gi, part, step in assigned:
         if step is None or step < 0:
             continue
@@ -214,7 +214,7 @@ def decompose(events: list[dict], vocab: set[int], skip: int = 2) -> dict:
     busy_ms = sum(mean.values())
     span_ms = sum(spans) / len(spans) / 1000
     cover_ms = sum(covered) / len(covered) / 1000
-    return {"steps": n_steps, "steps_kept": len(kept), "skip": skip, "graph_launches": graph_launches,
+    return {"steps": n_steps, "steps_kept": len(kept), "skip": skip, "graph_launches": len(graph_corrs),
             "parts_ms": {p: round(v, 4) for p, v in mean.items()},
             "parts_share_of_busy": {p: round(v / busy_ms, 4) if busy_ms else None for p, v in mean.items()},
             "gpu_busy_ms": round(busy_ms, 4), "gpu_span_ms": round(span_ms, 4),

@@ -110,7 +110,8 @@ def trimmed_head(target: Path, vocab: int, n: int, counts_from: str | Path):
         raise bad_value("--target", str(target), f"its lm_head is {tuple(head.shape)}, not {vocab} rows",
                         "point it at a complete causal LM checkpoint")
     index = torch.tensor(kept, dtype=torch.long)
-    return kept, head.index_select(0, index).contiguous(), index - torch.arange(n, dtype=torch.long), unseen
+    d2t = torch.tensor(draft_vocab.d2t_offsets(kept), dtype=torch.long)
+    return kept, head.index_select(0, index).contiguous(), d2t, unseen
 
 
 HEAD_IGNORE = r"re:(.*\.)?lm_head$"  # the entry quantize-drafter writes for the borrowed head
