@@ -80,7 +80,25 @@ CONFIGS: dict[str, tuple[str, str | None, int, dict]] = {
     "bf16/w4a16-head32k/k15": ("target-bf16", "drafter-w4a16-head32k", 15, {}),
     "bf16/bf16-head32k/k15": ("target-bf16", "drafter-bf16-head32k", 15, {}),
     "w4a16/w4a16-head32k/k15": ("target-w4a16", "drafter-w4a16-head32k", 15, {}),
+    # sixth run (issue 45): FP8 W8A8, the format Hopper's tensor cores run natively. The target: every decoder
+    # linear FP8 per-channel weights with dynamic per-token activations (`fp8-dynamic`, CUTLASS scaled_mm); the
+    # drafters as quantize-drafter writes them (fc, o_proj, MLP; q/k/v dense): `fp8` (static per-tensor
+    # activation scale, the calibrated preset), `fp8-dynamic`, and `fp8` with the 32k head
+    "fp8/-": ("target-fp8", None, 0, {}),
+    "bf16/fp8/k15": ("target-bf16", "drafter-fp8", 15, {}),
+    "bf16/fp8-dynamic/k15": ("target-bf16", "drafter-fp8-dynamic", 15, {}),
+    "w4a16-marlin/fp8/k15": ("target-w4a16", "drafter-fp8", 15, MARLIN),
+    "fp8/bf16/k15": ("target-fp8", "drafter-bf16", 15, {}),
+    "fp8/w4a16/k15": ("target-fp8", "drafter-w4a16", 15, {}),
+    "fp8/fp8/k15": ("target-fp8", "drafter-fp8", 15, {}),
+    "fp8/fp8-head32k/k15": ("target-fp8", "drafter-fp8-head32k", 15, {}),
+    "w4a16-marlin/fp8-head32k/k15": ("target-w4a16", "drafter-fp8-head32k", 15, MARLIN),
 }
+# the sixth run's engines, most wanted first (`--only fp8-matrix`; a run cut short by --budget-s keeps the first):
+# the targets alone, the bf16 / FP8 / W4A16 drafters beside each, then the 32k-head and dynamic FP8 drafters
+FP8_MATRIX = ("bf16/-", "fp8/-", "w4a16-marlin/-", "bf16/bf16/k15", "bf16/fp8/k15", "fp8/bf16/k15", "fp8/fp8/k15",
+              "w4a16-marlin/bf16/k15", "w4a16-marlin/fp8/k15", "w4a16/w4a16-marlin/k15", "fp8/w4a16/k15",
+              "w4a16-marlin/fp8-head32k/k15", "bf16/fp8-dynamic/k15", "fp8/fp8-head32k/k15")
 # configs run at their own batch sizes (default: --batches) and with a larger KV cache where those need it
 BATCHES = {"bf16/-/verify-rows": [1, 16, 256]}
 KV_BYTES = {"bf16/-/verify-rows": 48 << 30}
@@ -130,6 +148,32 @@ def _nvfp4_config(ignore: list[str], activations: bool) -> dict:
             "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}}
 
 
+FP8_BLOCK = 128
+
+
+def _fp8_config(ignore: list[str], kind: str) -> dict:
+    """compressed-tensors `float-quantized` (what llm-compressor writes for its FP8 presets): `fp8-dynamic`
+    per-channel weights and dynamic per-token activations (FP8_DYNAMIC), `fp8` per-tensor weights and a static
+    per-tensor activation scale (FP8), `fp8-block` 128x128 weight blocks, dynamic per-group-of-128 activations
+    (FP8_BLOCK)."""
+    base = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "actorder": None,
+            "observer": "minmax", "block_structure": None}
+    w, a = {**base, "dynamic": False}, {**base}
+    if kind == "fp8-dynamic":
+        w["strategy"] = "channel"
+        a.update(strategy="token", dynamic=True)
+    elif kind == "fp8":
+        w["strategy"] = "tensor"
+        a.update(strategy="tensor", dynamic=False)
+    else:
+        w.update(strategy="block", block_structure=[FP8_BLOCK, FP8_BLOCK])
+        a.update(strategy="group", group_size=FP8_BLOCK, dynamic=True)
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
+                                          "input_activations": a, "output_activations": None, "weights": w}},
+            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}}
+
+
 def _linear(state: dict, name: str, out_f: int, in_f: int, quant: bool | str, gen, dev) -> None:
     """One Linear: bf16 (std 0.02), W4A16 (`True` or "w4a16": int4 codes uniform in [-7, 7], stored +8 as
     pack-quantized nibbles, so the weights have mean zero; group scale 0.005) or NVFP4 ("nvfp4", "nvfp4a16":
@@ -147,6 +191,18 @@ def _linear(state: dict, name: str, out_f: int, in_f: int, quant: bool | str, ge
         state[f"{name}.weight_packed"] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).cpu()
         state[f"{name}.weight_scale"] = torch.full((out_f, in_f // GROUP), 0.005, dtype=torch.bfloat16)
         state[f"{name}.weight_shape"] = torch.tensor([out_f, in_f], dtype=torch.int64)
+        return
+    if str(quant).startswith("fp8"):  # e4m3 codes of std ~1.3 with a scale of 0.015: weights of std ~0.02
+        state[f"{name}.weight"] = (torch.randn(out_f, in_f, generator=gen, device=dev) * 1.3).clamp(-448, 448).to(
+            torch.float8_e4m3fn).cpu()
+        if quant == "fp8-dynamic":
+            state[f"{name}.weight_scale"] = torch.full((out_f, 1), 0.015, dtype=torch.float32)
+        elif quant == "fp8":
+            state[f"{name}.weight_scale"] = torch.tensor([0.015], dtype=torch.float32)
+            state[f"{name}.input_scale"] = torch.tensor([0.02], dtype=torch.float32)
+        else:
+            state[f"{name}.weight_scale"] = torch.full((-(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK)), 0.015,
+                                                       dtype=torch.float32)
         return
     state[f"{name}.weight_packed"] = torch.randint(0, 256, (out_f, in_f // 2), generator=gen, device=dev,
                                                    dtype=torch.uint8).cpu()
@@ -208,7 +264,8 @@ def build(work: Path, seed: int = 0, only_models: list[str] | None = None) -> di
     tc = models["target"]
     for name, quant, kind, vocab in (("target-bf16", set(), False, None), ("target-w4a16", all_linear, "w4a16", None),
                                      ("target-nvfp4a16", all_linear, "nvfp4a16", None),
-                                     ("target-bf16-v32k", set(), False, SMALL_VOCAB)):
+                                     ("target-bf16-v32k", set(), False, SMALL_VOCAB),
+                                     ("target-fp8", all_linear, "fp8-dynamic", None)):
         out = work / name
         if (out / "config.json").is_file() or (only_models and name not in only_models):
             continue
@@ -225,6 +282,8 @@ def build(work: Path, seed: int = 0, only_models: list[str] | None = None) -> di
         _linear(state, "lm_head", cfg["vocab_size"], tc["hidden_size"], False, gen, dev)
         if kind == "w4a16":
             cfg["quantization_config"] = _w4a16_config(["lm_head"])
+        elif str(kind).startswith("fp8"):
+            cfg["quantization_config"] = _fp8_config(["lm_head"], kind)
         elif kind:
             cfg["quantization_config"] = _nvfp4_config(["lm_head"], activations=False)
         _save(state, cfg, out)
@@ -244,7 +303,10 @@ def build(work: Path, seed: int = 0, only_models: list[str] | None = None) -> di
             ("drafter-bf16-v32k", set(), False, n_layers, False, "target-bf16-v32k", None),
             ("drafter-bf16-head32k", set(), False, n_layers, False, "target-bf16", HEAD_VOCAB),
             ("drafter-w4a16-head32k", no_qkv, True, n_layers, "w4a16", "target-bf16", HEAD_VOCAB),
-            ("drafter-nvfp4-head32k", no_qkv, True, n_layers, "nvfp4", "target-bf16", HEAD_VOCAB)):
+            ("drafter-nvfp4-head32k", no_qkv, True, n_layers, "nvfp4", "target-bf16", HEAD_VOCAB),
+            ("drafter-fp8", no_qkv, True, n_layers, "fp8", "target-bf16", None),
+            ("drafter-fp8-dynamic", no_qkv, True, n_layers, "fp8-dynamic", "target-bf16", None),
+            ("drafter-fp8-head32k", no_qkv, True, n_layers, "fp8", "target-bf16", HEAD_VOCAB)):
         out = work / name
         if (out / "config.json").is_file() or (only_models and name not in only_models):
             continue
@@ -272,7 +334,8 @@ def build(work: Path, seed: int = 0, only_models: list[str] | None = None) -> di
             cfg["mask_token_id"] = SMALL_VOCAB - 1
         if quant:
             ign = ignore + ([] if fc_quant else ["re:(.*\\.)?fc$"])
-            q = _w4a16_config(ign) if kind == "w4a16" else _nvfp4_config(ign, activations=kind == "nvfp4")
+            q = (_w4a16_config(ign) if kind == "w4a16" else _fp8_config(ign, kind) if kind.startswith("fp8")
+                 else _nvfp4_config(ign, activations=kind == "nvfp4"))
             cfg["quantization_config"] = tl["quantization_config"] = q
         _save(state, cfg, out)
         info[name] = {"s": round(time.perf_counter() - t0, 1), "bytes": _dir_bytes(out)}
@@ -315,7 +378,7 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
     prompts = _prompts(max(batches + [b for bs in BATCHES.values() for b in bs]), prompt_len, min(vocab, SMALL_VOCAB), 0)
     t_start = time.perf_counter()
     root = str(HERE.parent)
-    for name in only or list(CONFIGS):
+    for name in [n for x in (only or list(CONFIGS)) for n in (FP8_MATRIX if x == "fp8-matrix" else [x])]:
         target, drafter, k, env_extra = CONFIGS[name]
         cb = BATCHES.get(name, batches)
         if name in res["engines"] and res["engines"][name].get("ok"):
@@ -369,7 +432,7 @@ def _kernels(r: dict) -> dict:
     return out
 
 
-def report(inputs: list[Path], out_json: Path) -> str:
+def report(inputs: list[Path], out_json: Path, issue: int = 34) -> str:
     """The runs' speed.json files -> bench/results/<date>-h200-speed.json (`pairs`: target, drafter, batch,
     ms_per_step, tok_s, weight_bytes, peak_bytes, ...) and the markdown table for docs/benchmarks.md."""
     engines, meta = {}, []
@@ -406,7 +469,7 @@ def report(inputs: list[Path], out_json: Path) -> str:
         if ref is not None and "overhead_ms" in row and ref["overhead_ms"] > 0:
             row["overhead_vs_bf16_drafter"] = round(row["overhead_ms"] / ref["overhead_ms"], 3)
     first = next(iter(engines.values()), {})
-    out = {"issue": 34, "runs": meta, "versions": first.get("versions"), "pairs": pairs}
+    out = {"issue": issue, "runs": meta, "versions": first.get("versions"), "pairs": pairs}
     out_json.write_text(json.dumps(out, indent=1) + "\n")
     lines = ["| config | target | drafter | k | batch | ms/step | + vs target alone | vs bf16 drafter | tok/s | "
              "drafter kernel | weights GB (target + drafter own) | peak GB |",
@@ -424,9 +487,9 @@ def report(inputs: list[Path], out_json: Path) -> str:
 
 
 # the plot's rows (target as served) and bars (drafter beside it), k = 15
-PLOT_TARGETS = {"bf16": "bf16", "w4a16": "W4A16 (Machete)", "w4a16-marlin": "W4A16 (Marlin)",
+PLOT_TARGETS = {"bf16": "bf16", "w4a16": "W4A16 (Machete)", "w4a16-marlin": "W4A16 (Marlin)", "fp8": "FP8 (W8A8)",
                 "nvfp4a16": "NVFP4A16 (Marlin FP4)"}
-PLOT_DRAFTERS = {None: "target alone", "bf16": "+ bf16 drafter", "w4a16": "+ W4A16 drafter",
+PLOT_DRAFTERS = {None: "target alone", "bf16": "+ bf16 drafter", "w4a16": "+ W4A16 drafter", "fp8": "+ FP8 drafter",
                  "nvfp4": "+ NVFP4 drafter"}
 
 
@@ -485,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--title", default="H200, vLLM 0.26.0, Qwen3-8B / DFlash-b16 shapes, random weights",
                    help="plot: its title")
     p.add_argument("--json", default=None, help="report: where the bench/results JSON goes")
+    p.add_argument("--issue", type=int, default=34, help="report: the issue the run answers (recorded)")
     p.add_argument("--work", default="/dev/shm/speed")
     p.add_argument("--out", default="speed-out")
     p.add_argument("--only", default="", help="comma-separated CONFIGS names (default all, in order)")
@@ -499,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "configs":
         write_configs()
     elif a.cmd == "report":
-        print(report([Path(x) for x in a.inputs], Path(a.json)))
+        print(report([Path(x) for x in a.inputs], Path(a.json), a.issue))
     elif a.cmd == "plot":
         print(plot([Path(x) for x in a.inputs], Path(a.png), a.title))
     elif a.cmd == "build":
