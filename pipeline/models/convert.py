@@ -66,6 +66,11 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
     if quantized and not trim:
         raise bad_value("SRC", str(src), "it is a quantized (compressed-tensors) checkpoint, which convert re-labels "
                         "only while trimming its head", "convert the full-precision drafter, or add --draft-vocab")
+    from pipeline.models import validation
+
+    validation.check_drafter(src)  # every field of its family, against its tensors' headers
+    if target is not None:
+        validation.check_target(target)
     cfg = load_drafter_config(src)
     if verifier is not None:
         cfg.verifier_name_or_path = verifier

@@ -297,8 +297,13 @@ def run(cfg) -> dict:
     samples = samples_file.load_samples(rd.data, data_meta)
     if not samples:
         raise bad_value("data", str(rd.data), "it holds no samples", "re-run `make data` with a non-empty blend")
+    from pipeline.models import validation
     from pipeline.models.targets import text_config
 
+    # every field of the target's and the drafter's families, against their tensors' headers (issue 47)
+    validation.check_target(tcfg.path, tcfg.revision)
+    if not cfg.cache.get("aux_layer_ids"):
+        validation.check_drafter(cfg.drafter.path, cfg.drafter.format)
     tconf = text_config(target_config(tcfg))
     field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
     aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field)
