@@ -68,9 +68,10 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
                         "only while trimming its head", "convert the full-precision drafter, or add --draft-vocab")
     from pipeline.models import validation
 
-    validation.check_drafter(src)  # every field of its family, against its tensors' headers
-    if target is not None:
-        validation.check_target(target)
+    if target is None:  # every field of its family, against its tensors' headers
+        validation.check_drafter(src)
+    else:  # and the target's whose head it borrows, and the pair
+        validation.check_pair(src, target)
     cfg = load_drafter_config(src)
     if verifier is not None:
         cfg.verifier_name_or_path = verifier
