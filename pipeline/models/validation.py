@@ -89,7 +89,7 @@ def _layer_kinds(where: str, kinds, n: int, allowed: tuple[str, ...], fix: str) 
     if not isinstance(kinds, list | tuple) or not all(isinstance(k, str) for k in kinds):
         raise bad_value(f"{where}.layer_types", kinds, "it is not a list of layer type names", fix)
     if len(kinds) != n:
-        raise bad_value(f"{where}.layer_types", list(kinds), f"it has {len(kinds)} entries but num_hidden_layers is "
+        raise bad_value(f"{where}.layer_types", list(kinds), f"it has {len(kinds)} entr{'y' if len(kinds) == 1 else 'ies'} but num_hidden_layers is "
                         f"{n} (one entry per decoder layer)", fix)
     other = [i for i, k in enumerate(kinds) if k not in allowed]
     if other:
