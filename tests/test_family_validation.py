@@ -295,3 +295,17 @@ def test_every_field_class_of_the_issue_is_covered():
                  "aux_layers", "layer_types", "sliding", "linear_"):
         assert any(word in i for i in ids), word
     assert {f.world for f in FIELDS} == set(WORLDS)
+
+
+def test_a_model_type_the_dense_family_does_not_name_keeps_its_own_layer_kinds():
+    """A decoder `targets.family_of` treats as dense without naming it has its sizes and layer count checked, not
+    the layer kinds its own class knows (llama4's chunked_attention, say) nor a tensor layout."""
+    from pipeline.core.errors import SpecquantError
+
+    kinds = ["chunked_attention", "full_attention"] * (DENSE["num_hidden_layers"] // 2)
+    other = {**DENSE, "model_type": "llama4_text", "layer_types": kinds}
+    validation.validate_target_config(other, {"model.embed_tokens.weight": (1, 1)})
+    with pytest.raises(SpecquantError, match="chunked_attention"):
+        validation.validate_target_config({**other, "model_type": "qwen3"})
+    with pytest.raises(SpecquantError, match="num_hidden_layers is"):
+        validation.validate_target_config({**other, "layer_types": kinds[:-1]})

@@ -317,18 +317,22 @@ def _prefix(cfg) -> str:
 
 
 def validate_dense_config(cfg, tensors: Shapes | None = None, where: str = "target") -> None:
-    """A dense decoder target (Qwen3, Qwen2, Llama, Mistral): sizes, layer types and sliding window."""
-    from pipeline.models.targets import text_config
+    """A dense decoder target (Qwen3, Qwen2, Llama, Mistral): sizes, layer types and sliding window. A model type
+    the family does not name (`targets.family_of` treats it as dense) has its sizes and its `layer_types`' length
+    checked, not which layer kinds it names nor its tensors' layout, which its own class decides."""
+    from pipeline.models.targets import DENSE, text_config
 
     tc = text_config(cfg)
     s = _decoder_fields(tc, where)
+    known = bool({_get(cfg, "model_type"), _get(tc, "model_type")} & set(DENSE.model_types))
     kinds = _get(tc, "layer_types")
     if kinds is not None:
-        kinds = _layer_kinds(where, kinds, s["num_hidden_layers"], DENSE_LAYER_KINDS,
+        allowed = DENSE_LAYER_KINDS if known else tuple(k for k in kinds if isinstance(k, str))
+        kinds = _layer_kinds(where, kinds, s["num_hidden_layers"], allowed,
                              f"give one full_attention or sliding_attention entry per layer "
                              f"({s['num_hidden_layers']}), or use the target's own config.json")
     _sliding_window(tc, where, kinds or [], "set sliding_window to the target's window, or use its own config.json")
-    if tensors:
+    if tensors and known:
         _decoder_tensors(s, tensors, _prefix(cfg), where, s["num_attention_heads"] * s["head_dim"])
 
 
@@ -359,8 +363,8 @@ def validate_qwen3_5_config(cfg, tensors: Shapes | None = None, where: str = "ta
     if not tensors:
         return
     prefix = _prefix(cfg)
-    gated = 2 if _get(tc, "attn_output_gate", True) else 1  # Qwen3.5's q_proj also makes the output gate
-    _decoder_tensors(s, tensors, prefix, where, gated * s["num_attention_heads"] * s["head_dim"])
+    # Qwen3.5's (and Qwen3-Next's) q_proj also makes the attention output gate: 2 x heads x head_dim rows
+    _decoder_tensors(s, tensors, prefix, where, 2 * s["num_attention_heads"] * s["head_dim"])
     for i, kind in enumerate(kinds):
         has_linear = any(k.startswith(f"{prefix}layers.{i}.linear_attn.") for k in tensors)
         has_attn = any(k.startswith(f"{prefix}layers.{i}.self_attn.") for k in tensors)
