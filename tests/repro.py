@@ -19,9 +19,11 @@ timing) are compared with it. The reference records the machine fingerprint (CPU
 CPU capability): a mismatch on another fingerprint is a warning listing the files, on the same
 fingerprint a failure.
 
-It also fails on any warning a stage prints that the README does not explain, and on any file the runs
-left under $HOME or the temp dir outside the checkout and the runs (named in one sentence), except the
-folders and per-user caches of other programs listed with their reasons in NOT_OURS.
+It also fails on any warning a stage prints that the README does not explain, and on any file the stages
+left in their own HOME and TMPDIR (named in one sentence): every stage runs with a HOME and TMPDIR the check
+creates under its workdir (`private_env`), so a file there is a stage's, and another program writing to the
+machine's temp dir or home meanwhile cannot change the verdict. Per-user caches a tool builds there by design
+are listed with their reasons in NOT_OURS.
 """
 
 from __future__ import annotations
@@ -177,53 +179,62 @@ def warning_lines(text: str) -> tuple[list[str], dict[str, int]]:
     return unexplained, explained
 
 
-# Written under $HOME or the temp dir while the check runs, but by programs that are not specquant's stages,
-# or kept by a tool per user and machine by design (reused by every later run, never one run's leftover):
-# {pattern of the path relative to $HOME or the temp dir (fnmatch; a folder covers all below it): why}
+# The stages run with a HOME and a TMPDIR of their own (`private_env`: folders the check creates, empty, under its
+# workdir), so what is left there is the stages' alone: another program writing to the machine's temp dir or home
+# while the check runs cannot change its verdict. Files a tool keeps there per user by design (built by the first
+# stage that imports it, reused by every later one, never one run's leftover) are not counted:
+# {pattern of the path relative to the private HOME or TMPDIR (fnmatch; a folder covers all below it): why}
 NOT_OURS = {
-    # pytest's base temp folder: only a test run writes there (the stages never run pytest)
-    "pytest-of-*": "pytest's base temp folder (a test run's tmp_path), never written by a stage",
-    # pip's build, unpack and cache folders: only `make setup` (pip install) writes them, and it is done
-    # before the check starts; the stages never install anything
-    "pip-*": "pip's build and unpack folders (`make setup`), never written by a stage",
-    ".cache/pip": "pip's download and wheel cache (`make setup`), kept per user by pip",
-    # matplotlib's font list: built once per user on its first import and reused by every later one
-    # (MPLCONFIGDIR would move it, but then every run would rebuild it: it is matplotlib's cache, not ours)
+    # matplotlib's font list: built once in the private HOME on its first import and reused by every later stage
+    # (the same system fonts, so the same list and the same plots as with the user's own cache)
     ".cache/matplotlib": "matplotlib's per-user font cache, built once on its first import",
     ".config/matplotlib": "matplotlib's per-user config folder, created once on its first import",
 }
+# where tools put per-user caches when told so by the environment: unset for the stages, so that each lands in the
+# private HOME (HF_HOME is set there: the tiny world reads no Hub cache and runs offline)
+MOVED_VARS = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE",
+              "HF_XET_CACHE", "HF_ASSETS_CACHE", "MPLCONFIGDIR", "TORCH_HOME", "TORCHINDUCTOR_CACHE_DIR",
+              "TRITON_CACHE_DIR", "PIP_CACHE_DIR", "TMPDIR", "TMP", "TEMP")
+
+
+def private_env(work: Path) -> tuple[dict[str, str], list[Path]]:
+    """(the stages' environment, [their HOME, their TMPDIR]): this environment with HOME and TMPDIR (TMP, TEMP)
+    pointing at new empty folders under `work`/env/, the per-user cache variables (MOVED_VARS, XDG_*) unset or
+    moved there, git still reading the user's global config (so the provenance's git state is the same), and
+    the offline, seeded settings every stage runs with."""
+    import shutil
+
+    home, tmp = work / "env" / "home", work / "env" / "tmp"
+    shutil.rmtree(work / "env", ignore_errors=True)  # the check's own (a --workdir used before): made empty
+    for d in (home, tmp):
+        d.mkdir(parents=True)  # whatever is found there at the end, a stage wrote
+    env = {k: v for k, v in os.environ.items() if k not in MOVED_VARS and not k.startswith("XDG_")}
+    gitconfig = Path(os.environ.get("GIT_CONFIG_GLOBAL") or Path.home() / ".gitconfig")
+    if gitconfig.is_file():
+        env["GIT_CONFIG_GLOBAL"] = str(gitconfig)
+    env.update(HOME=str(home), TMPDIR=str(tmp), TMP=str(tmp), TEMP=str(tmp), HF_HOME=str(home / ".cache" / "huggingface"),
+               PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    return env, [home, tmp]
 
 
 def not_ours(rel: str) -> str | None:
-    """Why `rel` (relative to $HOME or the temp dir) is not a leftover of ours, or None."""
+    """Why `rel` (relative to the private HOME or TMPDIR) is not a leftover of ours, or None."""
     import fnmatch
 
     return next((why for pat, why in NOT_OURS.items() if fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel, pat + "/*")),
                 None)
 
 
-def new_files_outside(since: float, keep: list[Path], roots: list[Path] | None = None) -> list[str]:
-    """Files under $HOME and the temp dir modified after `since`, outside `keep` (the checkout, the runs),
-    except what NOT_OURS names (other programs' folders and per-user caches)."""
-    roots = sorted({r.resolve() for r in (roots or [Path.home(), Path(tempfile.gettempdir())])})
-    kept = [k.resolve() for k in keep]
-
-    def skipped(p: Path) -> bool:
-        return any(p == k or k in p.parents for k in kept) or any(
-            (p == r or r in p.parents) and not_ours(p.relative_to(r).as_posix()) for r in roots)
-
+def files_left(roots: list[Path]) -> list[str]:
+    """Every file (or link) under the stages' private HOME and TMPDIR (`roots`), except what NOT_OURS names."""
     found = []
     for root in roots:
+        root = root.resolve()
         for dirpath, dirnames, filenames in os.walk(root):
-            here = Path(dirpath).resolve()
-            dirnames[:] = [d for d in dirnames if not skipped((here / d).resolve())]
-            for name in filenames:
-                p = here / name
-                try:
-                    if p.stat().st_mtime > since and not skipped(p):
-                        found.append(str(p))
-                except OSError:
-                    continue
+            here = Path(dirpath)
+            dirnames[:] = [d for d in dirnames if not not_ours((here / d).relative_to(root).as_posix())]
+            found += [str(here / n) for n in filenames if not not_ours((here / n).relative_to(root).as_posix())]
     return sorted(found)
 
 
@@ -232,17 +243,19 @@ def leftover_sentence(files: list[str]) -> str | None:
     if not files:
         return None
     shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-    return (f"repro-check: FAILED: {len(files)} file(s) were left outside the checkout and the runs ({shown}); "
+    return (f"repro-check: FAILED: {len(files)} file(s) were left in the stages' private HOME or TMPDIR ({shown}); "
             "remove what writes them or point it into the run's .work/, or, for a per-user cache of a tool that "
-            "is not ours, add it with its reason to tests.repro.NOT_OURS (a program running beside the check "
-            "can also leave files there: re-run it on a quiet machine)")
+            "is not ours, add it with its reason to tests.repro.NOT_OURS")
 
 
 def run_pipeline(runs_root: Path, overrides: list[str], quants: list[str], stages: list[str],
                  pair_target: str = "", pair_quants: list[str] | None = None,
-                 warnings_seen: dict | None = None) -> float:
-    env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+                 warnings_seen: dict | None = None, env: dict[str, str] | None = None) -> float:
+    """Every step of `stages` in order, each `python -m pipeline` in a process of its own with `env`
+    (`private_env`'s; default: this environment with the offline, seeded settings)."""
+    if env is None:
+        env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.time()
     for stage, extra in steps(stages, quants, pair_target, list(pair_quants or [])):
         argv = [sys.executable, "-m", "pipeline", stage, f"runs_root={runs_root}", *extra, *overrides]
@@ -321,11 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     run_name = str(compose(args.overrides).run_name)
     runs = {}
     seen: dict = {}
-    started = time.time() - 1
+    env, private = private_env(work)  # the stages' own HOME and TMPDIR, judged at the end
     for side in ("a", "b"):
         root = work / side
         secs = run_pipeline(root, args.overrides, args.quants.split(), args.stages.split(), args.pair_target,
-                            args.pair_quants.split(), seen)
+                            args.pair_quants.split(), seen, env)
         print(f"[repro] run {side}: {secs:.0f}s -> {root / run_name}", flush=True)
         runs[side] = (root / run_name, root)
     (da, skipped), (db, _) = digests(*runs["a"]), digests(*runs["b"])
@@ -346,12 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[repro] FAIL: a warning the README does not explain: {w[:300]}")
     rc = max(rc, 1 if seen.get("unexplained") else 0)
     print(f"[repro] warnings: {len(seen.get('unexplained') or [])} unexplained")
-    # and nothing was left outside the checkout and the runs (home, temp dir)
-    outside = new_files_outside(started, [prov.REPO_ROOT, work])
+    # and nothing was left in the stages' own HOME and TMPDIR (another program's files elsewhere are not judged)
+    outside = files_left(private)
     for f in outside[:20]:
-        print(f"[repro] written outside the checkout and the runs: {f}")
-    print(f"[repro] files written outside the checkout and the runs: {len(outside)} (not counted: "
-          + "; ".join(f"{pat}: {why}" for pat, why in NOT_OURS.items()) + ")")
+        print(f"[repro] left in the stages' private HOME or TMPDIR: {f}")
+    print(f"[repro] files left in the stages' private HOME and TMPDIR ({', '.join(map(str, private))}): "
+          f"{len(outside)} (not counted: " + "; ".join(f"{pat}: {why}" for pat, why in NOT_OURS.items()) + ")")
     if (left := leftover_sentence(outside)) is not None:
         print(f"[repro] {left}")
         rc = 1

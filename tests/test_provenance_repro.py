@@ -3,6 +3,7 @@ documented exclusions (timing, run root); any other difference is named."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -14,9 +15,35 @@ from tests import repro
 from tests._support import ENV, overrides, run_main
 
 
-def _state(rd):
-    src = json.loads((rd / "provenance/source/SOURCE.json").read_text())
-    return src["tree_sha256"], src["git"]["commit"]
+def recorded_checkout(rd) -> dict:
+    """The checkout state a run recorded, as the provenance functions return it: what its quantize-drafter stage
+    saw (its record's git and source tree), what its manifest saw (the environment's git) and the source
+    snapshot the manifest copied (provenance/source: SOURCE.json, the files, git.diff)."""
+    src = rd / "provenance" / "source"
+    snapshot = json.loads((src / "SOURCE.json").read_text())
+    record = json.loads((rd / "stages" / "quantize-drafter-nvfp4.json").read_text())
+    diff = (src / "git.diff").read_text() if snapshot["git"].get("diff") else ""
+    info = {"git": snapshot["git"], "files": snapshot["files"], "tree_sha256": snapshot["tree_sha256"],
+            "_blobs": {rel: (src / rel).read_bytes() for rel in snapshot["files"]}, "_diff": diff}
+    manifest_git = json.loads((rd / "quant_run_manifest.json").read_text())["environment"]["git"]
+    return {"stage_tree": record["source_sha256"], "stage_git": record["git"], "manifest_git": manifest_git,
+            "source_info": info}
+
+
+@contextlib.contextmanager
+def checkout_as(git: dict, tree: str | None = None, info: dict | None = None):
+    """The provenance functions (`pipeline.provenance.record`: git state, source tree, source snapshot) answer
+    with this recorded state instead of reading the shared checkout, which others may edit meanwhile."""
+    from pipeline.provenance import record
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(record, "git_state", lambda with_diff=False: {"untracked": [], **git,
+                                                                  **({"_diff": ""} if with_diff else {})})
+        if tree is not None:
+            mp.setattr(record, "source_tree_sha256", lambda: tree)
+        if info is not None:
+            mp.setattr(record, "source_info", lambda: {**info, "_blobs": dict(info["_blobs"])})
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -25,18 +52,31 @@ def built(tiny_run, tmp_path_factory):
     quantize-drafter in a process of its own, the manifest) and a second root from the same data + cache
     (tiny_run's template, copied) through the same entry point in this process (`run_main`: the process
     state a new interpreter starts from, restored) and the manifest. `make repro-check` compares two whole
-    `make all` runs, each stage its own process."""
-    for attempt in range(3):  # others may edit or commit the shared checkout meanwhile; CI's tree is still
-        base = tmp_path_factory.mktemp(f"repro{attempt}")
-        shutil.copytree(tiny_run["template"], base / "b" / "qw")
-        (base / "tmp-b").mkdir()
+    `make all` runs, each stage its own process.
+
+    The code is the same, but the shared checkout may have been edited or committed since the reference ran: the
+    second run's stages see the checkout state the reference recorded (`checkout_as`), so the comparison never
+    depends on when it runs and needs no retry (`test_checkout_state_is_the_recorded_one`)."""
+    state = recorded_checkout(tiny_run["reference"])
+    base = tmp_path_factory.mktemp("repro")
+    shutil.copytree(tiny_run["template"], base / "b" / "qw")
+    (base / "tmp-b").mkdir()
+    with checkout_as(state["stage_git"], state["stage_tree"]):
         rc, _, err = run_main("quantize-drafter", *overrides(base / "b"), env={
             "TMPDIR": str(base / "tmp-b"), **{k: ENV[k] for k in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}})
-        assert rc == 0, err[-3000:]
+    assert rc == 0, err[-3000:]
+    with checkout_as(state["manifest_git"], info=state["source_info"]):
         manifest.run(compose(overrides(base / "b")))
-        if _state(tiny_run["reference"]) == _state(base / "b" / "qw"):
-            break
     return [tiny_run["reference"], base / "b" / "qw"]
+
+
+def test_checkout_state_is_the_recorded_one(built):
+    """The second run recorded the reference's checkout state, nothing read from the checkout meanwhile."""
+    a, b = built
+    for rel in ("provenance/source/SOURCE.json", "stages/quantize-drafter-nvfp4.json"):
+        ja, jb = (json.loads((rd / rel).read_text()) for rd in (a, b))
+        keys = ("git", "tree_sha256") if rel.endswith("SOURCE.json") else ("git", "source_sha256")
+        assert {k: ja[k] for k in keys} == {k: jb[k] for k in keys}, rel
 
 
 @pytest.fixture

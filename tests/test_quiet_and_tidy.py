@@ -100,29 +100,32 @@ def test_console_script_runs_from_any_directory(tmp_path):
     assert not (REPO / "runs" / "anywhere").exists()
 
 
-def test_repro_check_fails_naming_files_left_outside_and_not_the_caches_it_excuses(tmp_path):
-    """repro-check's leftover rule: a new file under $HOME or the temp dir outside the checkout and the runs is
-    a failure named in one sentence; old files, the kept folders and NOT_OURS' per-user caches are not."""
-    import time
-
+def test_repro_check_judges_its_private_home_and_tmpdir_naming_what_is_left(tmp_path, monkeypatch):
+    """repro-check's leftover rule: the stages run with a HOME and TMPDIR of the check's own (`private_env`:
+    new, empty, the per-user cache variables moved there); any file left there is a failure named in one
+    sentence, except NOT_OURS' per-user caches. (tests/test_repro_isolation.py runs a real reduced check.)"""
     from tests import repro
 
-    home, tmp, runs = tmp_path / "home", tmp_path / "tmp", tmp_path / "tmp" / "specquant-repro-x"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "elsewhere"))
+    (tmp_path / "w" / "env" / "tmp").mkdir(parents=True)
+    (tmp_path / "w" / "env" / "tmp" / "from-an-earlier-check").write_text("x")
+    env, (home, tmp) = repro.private_env(tmp_path / "w")
+    assert (env["HOME"], env["TMPDIR"], env["TMP"], env["TEMP"]) == (str(home), str(tmp), str(tmp), str(tmp))
+    assert env["HF_HOME"].startswith(str(home)) and "XDG_CACHE_HOME" not in env and "MPLCONFIGDIR" not in env
+    assert env["HF_HUB_OFFLINE"] == "1" and env["PYTHONHASHSEED"] == "0"
+    assert repro.files_left([home, tmp]) == []  # made empty: an earlier check's files are not this one's
     for d in (home / ".cache" / "matplotlib", home / ".cache" / "huggingface" / "datasets" / "json",
-              tmp / "pytest-of-me" / "pytest-1", tmp / "torchelastic_abc", runs / "a"):
+              tmp / "torchelastic_abc"):
         d.mkdir(parents=True)
-    (home / "old.txt").write_text("before")
-    os.utime(home / "old.txt", (time.time() - 3600, time.time() - 3600))
-    since = time.time() - 60
-    for p in (home / ".cache" / "matplotlib" / "fontlist-v390.json", tmp / "pytest-of-me" / "pytest-1" / "t",
-              runs / "a" / "out.json", home / ".cache" / "huggingface" / "datasets" / "json" / "default-1.arrow",
-              tmp / "torchelastic_abc" / "error.json"):
+    for p in (home / ".cache" / "matplotlib" / "fontlist-v390.json", tmp / "torchelastic_abc" / "error.json",
+              home / ".cache" / "huggingface" / "datasets" / "json" / "default-1.arrow"):
         p.write_text("x")
-    found = repro.new_files_outside(since, [runs], roots=[home, tmp])
+    found = repro.files_left([home, tmp])
     assert found == [str((home / ".cache/huggingface/datasets/json/default-1.arrow").resolve()),
                      str((tmp / "torchelastic_abc/error.json").resolve())]
     sentence = repro.leftover_sentence(found)
-    assert sentence.startswith("repro-check: FAILED: 2 file(s) were left outside the checkout and the runs (")
+    assert sentence.startswith("repro-check: FAILED: 2 file(s) were left in the stages' private HOME or TMPDIR (")
     assert all(f in sentence for f in found) and "\n" not in sentence and sentence.count(". ") == 0
     assert repro.leftover_sentence([]) is None
     assert all(why.strip() for why in repro.NOT_OURS.values())  # every exclusion says why

@@ -1,8 +1,8 @@
 """Drafter/target compatibility, checked from configs (and the tokenizer) before any heavy work.
 
-Each violation raises one `bad_value` sentence. A DFlash2 drafter also has its convolution's group size
-checked against its hidden size, its taps against the block size and its selector's top-K against the
-target's vocabulary (`_check_dflash2`). The motivating case: a drafter built for another
+Each violation raises one `bad_value` sentence. The drafter's own fields are its family's validator's
+(`pipeline.models.validation`: DFlash2's convolution group and taps, selector rank and top-K among them); here
+they are checked against the target (hidden size, vocabulary, layers, the selector's top-K). The motivating case: a drafter built for another
 model family (say a 256k-vocabulary Gemma drafter with another hidden size) paired with a Qwen
 target must fail here, not as a shape error deep inside a forward pass.
 
@@ -40,28 +40,6 @@ def _tok_id(tok, token: str):
         return tok.token_to_id(token)
     found = tok.convert_tokens_to_ids(token)
     return None if found == getattr(tok, "unk_token_id", object()) and token != tok.unk_token else found
-
-
-def _check_shapes(d, err) -> None:
-    if d.block_size is None or int(d.block_size) < 2:
-        raise err("block_size", d.block_size, "a DFlash block holds the bonus token plus at least one mask token",
-                  "use block_size >= 2 (z-lab drafters use 16)")
-    heads, kv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
-    if not heads or not kv or heads % kv:
-        raise err("num_attention_heads", heads, f"it is not a multiple of num_key_value_heads={kv}",
-                  "fix the drafter config's head counts")
-    if not hd or hd % 2:
-        raise err("head_dim", hd, "RoPE needs an even, positive head dimension", "fix the drafter config's head_dim")
-    kinds = list(getattr(d, "layer_types", None) or [])
-    other = [i for i, t in enumerate(kinds) if t not in ("full_attention", "sliding_attention")]
-    if other:
-        raise err("drafter.layer_types", kinds, f"layers {other} are neither full_attention nor sliding_attention, "
-                  "which this drafter implementation does not support", "use a drafter with attention layers only")
-    window = getattr(d, "sliding_window", None)
-    sliding = [i for i, t in enumerate(kinds) if t == "sliding_attention"]
-    if sliding and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise err("drafter.sliding_window", window, f"layers {sliding} are sliding_attention layers and need a "
-                  "positive window size", "set the drafter config's sliding_window (z-lab's DFlash2 drafters use 2048)")
 
 
 def _check_hidden(d, t, err) -> None:
@@ -123,25 +101,12 @@ def _check_mask(d, tokenizer, mask_token, err) -> None:
 
 
 def _check_dflash2(d, t, err) -> None:
-    """DFlash2's convolution and selector against the drafter's own sizes and the target's vocabulary."""
-    taps, group = getattr(d, "conv_kernel_size", None), getattr(d, "conv_group_size", None)
-    rank, top_k = getattr(d, "selector_rank", None), getattr(d, "selector_top_k", None)
-    if taps is None and rank is None:
+    """DFlash2's selector against the target's vocabulary (its own fields: `validation.validate_dflash2_config`)."""
+    top_k = getattr(d, "selector_top_k", None)
+    if top_k is None:
         return  # a DFlash drafter
-    h = d.hidden_size
-    if not group or group < 1 or h % group:
-        raise err("drafter.conv_group_size", group, f"it does not divide the drafter's hidden size {h} (the "
-                  "convolution shares one dynamic coefficient per group of channels)",
-                  f"use a conv_group_size that divides {h}")
-    if not taps or not 1 <= taps <= d.block_size:
-        raise err("drafter.conv_kernel_size", taps, f"the convolution runs inside one {d.block_size}-token block, so "
-                  f"it needs between 1 and block_size={d.block_size} taps", "use a drafter exported with a valid "
-                  "conv_kernel_size (DFlash2 uses 2)")
-    if not rank or rank < 1:
-        raise err("drafter.selector_rank", rank, "the candidate selector needs a positive rank",
-                  "use a drafter exported with its selector_rank (DFlash2 uses 256)")
     v_t = _get(t, "vocab_size")
-    if not top_k or not 1 <= top_k <= v_t:
+    if not 1 <= top_k <= v_t:
         raise err("drafter.selector_top_k", top_k, f"the selector keeps the top-K candidates of the target's "
                   f"{v_t}-token vocabulary, so K must be between 1 and {v_t}",
                   "use a drafter whose selector_top_k fits this target's vocabulary")
@@ -150,8 +115,9 @@ def _check_dflash2(d, t, err) -> None:
 def check_compatible(drafter_config, target_config, tokenizer=None, mask_token: str | None = None) -> None:
     """Raise `SpecquantError` (one sentence) if the drafter cannot run on this target/tokenizer."""
     from pipeline.core.errors import bad_value
+    from pipeline.models.validation import validate_drafter_config
 
-    _check_shapes(drafter_config, bad_value)
+    validate_drafter_config(drafter_config)  # the drafter's own fields (its family's validator)
     _check_hidden(drafter_config, target_config, bad_value)
     _check_vocab(drafter_config, target_config, tokenizer, bad_value)
     _check_dflash2(drafter_config, target_config, bad_value)
@@ -173,16 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from pathlib import Path
 
-        from pipeline.models.layout import light_config
-
         tok = None
         tok_file = Path(args.target) / "tokenizer.json"
         if tok_file.is_file():  # the Rust tokenizer alone: no torch/transformers import, answers in < 1 s
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(tok_file))
-        check_compatible(light_config(args.drafter), read_json(f"{args.target}/config.json", "target.path"),
-                         tok, args.mask_token)
+        from pipeline.models import validation
+
+        validation.check_target(args.target)  # every field of both families, against their tensors' headers
+        check_compatible(validation.check_drafter(args.drafter),
+                         read_json(f"{args.target}/config.json", "target.path"), tok, args.mask_token)
     except SpecquantError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

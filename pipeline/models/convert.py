@@ -66,6 +66,11 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
     if quantized and not trim:
         raise bad_value("SRC", str(src), "it is a quantized (compressed-tensors) checkpoint, which convert re-labels "
                         "only while trimming its head", "convert the full-precision drafter, or add --draft-vocab")
+    from pipeline.models import validation
+
+    validation.check_drafter(src)  # every field of its family, against its tensors' headers
+    if target is not None:  # and the target's whose head it borrows (the pair: `trimmed_head`)
+        validation.check_target(target)
     cfg = load_drafter_config(src)
     if verifier is not None:
         cfg.verifier_name_or_path = verifier
@@ -82,23 +87,34 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
     return write_checkpoint(tensors, config, dst, borrowed_keys(cfg))  # a trimmed head is the drafter's own
 
 
-def trimmed_head(target: Path, vocab: int, n: int, counts_from: str | Path):
-    """(kept ids, lm_head rows [n, hidden] in the target's stored dtype, d2t int64 [n], how many kept ids never
-    occur in the counted text: those are the lowest ids left) for a head of n ids."""
-    import torch
-
+def check_target_vocab(target: Path, vocab: int) -> dict:
+    """--target's config.json (a dict), refused in one sentence when its vocabulary is not the drafter's."""
     from pipeline.core.io import read_json
-    from pipeline.models import draft_vocab
-    from pipeline.models.formats import target_head_weights
     from pipeline.models.targets import text_config
 
     if not (target / "config.json").is_file():
         raise bad_value("--target", str(target), "it is not a local target checkpoint directory (no config.json)",
                         "point it at the target whose head the drafter borrows")
-    t_vocab = text_config(read_json(target / "config.json", "--target")).get("vocab_size")
+    conf = read_json(target / "config.json", "--target")
+    t_vocab = text_config(conf).get("vocab_size")
     if t_vocab != vocab:
         raise bad_value("--target", str(target), f"its vocabulary has {t_vocab} tokens but the drafter's has {vocab}",
                         "use the target the drafter was trained for")
+    return conf
+
+
+def trimmed_head(target: Path, vocab: int, n: int, counts_from: str | Path):
+    """(kept ids, lm_head rows [n, hidden] in the target's stored dtype, d2t int64 [n], how many kept ids never
+    occur in the counted text: those are the lowest ids left) for a head of n ids."""
+    import torch
+
+    from pipeline.models import draft_vocab
+    from pipeline.models.formats import target_head_weights
+
+    if not (target / "config.json").is_file():
+        raise bad_value("--target", str(target), "it is not a local target checkpoint directory (no config.json)",
+                        "point it at the target whose head the drafter borrows")
+    check_target_vocab(target, vocab)
     if not 1 <= n < vocab:
         raise bad_value("--draft-vocab", n, f"a trimmed head keeps 1 to {vocab - 1} of the target's {vocab} tokens",
                         f"give N in 1..{vocab - 1} (without --draft-vocab the target's head is borrowed whole)")
@@ -126,8 +142,12 @@ def _ignores_head(qc: dict) -> bool:
 def write_trimmed(src: Path, dst: Path, to: str, cfg, n: int, target: Path, counts_from, quantized: bool) -> Path:
     """Write SRC with a head trimmed to `n` ids to DST in one rename (`atomic_dir`)."""
     from pipeline.core.io import atomic_dir, read_json
+    from pipeline.models import validation
+    from pipeline.models.compat import check_compatible
     from pipeline.models.formats import check_tensors, config_dict_for, read_tensors, write_checkpoint
 
+    # the drafter against the target whose head it takes (vocabulary, then sizes and aux layers): configs only
+    check_compatible(validation.check_drafter(src), check_target_vocab(target, int(cfg.vocab_size)))
     if cfg.has_draft_vocab:
         raise bad_value("SRC", str(src), f"its head is already trimmed to {cfg.draft_vocab_size} tokens",
                         "trim the full-vocabulary drafter instead")

@@ -209,9 +209,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.core.loading import load_target
     from pipeline.evaluation.fakequant import load_drafter_variant, read_quantization_config
+    from pipeline.models import validation
     from pipeline.models.compat import check_compatible
     from pipeline.models.formats import load_drafter, load_drafter_config
 
+    validation.check_target(args.target)  # every field of both families, before the target is loaded
+    validation.check_drafter(args.drafter)
     target = load_target(args.target, dtype=torch.float32, field="--target")
     tok = AutoTokenizer.from_pretrained(args.target)
     check_compatible(load_drafter_config(args.drafter), target.config, tok)

@@ -15,7 +15,10 @@ A stage asks this module, never `model.model.layers` or a class name, for
   rejected draft its family needs (`DecodeCache`: crop the K/V of a dense target; restore the recurrent
   and convolution states of a hybrid's linear-attention layers and re-run the accepted tokens);
 A drafter whose aux layers or vocabulary do not fit the target is refused in one sentence by
-`pipeline.models.compat.check_compatible` (from configs, any family; a hybrid's layer mix is named).
+`pipeline.models.compat.check_compatible` (from configs, any family; a hybrid's layer mix is named). Every field
+of a target's own config.json (sizes, `layer_types`, sliding windows, a hybrid's linear-attention sizes) is checked
+against the others and the checkpoint's tensors by its family's validator (`pipeline.models.validation`,
+`TARGET_FAMILIES` by `Family.name`), before transformers' config class reads it.
 
 Aux layer ids mean decoder layer outputs in HF `output_hidden_states` convention (0 = embeddings,
 m = output of decoder layer m-1, L = the final norm's output) whatever the mix of layer types.

@@ -86,7 +86,8 @@ class LayerCapture:
             layer.forward = torch.compile(layer.forward)
 
 
-def check_aux_layer_ids(aux, num_layers: int, field: str = "drafter aux_layer_ids") -> list[int]:
+def check_aux_layer_ids(aux, num_layers: int, field: str = "drafter aux_layer_ids", mix: str = "") -> list[int]:
+    """`mix`: the target's layer types (`targets.describe`), named for a hybrid target."""
     ids = list(aux) if aux is not None else []
     if not ids or not all(isinstance(m, int) and not isinstance(m, bool) for m in ids):
         raise bad_value(field, ids, "it must be a non-empty list of integer layer indices",
@@ -94,7 +95,7 @@ def check_aux_layer_ids(aux, num_layers: int, field: str = "drafter aux_layer_id
     bad = [m for m in ids if not 0 <= m <= num_layers]
     if bad:
         raise bad_value(field, ids, f"index {bad[0]} is outside the target's hidden states 0..{num_layers} "
-                        f"(it has {num_layers} decoder layers)", "use a drafter made for this target "
+                        f"(it has {num_layers} decoder layers{': ' + mix if mix else ''})", "use a drafter made for this target "
                         "or fix the layer ids (index m = output of decoder layer m-1)")
     if len(set(ids)) != len(ids):
         raise bad_value(field, ids, "it repeats a layer", "list each aux layer once")
@@ -297,11 +298,19 @@ def run(cfg) -> dict:
     samples = samples_file.load_samples(rd.data, data_meta)
     if not samples:
         raise bad_value("data", str(rd.data), "it holds no samples", "re-run `make data` with a non-empty blend")
+    from pipeline.models import validation
     from pipeline.models.targets import text_config
 
+    # every field of the target's and the drafter's families, against their tensors' headers (issue 47)
+    validation.check_target(tcfg.path, tcfg.revision)
+    if not cfg.cache.get("aux_layer_ids"):
+        validation.check_drafter(cfg.drafter.path, cfg.drafter.format)
     tconf = text_config(target_config(tcfg))
     field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
-    aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field)
+    from pipeline.models.targets import describe, family_of
+
+    mix = describe(tconf) if family_of(tconf).hybrid else ""  # a dense target's sentence is unchanged
+    aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field, mix)
     if not cfg.cache.get("aux_layer_ids"):
         _check_drafter(cfg, tconf)
     check_safetensors_dir(tcfg.path, "target.path" if variant == "bf16" else "cache.target")  # refuse pickles / truncated files before any work

@@ -388,6 +388,12 @@ def run(cfg) -> dict:
         raise bad_value("eval.max_new_tokens", cfg.eval.max_new_tokens, "it must be positive", "use a value >= 1")
     drafters = _drafter_dirs(cfg, rd)
     target_path = _target_path(cfg, rd)
+    from pipeline.models import validation
+
+    # every field of the target's and each drafter's family against their tensors' headers (issue 47)
+    validation.check_target(target_path, cfg.target.revision if cfg.eval.target_variant == REFERENCE else None)
+    for p in drafters.values():
+        validation.check_drafter(p)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path,
                                               revision=cfg.target.revision if not cfg.target.tokenizer else None)
     subsets = load_prompt_sets(cfg.eval, tokenizer)
@@ -408,6 +414,7 @@ def run(cfg) -> dict:
                                          bool(cfg.target.trust_remote_code)) for t, path in pair_targets.items()}
     for t, path in pair_targets.items():  # every pair is checked before any weight is loaded
         if t != primary:
+            validation.check_target(path, cfg.target.revision if t == REFERENCE else None)
             tc = AutoConfig.from_pretrained(path, revision=cfg.target.revision if t == REFERENCE else None,
                                             trust_remote_code=bool(cfg.target.trust_remote_code))
             for v in _matrix_drafters(drafters):

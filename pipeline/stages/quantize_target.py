@@ -79,6 +79,9 @@ def run(cfg) -> dict:
         raise bad_value(f"{FIELD}.calibration_target", q.calibration_target, "a target calibrates on its own "
                         "forward over the blend, not on cached hidden states", "leave it at bf16 (the drafter's "
                         "choice is quant.calibration_target)")
+    from pipeline.models import validation
+
+    validation.check_target(cfg.target.path, cfg.target.revision)  # every field of its family, vs its tensors
     config = target_config(cfg)
     ignore = list(dict.fromkeys(recipes.resolve_ignore(q) + family_ignore(config)))
     from pipeline.core.loading import check_safetensors_dir

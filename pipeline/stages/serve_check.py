@@ -552,6 +552,15 @@ def run(cfg) -> dict:
     if not rd.root.is_dir():
         raise bad_value("run_dir", str(rd.root), "the run directory does not exist", "run the earlier stages first")
     targets, drafters = _targets(cfg, rd), _drafters(cfg, rd)  # bad names fail before the probe
+    from pipeline.models import validation
+    from pipeline.models.compat import check_compatible
+
+    # every field of each checkpoint's family against its tensors, then every pair (issue 47)
+    drafter_configs = [validation.check_drafter(path) for path in drafters.values()]
+    for t, path in targets.items():
+        tconf = validation.check_target(path, cfg.target.revision if t == REFERENCE else None)
+        for dconf in drafter_configs if tconf is not None else ():
+            check_compatible(dconf, tconf)
     pairing_warnings, calibrated_on = check_pairing(cfg, rd, targets, drafters)  # an unservable pair: refused
     refuse_dflash2_contract(cfg, rd, drafters)  # static, before the probe: nothing written
     archs = _architectures(targets)
