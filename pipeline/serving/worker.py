@@ -34,7 +34,9 @@ speed block is skipped and said so (`speed: {"measured": false, ...}`).
 DFlash2 (`job["kind"] == "dflash2_load"`, `run_dflash2_load`): no engine (vLLM 0.32's V1 runner refuses DFlash2,
 its V2 runner needs Triton): vLLM's own DFlash2 model class built from a real VllmConfig and loaded through the
 engine's loader, its modules and schemes reported, one draft block run through them (`job["probe"]` in,
-`job["probe_out"]` out); `job["meta"]`: built on the meta device at a checkpoint's real shapes, nothing loaded.
+`job["probe_out"]` out, with `job["target_head"]`: where the target's embedding and head are, from the project's
+target families, `pipeline.models.targets.head_lookup`); `job["meta"]`: built on the meta device at a checkpoint's
+real shapes, nothing loaded.
 """
 
 from __future__ import annotations

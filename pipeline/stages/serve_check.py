@@ -346,7 +346,7 @@ def _run_one(python: str, job: dict, folder: Path, env: dict[str, str]) -> dict:
         return json.loads(result_file.read_text(encoding="utf-8"))
     tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["no output"]
     return {"ok": False, "name": job["name"], "error": f"the worker exited {proc.returncode} without a result "
-            f"({tail[0][:300]})", "job": {k: v for k, v in job.items() if k != "prompts"}}
+            f"({tail[0][:300]})", "job": {k: v for k, v in job.items() if k not in ("prompts", "target_head")}}
 
 
 def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int, env: dict[str, str]) -> list[dict]:
