@@ -280,8 +280,8 @@ def test_quantize_drafter_refuses_a_trimmed_drafter(trimmed, tmp_path):
 def test_spec_decode_cli_reads_a_quantized_trimmed_drafter(run, trimmed, target, capsys):
     """The reference-loop CLI reads the compressed-tensors checkpoint (untrimmed and trimmed) as evaluate does,
     losslessly, and its tau is the evaluate stage's loader's; a missing drafter is one sentence, exit 2."""
-    from pipeline.evaluation.fakequant import load_drafter_variant
     from pipeline.commands.spec_decode import cli
+    from pipeline.evaluation.fakequant import load_drafter_variant
     from pipeline.models.spec_decode import load_prompts, measure_tau
 
     quant = [v for v in VARIANTS if v != "bf16"][0]

@@ -152,8 +152,8 @@ def test_signed_folder_verifies_and_names_its_key(signed, keys, run_root, capsys
 
 def test_signed_push_downloads_and_verifies(run_root, keys, tmp_path):
     """The signature goes to the Hub with the folder; what is downloaded verifies against it."""
-    from pipeline.stages import publish
     from pipeline.provenance.verify import verify_dir
+    from pipeline.stages import publish
 
     with HubServer(tmp_path / "hub") as hub:
         out = publish.run(push_cfg(run_root, hub.url, f"publish.signing_key={keys['priv']}"))["variants"]["nvfp4"]
