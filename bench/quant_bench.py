@@ -12,7 +12,7 @@ build,data,cache phases with the same --work and --runs):
 
 writes bench/results/<date>-<gpu>-quant.json: `quantize_drafter_nvfp4_<N>_s` (the stage's own wall,
 N = --samples - --heldout calibration samples), its phases, peak GPU and host memory, the goal
-(60 s) and run 4's figures (docs/benchmarks.md) beside it.
+(60 s) and run 4's figures (docs/benchmarks-archive.md, 2026-11-30) beside it.
 
 Without --target/--drafter it builds random-weight models of the chosen shape (bench.shapes), a
 synthetic blend of --samples x --seq-len tokens and its cache (the real cache stage). Then each

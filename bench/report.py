@@ -15,7 +15,7 @@ RATE_KEYS = ("tokens_per_s", "tok_s", "tokens_per_second", "throughput_tok_s")
 def environment(work: Path) -> dict:
     import datetime as dt
 
-    from pipeline.stages.runner import package_versions
+    from pipeline.provenance.environment import package_versions
 
     env = {"date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
            "platform": platform.platform(), "versions": package_versions(),

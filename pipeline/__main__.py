@@ -14,10 +14,11 @@ from pipeline.stages import (
     MODULES as STAGES,  # stage name -> module exposing `run(cfg) -> dict`, in run order
 )
 
-# commands that take their own argv instead of Hydra overrides
+# commands that take their own argv instead of Hydra overrides (pipeline/commands/)
 COMMANDS = {
-    "verify": "pipeline.stages.verify",
-    "convert": "pipeline.models.convert",
+    "verify": "pipeline.commands.verify",
+    "convert": "pipeline.commands.convert",
+    "spec-decode": "pipeline.commands.spec_decode",
     "cache-import": "pipeline.artifacts.cache_import",
 }
 

@@ -168,7 +168,7 @@ def pytest_runtest_makereport(item, call):
 # is given; by default it first sorts them by their number of tests, which puts the modules made of a few long
 # tests (a torchrun pair, the bench, real processes) last, where one of them keeps one worker busy while the
 # other has nothing left. Longest first instead: the modules below (their wall time on the 2-core machine,
-# docs/benchmarks.md; test_serve_cpu's vLLM engines the longest), then the rest in collection order.
+# docs/benchmarks-archive.md; test_serve_cpu's vLLM engines the longest), then the rest in collection order.
 LONGEST_FIRST = ("test_serve_cpu.py", "test_serve_dflash2.py", "test_serving_command.py", "test_quiet_and_tidy.py", "test_quant_target.py", "test_dflash2_tiny.py", "test_hybrid_eval.py", "test_verify.py", "test_quant_bench.py",
                  "test_publish.py", "test_publish_faults.py", "test_quant_drafter.py", "test_cache.py",
                  "test_cache_faults.py", "test_faults_stages.py", "test_evaluate.py", "test_signing.py",

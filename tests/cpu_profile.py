@@ -1,6 +1,6 @@
 """Where the suite's time goes: a pytest plugin recording each test's wall time and CPU time, its subprocesses'
 included (`resource.getrusage`, setup and teardown counted with the test), one JSON line per test; and a
-report of the lines (docs/benchmarks.md, "`make test` on the 2-core CI-sized machine").
+report of the lines (docs/benchmarks-archive.md, "`make test` on the 2-core CI-sized machine", 2026-12-02).
 
     CPU_PROFILE_OUT=/tmp/cpu.jsonl python -m pytest -q -n 2 --dist loadfile -p tests.cpu_profile tests
     python -m tests.cpu_profile /tmp/cpu.jsonl

@@ -112,9 +112,9 @@ def test_another_group_size_never_overwrites_silently(world, gptq):
 
 
 def test_gptq_drafter_and_gptq_target_go_through_manifest_verify_and_publish(world, gptq):
+    from pipeline.provenance.verify import verify_dir
     from pipeline.stages import manifest, publish
     from pipeline.stages.runner import run_stage
-    from pipeline.stages.verify import verify_dir
 
     base = [f"runs_root={world}", "run_name=qw", f"target.path={TARGET}", f"target.tokenizer={TARGET}",
             f"drafter.path={DRAFTER}", "drafter.format=speculators", "quant.num_samples=12",

@@ -22,9 +22,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from pipeline.commands.convert import convert
 from pipeline.core.errors import SpecquantError
 from pipeline.models.compat import check_compatible
-from pipeline.models.convert import convert
 from pipeline.models.dflash import DFlashConfig
 from pipeline.models.formats import CODEBOOK_KEYS, load_drafter, load_drafter_config, read_tensors
 from pipeline.models.layout import DFLASH2_FIELDS, light_config

@@ -132,7 +132,7 @@ def test_quantized_ignore_gets_the_head(run, n, tmp_path):
     """A quantized source whose ignore list does not name lm_head: the written one does, in both places."""
     import shutil
 
-    from pipeline.models.convert import HEAD_IGNORE, convert
+    from pipeline.commands.convert import HEAD_IGNORE, convert
     from pipeline.serving import contract
 
     src = tmp_path / "src"
@@ -188,8 +188,8 @@ def test_tau_equals_the_masked_logits_and_stays_lossless(run, trimmed, keep, tar
 def test_spec_decode_cli_and_format_round_trip(trimmed, n, tmp_path, capsys):
     """The trimmed checkpoint through every format and back keeps its head, d2t and draft_vocab_size; the
     reference-loop CLI reads each one losslessly with the same tau."""
-    from pipeline.models.convert import convert
-    from pipeline.models.spec_decode import main as spec_main
+    from pipeline.commands.convert import convert
+    from pipeline.commands.spec_decode import main as spec_main
 
     z = convert(trimmed["bf16"], tmp_path / "z", "zlab")
     nat = convert(z, tmp_path / "n", "native")
@@ -280,8 +280,9 @@ def test_quantize_drafter_refuses_a_trimmed_drafter(trimmed, tmp_path):
 def test_spec_decode_cli_reads_a_quantized_trimmed_drafter(run, trimmed, target, capsys):
     """The reference-loop CLI reads the compressed-tensors checkpoint (untrimmed and trimmed) as evaluate does,
     losslessly, and its tau is the evaluate stage's loader's; a missing drafter is one sentence, exit 2."""
+    from pipeline.commands.spec_decode import cli
     from pipeline.evaluation.fakequant import load_drafter_variant
-    from pipeline.models.spec_decode import cli, load_prompts, measure_tau
+    from pipeline.models.spec_decode import load_prompts, measure_tau
 
     quant = [v for v in VARIANTS if v != "bf16"][0]
     args = ["--target", str(TINY / "target"), "--prompts", str(TINY / "eval"), "--limit", "1",

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.__main__ import main as pipeline_main
+from pipeline.commands.convert import convert
 from pipeline.core.errors import SpecquantError
 from pipeline.models import formats
-from pipeline.models.convert import convert
 from tests._support import DRAFTER as SPEC
 from tests._support import TARGET, geometry
 from tests._support import ZLAB_DRAFTER as ZLAB

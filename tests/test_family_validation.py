@@ -177,7 +177,7 @@ def blend(tmp_path_factory) -> Path:
 
     for module in MODULES.values():  # each case's time is its checks', not a stage's first import
         importlib.import_module(module)
-    importlib.import_module("pipeline.models.convert")
+    importlib.import_module("pipeline.commands.convert")
     return data
 
 

@@ -280,7 +280,7 @@ def test_writing_stage_on_a_full_disk_then_rerun(stage, pristine_runs, chat_toke
         if stage == "quantize-target":
             assert set(hash_tree(run_dir / "target" / "w4a16")) >= {"config.json", "model.safetensors"}
         if stage == "publish":
-            from pipeline.stages.verify import verify_dir
+            from pipeline.provenance.verify import verify_dir
 
             assert verify_dir(run_dir / "publish" / "nvfp4") == []
 

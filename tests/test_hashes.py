@@ -14,7 +14,7 @@ import pytest
 from pipeline.core import hashes
 from pipeline.core.io import atomic_write_bytes, sha256_bytes, sha256_file
 from pipeline.provenance import record as provenance
-from pipeline.stages import verify
+from pipeline.provenance import verify
 from tests import repro, warm
 from tests._support import ENV, REPO
 

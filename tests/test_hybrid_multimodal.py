@@ -159,11 +159,19 @@ def test_quantize_target_keeps_vision_tower_and_mtp_head_unchanged(tmp_path, wra
 
 
 def test_serving_worker_reads_the_head_of_either_layout(wrapped):
-    """The vLLM worker's `_target_head` (what a DFlash drafter borrows in the engine) finds the text tower's
-    embedding and head in the wrapper, never the MTP head's, equal to the text-only checkpoint's."""
+    """The vLLM worker's `_target_head` (what a DFlash drafter borrows in the engine), given the names the project
+    side puts in its job (`targets.head_lookup`), finds the text tower's embedding and head in the wrapper, never
+    the MTP head's, equal to the text-only checkpoint's."""
+    from pipeline.models import targets
     from pipeline.serving.worker import _target_head
 
-    got, ref = _target_head(str(wrapped)), _target_head(str(TEXT))
+    def lookup(path):
+        return targets.head_lookup(json.loads((Path(path) / "config.json").read_text()))
+
+    assert lookup(wrapped)["embed"] == "model.language_model.embed_tokens.weight"
+    assert lookup(TEXT)["embed"] == "model.embed_tokens.weight"
+    assert {"mtp.", "model.visual."} <= set(lookup(wrapped)["skip_prefixes"])
+    got, ref = _target_head(str(wrapped), lookup(wrapped)), _target_head(str(TEXT), lookup(TEXT))
     assert set(got) == set(ref) == {"embed_tokens", "lm_head"}
     for k in got:
         assert torch.equal(got[k], ref[k]), k

@@ -121,8 +121,8 @@ def test_a_drafter_calibrated_on_the_quantized_target_is_published_for_that_targ
     """publish names the target a drafter was calibrated for: `-on-w4a16` names the run's W4A16 target (or its
     configured Hub id) in its config and card, with no pairing warning; the bf16-calibrated twin keeps the
     configured target; both folders verify."""
+    from pipeline.provenance.verify import verify_dir
     from pipeline.stages import manifest, publish
-    from pipeline.stages.verify import verify_dir
 
     shutil.copytree(world / "qw", tmp_path / "qw")
     base = [*_base(tmp_path), "publish.target_model=Qwen/Qwen3-8B"]

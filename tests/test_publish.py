@@ -55,8 +55,8 @@ def hub(tmp_path):
 
 # ---------------------------------------------------------------- dry run and the card
 def test_dry_run_assembles_verified_folder_with_card(run_root, tmp_path, capsys):
+    from pipeline.provenance.verify import verify_dir
     from pipeline.stages import publish
-    from pipeline.stages.verify import verify_dir
 
     out = publish.run(publish_cfg(run_root))
     folder = run_root / "tiny" / "publish" / "nvfp4"

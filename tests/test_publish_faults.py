@@ -46,7 +46,7 @@ def _commits(store: Path) -> dict:
 
 
 def _check_complete(run_root: Path, store: Path, url: str, revision: str, cache: Path) -> None:
-    from pipeline.stages.verify import verify_dir
+    from pipeline.provenance.verify import verify_dir
 
     rec = json.loads((run_root / "tiny" / "publish" / "nvfp4.json").read_text())
     got = download(url, REPO_ID, revision, cache)

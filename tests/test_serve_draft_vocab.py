@@ -23,8 +23,8 @@ TINY = _support.REPO / "assets" / "tiny"
 
 
 def test_vllm_serves_the_trimmed_head_losslessly(tmp_path, monkeypatch):
+    from pipeline.commands.convert import convert
     from pipeline.core.config import compose
-    from pipeline.models.convert import convert
     from pipeline.stages import serve_check as sc
     from pipeline.stages.runner import run_stage
 

@@ -3,7 +3,7 @@
 `tests/fixtures/vllm/8b-h200-speed-worker-results.tar.xz` holds result files that
 `pipeline.serving.worker` wrote inside vLLM 0.26.0 with a `speed` block (CUDA graphs, batch 1 and 16),
 recorded by `python -m bench.speed run` at Qwen3-8B / DFlash-b16 shapes with random weights (nothing is
-accepted; docs/benchmarks.md "Speed in the engine"). CI has no GPU: the timings are never asserted, only
+accepted; docs/benchmarks-archive.md "Speed in the engine", 2026-12-03). CI has no GPU: the timings are never asserted, only
 what the stage does with them - the speedup arithmetic, the rows, the report section - and that the
 CPU build says "not measured".
 """

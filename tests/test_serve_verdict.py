@@ -91,3 +91,26 @@ def test_publish_refuses_a_variant_whose_serve_check_failed(results, tmp_path):
     with pytest.raises(SpecquantError, match=r"`publish.variants` = 'nvfp4-nocalib': its vLLM serve check failed"):
         publish._refuse_unserved(cfg, rd, "nvfp4-nocalib")
     publish._refuse_unserved(cfg, rd, "bf16")  # a passing variant goes through
+
+
+def test_serve_check_json_is_versioned_and_read_through_its_one_reader(results, tmp_path):
+    """eval/serve_check.json through `pipeline.artifacts.serve_results`: the writer adds format_version, the reader
+    gives back the summary verdict built, reads a file written before the field existed the same way, and refuses
+    another version in one sentence naming the file; `verdict.status_for` reads it (None file: not checked)."""
+    from pipeline.artifacts import serve_results
+
+    s = verdict.summarize(results, _prompts(results), 0.99, 1.05, None, {})
+    path = tmp_path / "eval" / "serve_check.json"
+    assert verdict.status_for(tmp_path, "nvfp4")["checked"] is False and serve_results.read(path) is None
+    serve_results.write(path, s)
+    written = json.loads(path.read_text())
+    assert written["format_version"] == serve_results.FORMAT_VERSION == 1
+    assert serve_results.read(path) == json.loads(json.dumps(s))
+    assert verdict.status_for(tmp_path, "nvfp4") == verdict.variant_status(serve_results.read(path), "nvfp4")
+    assert verdict.status_for(tmp_path, "nvfp4")["checked"] is True
+    path.write_text(json.dumps({k: v for k, v in written.items() if k != "format_version"}))  # before the field
+    assert serve_results.read(path) == json.loads(json.dumps(s))
+    path.write_text(json.dumps({**written, "format_version": 2}))
+    with pytest.raises(SpecquantError) as exc:
+        serve_results.read(path)
+    assert str(exc.value).count(". ") == 0 and str(path) in str(exc.value) and "format_version is 2" in str(exc.value)

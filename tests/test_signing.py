@@ -152,8 +152,8 @@ def test_signed_folder_verifies_and_names_its_key(signed, keys, run_root, capsys
 
 def test_signed_push_downloads_and_verifies(run_root, keys, tmp_path):
     """The signature goes to the Hub with the folder; what is downloaded verifies against it."""
+    from pipeline.provenance.verify import verify_dir
     from pipeline.stages import publish
-    from pipeline.stages.verify import verify_dir
 
     with HubServer(tmp_path / "hub") as hub:
         out = publish.run(push_cfg(run_root, hub.url, f"publish.signing_key={keys['priv']}"))["variants"]["nvfp4"]
@@ -277,7 +277,7 @@ def test_tampered_signed_folder_is_refused_in_one_sentence(case, signed, keys, c
 @pytest.mark.faults("tamper")
 def test_run_dir_verify_checks_each_published_signature(signed, keys, run_root):
     """A run dir verified with a public key checks each published folder's signature: a missing one is named."""
-    from pipeline.stages.verify import verify_dir
+    from pipeline.provenance.verify import verify_dir
 
     assert verify_dir(run_root / "tiny", public_key=keys["pub"]) == []
     (signed / SIG).unlink()

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.models.calibration import block_attention_mask, block_layout
 from pipeline.models.dflash import DFlashDrafter
 from pipeline.models.formats import load_drafter
+from pipeline.models.targets import head_lookup
 from tests._support import REPO
 
 DRAFTER, TARGET = REPO / "assets" / "tiny" / "drafter-dflash2", REPO / "assets" / "tiny" / "target"
@@ -178,7 +179,8 @@ def test_vllms_dflash2_class_drafts_the_same_windowed_block(full, tmp_path):
               tmp_path / "probe.safetensors")
     job = {"kind": "dflash2_load", "name": "windowed", "target": str(TARGET), "drafter": str(out),
            "dtype": "float32", "num_speculative_tokens": bs - 1, "max_model_len": 256,
-           "probe": str(tmp_path / "probe.safetensors"), "probe_out": str(tmp_path / "vllm.safetensors")}
+           "probe": str(tmp_path / "probe.safetensors"), "probe_out": str(tmp_path / "vllm.safetensors"),
+           "target_head": head_lookup(json.loads((TARGET / "config.json").read_text()))}
     (tmp_path / "job.json").write_text(json.dumps(job))
     subprocess.run([VLLM, "-m", "pipeline.serving.worker", str(tmp_path / "job.json"), str(tmp_path / "r.json")],
                    env=serve_check.worker_env(serve_check.probe(VLLM)), cwd=str(REPO), capture_output=True,

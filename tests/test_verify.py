@@ -17,7 +17,7 @@ import pytest
 from pipeline.core.config import compose
 from pipeline.core.io import TMP_PREFIX, read_json
 from pipeline.provenance import record as provenance
-from pipeline.stages import verify
+from pipeline.provenance import verify
 from tests._support import HUB_BASE, REPO, overrides
 
 

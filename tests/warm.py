@@ -51,7 +51,7 @@ PRELOAD = ("torch", "numpy", "safetensors.torch", "transformers", "datasets", "h
            "compressed_tensors", "hydra", "omegaconf", "matplotlib", "tqdm", "pipeline.core.config",
            "pipeline.stages.runner", "pipeline.stages.data", "pipeline.stages.cache", "pipeline.stages.quantize_drafter",
            "pipeline.stages.quantize_target", "pipeline.stages.evaluate", "pipeline.stages.manifest",
-           "pipeline.stages.publish", "pipeline.stages.verify")
+           "pipeline.stages.publish", "pipeline.commands.verify")
 # not `pipeline.__main__` or `tests.faults`: runpy warns when the module it is asked to run is already imported
 
 

@@ -69,13 +69,17 @@ def _restore_dtypes(model: torch.nn.Module, dtypes: dict[str, torch.dtype]) -> N
 
 @torch.no_grad()
 def load_into(model: torch.nn.Module, ckpt_dir: str | Path, *, prepare: Callable | None = None,
-              allow_missing: tuple[str, ...] = BORROWED) -> dict | None:
+              allow_missing: tuple[str, ...] = BORROWED,
+              carried: Callable[[str, object], bool] | None = None) -> dict | None:
     """Load the checkpoint in `ckpt_dir` into the dense `model` (same architecture), in place, as its
     dequantized weights; returns the raw `quantization_config` (None for a dense checkpoint).
 
     `prepare(raw, where) -> QuantizationConfig` may check or adjust the config first (evaluate refuses
     what it cannot emulate and adds the borrowed modules to `ignore`); by default it is validated as
     it is. The tensors are read to the model's device (the host holds no copy of the checkpoint).
+    `carried(name, config) -> bool` names the tensors of parts no transformers class loads (a Qwen3.5
+    checkpoint's MTP head), which are left out; the caller passes the target families' rule
+    (`pipeline.models.targets.carried`: this floor does not import the models).
     Parameters of the modules named in `allow_missing` may be absent from the checkpoint; any other
     missing or unexpected tensor is refused naming the checkpoint."""
     from compressed_tensors.compressors import ModelCompressor
@@ -92,9 +96,7 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | Path, *, prepare: Callable
         compressor = ModelCompressor(quantization_config=q)
         compressor.compress_model(model)  # the packed layout, to receive the checkpoint's tensors
     state = load_tensors(ckpt_dir, next(model.parameters()).device)
-    if getattr(model, "config", None) is not None:
-        from pipeline.models.targets import carried
-
+    if carried is not None and getattr(model, "config", None) is not None:
         # tensors of parts no transformers class loads (a Qwen3.5 checkpoint's MTP head), carried unchanged
         state = {k: v for k, v in state.items() if not carried(k, model.config)}
     result = model.load_state_dict(state, strict=False)

@@ -88,7 +88,9 @@ def load_checkpoint_into(model: torch.nn.Module, ckpt_dir: str | Path, allow_mis
     (`pipeline.artifacts.checkpoint.load_into`, with `_validated` refusing what this stage cannot
     emulate). Returns a summary: which modules are quantized, which input activations are fake-quantized.
     """
-    raw = load_into(model, ckpt_dir, prepare=_validated, allow_missing=allow_missing)
+    from pipeline.models.targets import carried
+
+    raw = load_into(model, ckpt_dir, prepare=_validated, allow_missing=allow_missing, carried=carried)
     modules = quantized_modules(model)
     return {"quantization": describe(raw), "quantized_modules": sorted(modules),
             "activation_quantized_modules": sorted(n for n, v in modules.items() if v["input_activations"])}

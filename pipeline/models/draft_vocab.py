@@ -7,7 +7,7 @@ a row of V with -inf elsewhere, so the drafter never proposes an id outside the 
 
 Kept ids: the N most frequent ids (ties: the lower id first) among the assistant tokens (loss mask 1) of
 a run's calibration blend (`data/samples.jsonl`), as EAGLE-3 and speculators build `d2t`. Pure functions,
-no torch: `bench.draft_vocab` measures the same sets by masking logits, `pipeline.models.convert` writes them.
+no torch: `bench.draft_vocab` measures the same sets by masking logits, `pipeline.commands.convert` writes them.
 """
 
 from __future__ import annotations

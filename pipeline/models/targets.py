@@ -47,6 +47,9 @@ class Family:
     # (text-only class, the image-text wrapper the family ships as): a vLLM that registers only the wrapper
     # (0.26) serves a text-only checkpoint in the wrapper's layout (pipeline.serving.layout)
     served_wrapper: tuple[str, str] | None = None
+    # checkpoint-name prefixes of parts that are never the text decoder (an MTP head, a vision tower): a reader
+    # looking for the embedding or the head by suffix skips them (`head_lookup`)
+    foreign_prefixes: tuple[str, ...] = ()
 
 
 DENSE = Family("dense", ("qwen3", "qwen2", "llama", "mistral"))
@@ -57,7 +60,8 @@ QWEN3_5 = Family(
     # A_log, dt_bias, conv1d and the gated norm are (those are not Linear layers at all)
     dense_linears=(r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$"),
     hybrid=True, unloaded=(r"mtp\..*",),
-    served_wrapper=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"))
+    served_wrapper=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    foreign_prefixes=("mtp.", "model.visual."))
 FAMILIES = (DENSE, QWEN3_5)
 
 
@@ -122,6 +126,15 @@ def tensor_names(config: Any) -> dict[str, str]:
     wrapper."""
     prefix = "model.language_model." if multimodal(config) else "model."
     return {"embed": f"{prefix}embed_tokens.weight", "norm": f"{prefix}norm.weight", "lm_head": "lm_head.weight"}
+
+
+def head_lookup(config: Any) -> dict[str, Any]:
+    """How a reader that cannot import the project (the serve-check worker, in vLLM's interpreter; it gets this
+    in its job file) finds the target's embedding and head: the two names of `tensor_names`, and the prefixes a
+    search by suffix skips (every family's `foreign_prefixes`: the checkpoint may be of any family's layout)."""
+    names = tensor_names(config)
+    return {"embed": names["embed"], "lm_head": names["lm_head"],
+            "skip_prefixes": sorted({p for fam in FAMILIES for p in fam.foreign_prefixes})}
 
 
 def model_class(config: Any):

@@ -57,7 +57,6 @@ LATE_OUTPUTS = ("stages/manifest.json", "stages/publish", "publish/")
 # a run's scratch: stages' temporary folders and the hash memo (`pipeline.core.hashes`, .work/hashes.json);
 # never an output, so never listed either
 SCRATCH = ".work/"
-from pipeline.stages import ORDER as STAGE_ORDER  # noqa: E402 - the one list of stages, in run order
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 SLSA_PREDICATE = "https://slsa.dev/provenance/v1"
@@ -88,10 +87,11 @@ def write_file_list(folder: str | Path, kind: str = "published", origins: dict[s
 
 
 # ---------------------------------------------------------------- stage records
-def load_records(run_dir: Path) -> dict[str, StageRecord]:
-    """{record name: record} for stages/*.json in pipeline order, skipping the manifest's and publish's own
-    records (`pipeline.artifacts.stage_record`, the one reader)."""
-    return stage_record.load_records(run_dir, STAGE_ORDER)
+def load_records(run_dir: Path, order: tuple[str, ...] | list[str]) -> dict[str, StageRecord]:
+    """{record name: record} for stages/*.json in pipeline order (`order`: the stage names in run order, the
+    manifest stage passes `pipeline.stages.ORDER`), skipping the manifest's and publish's own records
+    (`pipeline.artifacts.stage_record`, the one reader)."""
+    return stage_record.load_records(run_dir, order)
 
 
 def commands_doc(records: dict[str, StageRecord]) -> list[dict[str, Any]]:

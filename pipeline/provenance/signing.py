@@ -8,7 +8,7 @@ which then travels inside the bundle with its chain. The signature, `model.sig`,
 around an in-toto statement listing the sha256 of every file in the folder (weights, card, manifests,
 `provenance/` with the run's in-toto statement and the file list), signed offline (no transparency log).
 It is the one file the signature does not cover, and the Hub client's `.cache/huggingface/` metadata
-(written by `hf download --local-dir`) is left out like in `pipeline.stages.verify`.
+(written by `hf download --local-dir`) is left out like in `pipeline.provenance.verify`.
 
 The key is read from its path by model_signing and never copied: only its path (in the stage
 record's resolved config) and its public key's sha256 (the OMS key hint, in the card and the publish

@@ -22,8 +22,9 @@ def load_dequantized(model: torch.nn.Module, ckpt_dir: str | Path) -> torch.nn.M
     """Turn a dense `model` (same architecture) into the checkpoint's dequantized weights, in place
     (`pipeline.artifacts.checkpoint.load_into`, the reloader evaluate uses too)."""
     from pipeline.artifacts.checkpoint import load_into
+    from pipeline.models.targets import carried
 
-    if load_into(model, ckpt_dir) is None:
+    if load_into(model, ckpt_dir, carried=carried) is None:
         raise bad_value("checkpoint", str(ckpt_dir), "its config.json has no quantization_config",
                         "check a checkpoint written by quantize-drafter / quantize-target")
     return model

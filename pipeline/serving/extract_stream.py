@@ -42,7 +42,7 @@ FIELD = "cache.engine"
 
 def check_vllm_engine(cfg, aux: list[int], num_layers: int) -> dict:
     """Before any work: an interpreter with vLLM and a GPU, layer ids vLLM can extract, one process."""
-    from pipeline.stages.serve_check import probe
+    from pipeline.serving.launch import probe
 
     bad = [m for m in aux if not 1 <= m <= num_layers - 1]
     if bad:
@@ -60,9 +60,9 @@ def check_vllm_engine(cfg, aux: list[int], num_layers: int) -> dict:
 
 
 def _worker_env() -> dict:
-    from pipeline.stages.serve_check import _worker_pythonpath
+    from pipeline.serving.launch import worker_pythonpath
 
-    env = {**os.environ, "PYTHONPATH": _worker_pythonpath(), "VLLM_NO_USAGE_STATS": "1",
+    env = {**os.environ, "PYTHONPATH": worker_pythonpath(), "VLLM_NO_USAGE_STATS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core must step on its own (module docstring)
     return env
@@ -74,7 +74,7 @@ class _Worker:
     module = "pipeline.serving.extract"
 
     def __init__(self, python: str, job: dict, scratch: Path, work: Path):
-        from pipeline.stages.serve_check import _repo_root
+        from pipeline.serving.launch import repo_root
 
         self.scratch = scratch
         self.log_path = work / f"{scratch.name}.log"  # kept when the extraction fails
@@ -82,7 +82,7 @@ class _Worker:
         atomic_write_json(job_file, job)
         self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([python, "-m", self.module, str(job_file)], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=_worker_env(), cwd=str(_repo_root()),
+                                     stderr=subprocess.STDOUT, env=_worker_env(), cwd=str(repo_root()),
                                      start_new_session=True)  # Ctrl-C reaches us; we stop the worker ourselves
         self.job_file = job_file
 

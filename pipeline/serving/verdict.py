@@ -492,6 +492,19 @@ def pair_comparison(summary: dict, calibrated_on: dict[str, tuple[str, str]]) ->
     return out
 
 
+def status_for(run_dir, variant: str) -> dict[str, Any]:
+    """What the serve check says about one drafter variant of the run in `run_dir` (for manifests, cards and
+    publish), read from `eval/serve_check.json` through its one reader (`pipeline.artifacts.serve_results`)."""
+    from pathlib import Path
+
+    from pipeline.artifacts import serve_results
+
+    summary = serve_results.read(Path(run_dir) / serve_results.PATH)
+    if summary is None:
+        return {"checked": False, "summary": "not checked in vLLM (run `make vllm-cpu serve-check`, or `make serve-check` on a GPU machine)"}
+    return variant_status(summary, variant)
+
+
 def variant_status(summary: dict, variant: str) -> dict[str, Any]:
     """One drafter variant across the checked targets, in one sentence plus the figures."""
     v = summary.get("versions") or {}

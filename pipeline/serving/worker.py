@@ -34,7 +34,9 @@ speed block is skipped and said so (`speed: {"measured": false, ...}`).
 DFlash2 (`job["kind"] == "dflash2_load"`, `run_dflash2_load`): no engine (vLLM 0.32's V1 runner refuses DFlash2,
 its V2 runner needs Triton): vLLM's own DFlash2 model class built from a real VllmConfig and loaded through the
 engine's loader, its modules and schemes reported, one draft block run through them (`job["probe"]` in,
-`job["probe_out"]` out); `job["meta"]`: built on the meta device at a checkpoint's real shapes, nothing loaded.
+`job["probe_out"]` out, with `job["target_head"]`: where the target's embedding and head are, from the project's
+target families, `pipeline.models.targets.head_lookup`); `job["meta"]`: built on the meta device at a checkpoint's
+real shapes, nothing loaded.
 """
 
 from __future__ import annotations
@@ -642,25 +644,22 @@ def _module_schemes(model, num_target_layers: int) -> dict[str, dict]:
     return out
 
 
-def _target_head(target: str) -> dict:
+def _target_head(target: str, lookup: dict) -> dict:
     """The target's embed_tokens / lm_head tensors (a DFlash drafter borrows both; the engine shares them),
-    under the names its layout stores them (`pipeline.models.targets.tensor_names`: `model.` or a multimodal
-    wrapper's `model.language_model.`)."""
-    import json
-
+    under the names its layout stores them, as the job gives them (`job["target_head"]`, written on the project
+    side by `pipeline.models.targets.head_lookup`: `model.` or a multimodal wrapper's `model.language_model.`,
+    and the prefixes of parts that are never the text decoder's)."""
     from safetensors import safe_open
 
-    from pipeline.models.targets import tensor_names
-
-    names = tensor_names(json.loads((Path(target) / "config.json").read_text(encoding="utf-8")))
-    wanted = {names["embed"]: "embed_tokens", names["lm_head"]: "lm_head"}
+    wanted = {lookup["embed"]: "embed_tokens", lookup["lm_head"]: "lm_head"}
+    skip = tuple(lookup["skip_prefixes"])
     found = {}
     for f in sorted(Path(target).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
                 if k in wanted:
                     found[wanted[k]] = fh.get_tensor(k)
-                elif k.endswith(("embed_tokens.weight", "lm_head.weight")) and not k.startswith(("mtp.", "model.visual.")):
+                elif k.endswith(("embed_tokens.weight", "lm_head.weight")) and not k.startswith(skip):
                     # another prefix (a base model saved alone): by suffix, never the MTP head's or vision tower's
                     found.setdefault("lm_head" if k.endswith("lm_head.weight") else "embed_tokens", fh.get_tensor(k))
     if "lm_head" not in found and "embed_tokens" in found:  # tied head
@@ -766,7 +765,9 @@ def run_dflash2_load(job: dict) -> dict:
 
     lines = _Lines()
     logging.getLogger("vllm").addHandler(lines)
-    result: dict = {"ok": False, "kind": "dflash2_load", "name": job["name"], "job": dict(job)}
+    # the job as given, less the head's lookup (the project's own family facts, not a setting of the load)
+    result: dict = {"ok": False, "kind": "dflash2_load", "name": job["name"],
+                    "job": {k: v for k, v in job.items() if k != "target_head"}}
     t0 = time.perf_counter()
     stage = "config"
     try:
@@ -839,7 +840,7 @@ def run_dflash2_load(job: dict) -> dict:
             result["partly_written"] = partial
             result["load_s"] = round(time.perf_counter() - t0, 3)
             if job.get("probe"):  # the target's embedding and head, as the engine shares them with a DFlash draft
-                head = _target_head(job["target"])
+                head = _target_head(job["target"], job["target_head"])
                 with torch.no_grad():  # rows past the vocabulary are vLLM's padding: zero
                     for key, param in (("embed_tokens", model.model.embed_tokens.weight),
                                        ("lm_head", model.lm_head.weight)):

@@ -22,8 +22,8 @@ from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
 from pipeline.core.secrets import scrub, scrub_obj
 from pipeline.provenance import record as prov
-from pipeline.serving import command
-from pipeline.stages import serve_check
+from pipeline.serving import command, verdict
+from pipeline.stages import ORDER
 
 OWN_OUTPUTS = (manifests.CALIBRATION, manifests.QUANT_RUN, "provenance/")
 
@@ -245,7 +245,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
         "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"],
                     "report": check_report.read_report(rd.root / check_rel).to_json()} if check_rel in tree else None),
         "stage": ({**_stage_summary(name, rec), "result": _untimed(rec.result)} if rec else None),
-        "serving": serve_check.status_for(rd, variant) if kind == "drafter" else None,
+        "serving": verdict.status_for(rd.root, variant) if kind == "drafter" else None,
         # drafters: the vLLM range the checkpoint is written and checked for (quantize-drafter's record,
         # pipeline.serving.contract.Profile.record); null for targets and a drafter no quantize-drafter wrote
         "vllm": res.get("vllm") if kind == "drafter" else None,
@@ -254,7 +254,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
 
 def quant_run_manifest(rd: RunDir, records: dict, tree: dict, inputs: Inputs, calib: dict, cfg,
                        source: dict) -> dict:
-    from pipeline.stages.runner import device_info, git_state, package_versions
+    from pipeline.provenance.environment import device_info, git_state, package_versions
 
     ckpts = [_checkpoint_entry(rd, k, v, records, tree, inputs, calib)
              for k, variants in (("drafter", rd.drafter_variants()), ("target", rd.target_variants()))
@@ -266,7 +266,7 @@ def quant_run_manifest(rd: RunDir, records: dict, tree: dict, inputs: Inputs, ca
             "source": _source_section(source, records),
             "stages": {n: _stage_summary(n, r) for n, r in records.items()},
             "timing": _timing(records),
-            "not_run": [s for s in prov.STAGE_ORDER[:prov.STAGE_ORDER.index("manifest")] if s not in ran]}
+            "not_run": [s for s in ORDER[:ORDER.index("manifest")] if s not in ran]}
 
 
 # ---------------------------------------------------------------- the stage
@@ -275,7 +275,7 @@ def run(cfg) -> dict:
     if not rd.root.is_dir():
         raise bad_value("run_dir", str(rd.root), "the run directory does not exist",
                         "run the earlier stages first (`make data cache quantize-drafter`) or fix run_name/runs_root")
-    records = prov.load_records(rd.root)
+    records = prov.load_records(rd.root, ORDER)
     if not records:
         raise bad_value("run_dir", str(rd.root), "it has no stage records under stages/",
                         "run at least one stage (`make data`) before `make manifest`")

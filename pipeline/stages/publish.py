@@ -39,8 +39,7 @@ from pipeline.core.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine,
 from pipeline.core.secrets import remember, scrub, scrub_obj
 from pipeline.provenance import modelcard, signing
 from pipeline.provenance import record as prov
-from pipeline.serving import command
-from pipeline.stages import serve_check
+from pipeline.serving import command, verdict
 
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")  # weights only from safetensors
@@ -142,7 +141,7 @@ def _sources(rd: RunDir, variant: str) -> dict[str, Path]:
 
 def _refuse_unserved(cfg, rd: RunDir, variant: str) -> None:
     """A variant whose serve check failed is never published; a pushed one must name its target by Hub id."""
-    status = serve_check.status_for(rd, variant)
+    status = verdict.status_for(rd.root, variant)
     if status.get("checked") and not status.get("ok"):
         raise bad_value("publish.variants", variant, f"its vLLM serve check failed ({status['summary']})",
                         "fix the variant and re-run `make serve-check`, or leave it out of publish.variants")
@@ -166,7 +165,7 @@ def _refuse_unserved(cfg, rd: RunDir, variant: str) -> None:
 # ---------------------------------------------------------------- verification
 def _refuse_unless_verified(path: Path, field: str, ignore_prefix: str | None = None,
                             public_key: bytes | None = None) -> None:
-    from pipeline.stages.verify import verify_dir
+    from pipeline.provenance.verify import verify_dir
 
     # the digests of files unchanged since they were hashed are reused (pipeline.core.hashes); `verify` re-reads all
     problems = [p for p in verify_dir(path, public_key=public_key, reuse=True)
@@ -230,7 +229,7 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "acceptance_table": modelcard.acceptance_table(results, variant),
         "calibration_comparison": modelcard.calibration_lines(results, variant),
         "plots": sorted(p.relative_to(folder).as_posix() for p in (folder / "eval").glob("*.png")),
-        "serving": serve_check.status_for(rd, variant),
+        "serving": verdict.status_for(rd.root, variant),
         # the vLLM range the checkpoint is written and checked for: the manifest's copy of the quantize-drafter
         # record's (pipeline.serving.contract.Profile.record), the record's own where the manifest has none
         "vllm": (entry.vllm if entry else None) or (record.result.get("vllm") if record else None),
@@ -496,7 +495,7 @@ def run(cfg) -> dict:
                             "set publish.tag=<letters, digits, '-', '_', '.'>")
         record = {"schema": "specquant.publish_record/v1", "run_name": str(cfg.run_name), "variant": v,
                   "repo_id": repos[v], "endpoint": str(pc.endpoint), "dry_run": bool(pc.dry_run),
-                  "folder": f"publish/{v}", "verifier": "pipeline.stages.verify", "files": files,
+                  "folder": f"publish/{v}", "verifier": "pipeline.commands.verify", "files": files,
                   "files_sha256": listing.files_sha256, "tag": tag,
                   # the key's path may be recorded, never its content
                   "signature": _signature_record(signer) if signer else None}

@@ -247,7 +247,7 @@ def run(cfg) -> dict:
     seed = int(cfg.seed)
     calib_idx, held_idx = cache_batches.split_indices(int(index["num_samples"]), int(q.num_samples),
                                                       int(q.heldout_samples), seed, need_data, FIELD)
-    from pipeline.stages.cache import CacheReader
+    from pipeline.artifacts.cache import CacheReader
 
     # the inputs' sha256 (the drafter's files, the target's weights) for the record: on a thread from the
     # start, beside the work that needs a GPU (hashlib and file reads release the GIL)

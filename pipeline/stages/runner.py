@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as _dt
 import importlib
 import os
-import platform
 import shlex
 import sys
 import time
@@ -18,42 +17,7 @@ from pipeline.artifacts.stage_record import StageRecord, write_record
 from pipeline.core.errors import SpecquantError
 from pipeline.core.io import remove_stale_temps
 from pipeline.core.secrets import scrub, scrub_obj
-
-
-def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("specquant", "torch", "transformers", "llmcompressor", "compressed-tensors", "datasets",
-                "huggingface-hub", "hydra-core", "safetensors", "tokenizers", "accelerate"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
-def git_state() -> dict[str, Any]:
-    """{"commit", "dirty"} of this checkout; the rule for "dirty" is `pipeline.provenance.record.git_state`'s."""
-    from pipeline.provenance.record import git_state as _state
-
-    state = _state()
-    return {"commit": state["commit"], "dirty": state["dirty"]}
-
-
-def device_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
-                            "cpu_count": os.cpu_count()}
-    try:
-        import torch
-
-        info["torch_threads"] = torch.get_num_threads()
-        if torch.cuda.is_available():
-            info["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            info["cuda_version"] = torch.version.cuda
-    except ImportError:
-        pass
-    return info
+from pipeline.provenance.environment import device_info, git_state, package_versions
 
 
 def _rank() -> int:

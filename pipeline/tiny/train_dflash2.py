@@ -137,7 +137,7 @@ def render_readme(report: dict, tau: dict, dflash_tau: dict | None) -> str:
         "| prompt set | mean tau | DFlash drafter | steps | prompts |", "|---|---|---|---|---|", sets, "",
         "Reproduce (prints the same JSON as `tau.json`):", "",
         "```bash",
-        ".venv/bin/python -m pipeline.models.spec_decode --target assets/tiny/target \\",
+        ".venv/bin/python -m pipeline spec-decode --target assets/tiny/target \\",
         f"    --drafter assets/tiny/{OUT} --prompts assets/tiny/eval --max-new-tokens "
         f"{base.EVAL['max_new_tokens']} --block-size {base.BLOCK_SIZE} --check-lossless",
         "```", "",

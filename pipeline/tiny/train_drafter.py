@@ -233,7 +233,7 @@ def render_readme(report: dict, tau: dict, world: str = "assets/tiny", data: str
         "| prompt set | mean tau | steps | prompts |", "|---|---|---|---|", sets, "",
         "Reproduce (prints the same JSON as `tau.json`):", "",
         "```bash",
-        f".venv/bin/python -m pipeline.models.spec_decode --target {world}/target \\",
+        f".venv/bin/python -m pipeline spec-decode --target {world}/target \\",
         f"    --drafter {world}/drafter --prompts {data}/eval --max-new-tokens "
         f"{EVAL['max_new_tokens']} --block-size {BLOCK_SIZE} --check-lossless",
         "```", "",
