@@ -121,7 +121,7 @@ def run(cfg) -> dict:
     baseline = None
     if calibrate.quantizes_activations(q) and q.calibration == "none":
         baseline = calibrate.set_fixed_activation_scales(model, float(q.fixed_activation_amax))
-    scales = calibrate.input_global_scales(model)
+    scales = calibrate.stored_activation_scales(model)
 
     out = rd.target(q.name)
     # under torchrun compressing is collective (every rank compresses its share of modules) and rank 0
