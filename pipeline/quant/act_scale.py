@@ -494,3 +494,28 @@ def search_fp8(model, batches, q) -> dict:
             "objective": "sum over calibration rows of ||(Q_s(x) - x) W^T||^2, inputs with quantization disabled; "
                          "candidates minmax / m; one scale per fused group (q/k/v, gate/up) on the sum of its errors",
             "groups": [g for g in groups if len(g) > 1], "layers": record}
+
+
+def fp8_share_weight_scales(model) -> list[list[str]]:
+    """Per-tensor FP8 weights: each fused group (q/k/v, gate/up) gets its members' largest weight_scale before the
+    weights are compressed, so that vLLM's load-time requantization of the fused Linear to the max() of its
+    shards' scales (0.32.0 layers/quantization/utils/w8a8_utils.py:88-103, `requantize_with_max_scale`) finds
+    every shard already at that scale: the stored FP8 weights are exactly the served ones (no second rounding).
+    Returns the groups changed."""
+    from compressed_tensors.offload import update_offload_parameter
+
+    mods = {}
+    for name, m in model.named_modules():
+        w = getattr(getattr(m, "quantization_scheme", None), "weights", None)
+        if (w is not None and str(getattr(w.strategy, "value", w.strategy)) == "tensor" and int(w.num_bits) == 8
+                and str(getattr(w.type, "value", w.type)) == "float" and isinstance(getattr(m, "weight_scale", None),
+                                                                                   torch.Tensor)):
+            mods[name] = m
+    changed = []
+    for group in fused_groups(model, list(mods)):
+        if len(group) > 1:
+            top = max(float(mods[n].weight_scale.reshape(-1)[0]) for n in group)
+            for n in group:
+                update_offload_parameter(mods[n], "weight_scale", torch.full_like(mods[n].weight_scale, top))
+            changed.append(group)
+    return changed

@@ -131,6 +131,7 @@ def activation_scales(model, q, batches) -> tuple[dict | None, dict | None, dict
         return None, None, {}
     scheme = SCHEMES[q.scheme]
     if not scheme.grouped:  # FP8: static per-tensor input_scale (fp8), or dynamic activations (nothing stored)
+        act_scale.fp8_share_weight_scales(model)  # per-tensor weights: one scale per fused group, as vLLM serves it
         if not scheme.static_activations:
             return None, None, {}
         minmax = input_scales(model)

@@ -35,6 +35,14 @@ _NO_CPU_KERNEL = re.compile(r"Failed to find a kernel that can implement the\s+N
                             r"|MarlinNvFp4LinearKernel", re.S)
 
 
+# vLLM 0.32's CPU build declares `_C::static_scaled_fp8_quant` as a stub (no arguments, no CPU kernel), and loading
+# per-tensor FP8 weights into a fused Linear (gate_up_proj, qkv_proj) always requantizes every shard at the max() of
+# their weight scales through it (layers/quantization/utils/fp8_utils.py:1472 -> utils/w8a8_utils.py:103): a
+# static FP8 checkpoint (quant=fp8, fp8-minmax) cannot load there; per-channel (fp8-dynamic) and block (fp8-block)
+# FP8 weights take no such step and load
+_NO_CPU_STATIC_FP8 = re.compile(r"_C::static_scaled_fp8_quant\(\) expected at most 0 argument")
+
+
 def unsupported_on(result: dict) -> str | None:
     """Why a pair that failed cannot load on this engine's platform at all (no kernel for its scheme there),
     in words; None for a real failure. Only the CPU build has such gaps the check expects."""
@@ -45,6 +53,10 @@ def unsupported_on(result: dict) -> str | None:
         return ("not loadable on the CPU build: vLLM has no NVFP4 kernel for the CPU platform"
                 + (" (weight-only NVFP4 goes to Marlin, GPU only)" if result.get("nvfp4_emulation") else
                    " (serve.cpu_nvfp4_emulation=false)"))
+    if _NO_CPU_STATIC_FP8.search(text):
+        return ("not loadable on the CPU build: its _C::static_scaled_fp8_quant is a stub with no CPU kernel, and "
+                "vLLM calls it to requantize the shards of a fused per-tensor FP8 Linear (gate_up_proj) at one scale "
+                "while loading (layers/quantization/utils/w8a8_utils.py:103)")
     return None
 
 
