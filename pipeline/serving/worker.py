@@ -145,7 +145,8 @@ def _layer_kernels(worker) -> list[dict]:
             if scheme is None or id(m) in layers_seen:  # a root nested in another is walked once
                 continue
             layers_seen.add(id(m))
-            kernel = getattr(scheme, "kernel", None)
+            # FP8 W8A8 (CompressedTensorsW8A8Fp8) keeps its kernel as `fp8_linear`
+            kernel = getattr(scheme, "kernel", None) or getattr(scheme, "fp8_linear", None)
             out.append({"root": root, "name": name, "scheme": type(scheme).__name__,
                         "kernel": type(kernel).__name__ if kernel is not None else None})
     return out
