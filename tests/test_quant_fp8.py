@@ -119,3 +119,10 @@ def test_refusals_name_the_field_before_anything_is_written(fixture_world, tmp_p
         assert "quant.scheme" in _refused(root, "quant=fp8-block")
     assert not (root / "qw" / "drafter").exists() or not any(
         (root / "qw" / "drafter" / v).exists() for v in ("fp8", "fp8-dynamic", "fp8-block"))
+
+
+def test_unknown_kv_cache_dtype_is_refused_in_one_sentence(tmp_path):
+    rc, out, err = _support.run_main("serve-check", f"runs_root={tmp_path}", "serve.kv_cache_dtype=fp16x")
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert "serve.kv_cache_dtype" in err and "fp16x" in err and "auto or fp8" in err
+    assert not any(tmp_path.iterdir())

@@ -5,7 +5,8 @@ The embedded tiny world's drafter quantized by the real stage as `fp8-dynamic` (
 per-token activations) and `fp8` (per-tensor weights, static activation scales): vLLM 0.32's CPU build builds
 every quantized draft Linear as CompressedTensorsW8A8Fp8 and serves fp8-dynamic losslessly; `fp8` does not load
 there (the build's `_C::static_scaled_fp8_quant` is a stub, which loading a fused per-tensor FP8 layer calls), and
-the verdict says so, naming the op, instead of failing the checkpoint. Timing is never asserted.
+the verdict says so, naming the op, instead of failing the checkpoint. With serve.kv_cache_dtype=fp8 the
+fp8-dynamic pair is lossless against the target alone under the same E4M3 KV cache. Timing is never asserted.
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ def test_cpu_build_serves_fp8_dynamic_losslessly_and_names_why_static_fp8_cannot
     monkeypatch.setattr(sc, "_drafters", lambda cfg, rd: {q: run / "drafter" / q for q in ("fp8-dynamic", "fp8")})
     jobs = sc.build_jobs(cfg, None, info, prompts, stop)
     assert [j["name"] for j in jobs] == ["bf16--target-only", "bf16--fp8-dynamic", "bf16--fp8"]
-    alone, dynamic, static = sc.run_jobs(VLLM, jobs, tmp_path / "jobs", 1, sc.worker_env(info))
+    assert {j["kv_cache_dtype"] for j in jobs} == {"auto"}
+    # serve.kv_cache_dtype=fp8: the same target alone and the fp8-dynamic pair with an E4M3 KV cache
+    kv = sc.build_jobs(compose([*ov, "serve.kv_cache_dtype=fp8"]), None, info, prompts, stop)[:2]
+    kv = [{**j, "name": j["name"] + "--kv-fp8"} for j in kv]
+    assert {j["kv_cache_dtype"] for j in kv} == {"fp8"}
+    alone, dynamic, static, kv_alone, kv_dynamic = sc.run_jobs(VLLM, jobs + kv, tmp_path / "jobs", 1,
+                                                               sc.worker_env(info))
     assert alone["ok"] and dynamic["ok"], (alone.get("error"), dynamic.get("error"))
     # every quantized draft Linear (o_proj, gate_up_proj, down_proj, fc) is vLLM's FP8 W8A8 scheme
     drafter = [x for x in dynamic["layers"] if x["root"] != "model"]
@@ -50,6 +57,11 @@ def test_cpu_build_serves_fp8_dynamic_losslessly_and_names_why_static_fp8_cannot
     for name, sub in dynamic["subsets"].items():
         assert sub["outputs"] == alone["subsets"][name]["outputs"], name
     assert sum(s["accepted"] for s in dynamic["subsets"].values()) > 0
+    # under an fp8 KV cache the pair is lossless against the target alone under the same cache, and drafts
+    assert kv_alone["ok"] and kv_dynamic["ok"], (kv_alone.get("error"), kv_dynamic.get("error"))
+    for name, sub in kv_dynamic["subsets"].items():
+        assert sub["outputs"] == kv_alone["subsets"][name]["outputs"], name
+    assert sum(s["accepted"] for s in kv_dynamic["subsets"].values()) > 0
     assert not static["ok"]
     why = verdict.unsupported_on(static)
     assert why and "static_scaled_fp8_quant" in why and "not loadable on the CPU build" in why, static.get("error")

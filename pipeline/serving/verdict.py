@@ -389,6 +389,13 @@ def _fmt(x) -> str:
     return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
 
+def _kv_words(summary: dict) -> str:
+    """The KV cache dtype the engines ran with (serve.kv_cache_dtype), when it is not the model dtype."""
+    kv = str((summary.get("settings") or {}).get("kv_cache_dtype") or "auto")
+    return "" if kv == "auto" else (f" KV cache dtype `{kv}` (serve.kv_cache_dtype) for the target and the draft in "
+                                    "every engine: tau and lossless above are measured under it.")
+
+
 def render(summary: dict) -> str:
     v = summary.get("versions") or {}
     where = (f"vLLM {v.get('vllm')} CPU build, torch {v.get('torch')}, {v.get('cpu')} (loading, lossless decoding "
@@ -398,7 +405,8 @@ def render(summary: dict) -> str:
     lines = ["## Served by vLLM (serve-check)", "",
              f"{where}; greedy, the evaluate stage's prompts; lossless = outputs equal the same "
              "target served alone; tau = 1 + accepted / drafts from vLLM's spec-decode counters. "
-             "`ref` is the reference loop's tau (eval/results.json) for the same drafter and target.", ""]
+             "`ref` is the reference loop's tau (eval/results.json) for the same drafter and target."
+             + _kv_words(summary), ""]
     subsets = sorted({s for p in summary["pairs"].values() for s in (p.get("tau") or {}) if s != "all"})
     head = ["target", "drafter", "drafter kernel", "loads", "lossless", "= bf16 drafter"] + [f"tau {s}" for s in subsets] + \
         ["tau all", "ref all", "vLLM - ref", "verdict"]

@@ -504,6 +504,8 @@ def run_job(job: dict) -> dict:
                       enforce_eager=bool(job.get("enforce_eager", True)), max_model_len=int(job["max_model_len"]),
                       kv_cache_memory_bytes=int(job.get("kv_cache_memory_bytes", 1 << 30)), disable_log_stats=False,
                       seed=int(job.get("seed", 0)), dtype=job.get("dtype", "auto"), enable_prefix_caching=False)
+        if job.get("kv_cache_dtype", "auto") != "auto":  # serve.kv_cache_dtype (fp8: E4M3 target and draft KV)
+            kwargs["kv_cache_dtype"] = str(job["kv_cache_dtype"])
         if platform != "cpu":  # the CPU build picks its own attention backend and has no GPU memory to share
             kwargs["attention_backend"] = job.get("attention_backend", "FLASH_ATTN")
             if job.get("gpu_memory_utilization"):
