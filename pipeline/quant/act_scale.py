@@ -227,7 +227,7 @@ def run_hooked(model, modules: dict[str, torch.nn.Module], layers: dict[str, Lay
             h.remove()
 
 
-def fused_groups(model, names: list[str]) -> list[list[str]]:
+def fused_groups(model, names: list[str], extra: tuple = ()) -> list[list[str]]:
     """The layers that must share one input_global_scale, in module order.
 
     vLLM serves q/k/v and gate/up as one fused Linear with one activation global scale (it keeps
@@ -238,7 +238,7 @@ def fused_groups(model, names: list[str]) -> list[list[str]]:
 
     wanted, group_of = set(names), {}
     for parent, module in model.named_modules():
-        for fusion in FUSED_LAYER_NAMES:
+        for fusion in list(FUSED_LAYER_NAMES) + list(extra):
             if all(hasattr(module, n) for n in fusion):
                 members = [f"{parent}.{n}" if parent else n for n in fusion]
                 members = [m for m in members if m in wanted]
@@ -439,8 +439,13 @@ def fp8_candidates(minmax: float, multipliers) -> list[tuple[str, float]]:
     return out
 
 
+# a hybrid (Gated DeltaNet) target's projections vLLM fuses beyond llm-compressor's list: in_proj_qkv + in_proj_z
+# -> in_proj_qkvz, in_proj_b + in_proj_a -> in_proj_ba (docs/hybrid.md; the gates stay dense in every preset)
+FP8_EXTRA_FUSED = (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"))
+
+
 def _fp8_groups(model, modules) -> list[list[str]]:
-    return fused_groups(model, list(modules))
+    return fused_groups(model, list(modules), FP8_EXTRA_FUSED)
 
 
 def _set_input_scale(module, value: float) -> None:
@@ -512,7 +517,7 @@ def fp8_share_weight_scales(model) -> list[list[str]]:
                                                                                    torch.Tensor)):
             mods[name] = m
     changed = []
-    for group in fused_groups(model, list(mods)):
+    for group in _fp8_groups(model, mods):
         if len(group) > 1:
             top = max(float(mods[n].weight_scale.reshape(-1)[0]) for n in group)
             for n in group:
