@@ -25,7 +25,9 @@ TARGET_QUANTS ?= fp8
 # the served pairs: the quantized targets whose hidden states are cached too, and the drafter recipes
 # calibrated on each of them as well (variants <quant>-on-<target>); PAIR_TARGET= (empty) skips the pairs
 PAIR_TARGET ?= w4a16 fp8
-PAIR_QUANTS ?= w4a16-gptq w4a16-imatrix fp8
+PAIR_QUANTS ?= w4a16-gptq w4a16-imatrix
+# a pair target's own recipes (PAIR_QUANTS_<target>), else PAIR_QUANTS: the FP8 target pairs the FP8 drafter
+PAIR_QUANTS_fp8 ?= fp8
 # the DFlash2 drafter's variants (bf16 always): a run of its own (experiment=tiny-dflash2) after the DFlash one, when
 # ARGS names no other experiment; DFLASH2_QUANTS= (empty) skips it
 DFLASH2_QUANTS ?= nvfp4 w4a16 w4a16-gptq fp8 fp8-dynamic fp8-block
@@ -96,7 +98,7 @@ publish: setup
 
 # run the tiny pipeline twice from scratch and compare every output's sha256 (tests/repro.py)
 repro-check: setup
-	$(PYTHON) -m tests.repro --quants "$(DRAFTER_QUANTS)" --target-quants "$(TARGET_QUANTS)" --pair-target "$(PAIR_TARGET)" --pair-quants "$(PAIR_QUANTS)" $(ARGS)
+	$(PYTHON) -m tests.repro --quants "$(DRAFTER_QUANTS)" --target-quants "$(TARGET_QUANTS)" --pair-target "$(PAIR_TARGET)" --pair-quants "$(PAIR_QUANTS) $(foreach t,$(PAIR_TARGET),$(addprefix $(t):,$(PAIR_QUANTS_$(t))))" $(ARGS)
 
 verify: setup
 	$(PYTHON) -m pipeline verify $(if $(RUN),$(RUN),$$($(PYTHON) -m pipeline run-dir $(ARGS)))
@@ -134,8 +136,8 @@ endif
 
 _all-quantize-drafter:
 	@for q in $(DRAFTER_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q $(ARGS)" || exit 1; done
-	@for t in $(PAIR_TARGET); do for q in $(PAIR_QUANTS); do \
-	  $(MAKE) quantize-drafter ARGS="quant=$$q quant.calibration_target=$$t $(ARGS)" || exit 1; done; done
+	@true $(foreach t,$(PAIR_TARGET),$(foreach q,$(or $(PAIR_QUANTS_$(t)),$(PAIR_QUANTS)),; \
+	  $(MAKE) quantize-drafter ARGS="quant=$(q) quant.calibration_target=$(t) $(ARGS)" || exit 1))
 
 _all-serve-check:
 	@py=$(SERVE_PY); if [ -n "$$py" ]; then $(MAKE) serve-check ARGS="$(ARGS)" SERVE_PYTHON="$$py"; else \

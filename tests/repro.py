@@ -142,10 +142,17 @@ def steps(stages: list[str], quants: list[str], pair_target: str, pair_quants: l
     (space-separated, Makefile PAIR_TARGET), `target_quants` the targets written after the default one."""
     out = []
     pairs = str(pair_target or "").split()
+    # `<target>:<quant>` entries are that target's own recipes (Makefile PAIR_QUANTS_<target>); the plain ones
+    # serve every pair target without its own
+    own: dict[str, list[str]] = {}
+    for q in pair_quants:
+        if ":" in q:
+            own.setdefault(q.split(":", 1)[0], []).append(q.split(":", 1)[1])
+    plain = [q for q in pair_quants if ":" not in q]
     for stage in stages:
         if stage == "quantize-drafter":
             out += [(stage, [f"quant={q}"]) for q in quants]
-            out += [(stage, [f"quant={q}", f"quant.calibration_target={t}"]) for t in pairs for q in pair_quants]
+            out += [(stage, [f"quant={q}", f"quant.calibration_target={t}"]) for t in pairs for q in own.get(t, plain)]
         elif stage == "quantize-target":
             out += [(stage, [])] + [(stage, [f"target_quant={t}"]) for t in target_quants or []]
         elif stage == "cache-pair":
@@ -313,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-quants", default="fp8", help="quantized targets written after the default one")
     ap.add_argument("--pair-target", default="w4a16 fp8",
                     help="quantized targets whose states are cached too, space-separated ('' = none)")
-    ap.add_argument("--pair-quants", default="w4a16-gptq w4a16-imatrix fp8",
-                    help="drafter variants also calibrated on each pair target's states")
+    ap.add_argument("--pair-quants", default="w4a16-gptq w4a16-imatrix fp8:fp8",
+                    help="drafter variants also calibrated on each pair target's states (<target>:<quant> = only "
+                         "on that target, which then takes no plain entry)")
     ap.add_argument("--stages", default=" ".join(STAGES), help="stages to run, in order")
     ap.add_argument("--reference", default=str(prov.REPO_ROOT / "manifests" / "tiny"))
     ap.add_argument("--update-reference", action="store_true", help="write the reference from the first run")
