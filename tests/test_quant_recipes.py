@@ -122,6 +122,22 @@ EXPECTED = {
     "nvfp4a16": (_NVFP4_WEIGHTS, None),
     "w4a16": (dict(num_bits=4, type="int", symmetric=True, group_size=128, strategy="group", block_structure=None,
                    dynamic=False, actorder=None, scale_dtype=None, zp_dtype=torch.int8), None),
+    # FP8 E4M3 W8A8 (issue 45): per-tensor / per-channel / 128x128-block weights
+    "fp8": (dict(num_bits=8, type="float", symmetric=True, group_size=None, strategy="tensor", block_structure=None,
+                 dynamic=False, actorder=None, scale_dtype=None, zp_dtype=_FP8),
+            dict(num_bits=8, type="float", symmetric=True, group_size=None, strategy="tensor", block_structure=None,
+                 dynamic=False, actorder=None, scale_dtype=None, zp_dtype=_FP8, observer="static_minmax",
+                 observer_kwargs={})),
+    "fp8-dynamic": (dict(num_bits=8, type="float", symmetric=True, group_size=None, strategy="channel",
+                         block_structure=None, dynamic=False, actorder=None, scale_dtype=None, zp_dtype=_FP8),
+                    dict(num_bits=8, type="float", symmetric=True, group_size=None, strategy="token",
+                         block_structure=None, dynamic=True, actorder=None, scale_dtype=None, zp_dtype=_FP8,
+                         observer=None, observer_kwargs={})),
+    "fp8-block": (dict(num_bits=8, type="float", symmetric=True, group_size=None, strategy="block",
+                       block_structure=[128, 128], dynamic=False, actorder=None, scale_dtype=None, zp_dtype=_FP8),
+                  dict(num_bits=8, type="float", symmetric=True, group_size=128, strategy="group",
+                       block_structure=None, dynamic=True, actorder=None, scale_dtype=None, zp_dtype=_FP8,
+                       observer=None, observer_kwargs={})),
 }
 
 

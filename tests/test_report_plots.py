@@ -56,7 +56,7 @@ def results() -> dict:
 
 def test_the_ship_rule_picks_per_gpu_and_target_from_the_numbers():
     got = {(r["gpu"].split(" ")[0], r["target"]): r for r in report.recommend(results())}
-    # Hopper/Ampere: weight-only candidates only (vLLM serves NVFP4 weight-only there)
+    # Hopper/Ada and Ampere: weight-only 4-bit candidates only (vLLM serves NVFP4 weight-only there)
     assert (got[("Hopper", "bf16")]["ship"], got[("Hopper", "bf16")]["ties"]) == ("w4a16", ["nvfp4a16-gptq"])
     assert got[("Hopper", "w4a16")]["ship"] == "nvfp4a16-gptq"
     assert got[("Blackwell", "w4a16")]["ship"] == "nvfp4a16-gptq"
@@ -76,7 +76,8 @@ def test_the_ship_rule_picks_per_gpu_and_target_from_the_numbers():
 def test_the_report_says_which_variant_to_ship_with_its_rule():
     text = "\n".join(report.recommendation_section(results()))
     assert text.startswith("## Which variant to ship") and report.ship_rule() in text
-    assert "| Hopper / Ampere (sm 80-90) | bf16 | **`w4a16`** | 3.897 | +0.7% |" in text
+    assert "| Hopper / Ada (sm 89-90, FP8 tensor cores) | bf16 | **`w4a16`** | 3.897 | +0.7% |" in text
+    assert "| Ampere (sm 80-86) | bf16 | **`w4a16`** | 3.897 | +0.7% |" in text
 
 
 @pytest.mark.parametrize("fn,name", [(plots.tau_bars, "tau_per_subset.png"),
@@ -100,3 +101,19 @@ def test_tau_plot_zooms_on_the_differences(monkeypatch, tmp_path):
     plots.tau_bars(results(), tmp_path / "t.png")
     lo, hi = seen["xlim"]
     assert -8 < lo < -5.2 and 1 < hi < 4  # code -5.2% .. +1.1%, in percent
+
+
+def test_hopper_and_ada_ship_an_fp8_drafter_within_the_tie_band_and_ampere_never_does():
+    r = results()
+    for row in r["pairs"]["matrix"].values():  # an FP8 drafter 0.5% under the best bf16-target candidate
+        row["fp8-dynamic"] = copy.deepcopy(row["w4a16"])
+        row["fp8-dynamic"]["overall"]["tau"] = round(row["w4a16"]["overall"]["tau"] * 0.995, 3)
+    r["variants"]["fp8-dynamic"] = {**copy.deepcopy(r["variants"]["w4a16"]), "scheme": "fp8-dynamic"}
+    got = {(x["gpu"].split(" ")[0], x["target"]): x for x in report.recommend(r)}
+    assert got[("Hopper", "bf16")]["ship"] == "fp8-dynamic" and "w4a16" in got[("Hopper", "bf16")]["ties"]
+    assert got[("Ampere", "bf16")]["ship"] == "w4a16" and "fp8-dynamic" not in got[("Ampere", "bf16")]["ties"]
+    assert got[("Blackwell", "bf16")]["ship"] == "w4a16" and "fp8-dynamic" in got[("Blackwell", "bf16")]["ties"]
+    # outside the band (2% under) the FP8 drafter is not shipped on Hopper either
+    r["pairs"]["matrix"]["bf16"]["fp8-dynamic"]["overall"]["tau"] = round(3.897 * 0.98, 3)
+    hopper = next(x for x in report.recommend(r) if x["gpu"].startswith("Hopper") and x["target"] == "bf16")
+    assert hopper["ship"] == "w4a16" and "fp8-dynamic" not in hopper["ties"]

@@ -201,6 +201,9 @@ class ServeConfig:
     variants: list[str] = field(default_factory=list)  # drafter variants; empty = every one of the run
     parallel: int | None = None  # engines (worker processes) at once; null = 4 on a GPU, 1 on the CPU build
     kv_cache_memory_bytes: int = 1 << 30  # fixed KV budget per engine (skips profiling; engines share the GPU)
+    # vLLM's kv_cache_dtype for every engine (target and draft KV): auto (the model dtype) | fp8 (E4M3, scales 1.0
+    # unless the checkpoint has some); recorded in serve_check.json and the report beside tau and lossless
+    kv_cache_dtype: str = "auto"
     # vLLM still checks at start-up that this fraction of the GPU is free: None = 0.9 / parallel
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None  # None = longest prompt + eval.max_new_tokens + 64

@@ -30,7 +30,24 @@ def calibration_pairs(results: dict) -> list[tuple[str, str]]:
         for w, e in info.items():
             if e.get("scheme") == d["scheme"] and e.get("calibration") == "cache":
                 pairs.append((w, v))
-    return sorted(pairs)
+    return sorted(pairs + fp8_pairs(info))
+
+
+# FP8 (issue 45): static per-tensor activation scales are calibrated (fp8: the search, fp8-minmax: plain minmax);
+# the data-free twin is fp8-dynamic (per-token scales at run time), a scheme of its own
+FP8_STATIC, FP8_DYNAMIC = "fp8", "fp8-dynamic"
+
+
+def fp8_pairs(info: dict) -> list[tuple[str, str]]:
+    """(calibrated, baseline) FP8 pairs on the bf16 target's states: each static variant vs the data-free dynamic
+    one, and the searched scales vs plain minmax (`activation_scale` mse vs minmax)."""
+    own = {v: d for v, d in info.items() if "-on-" not in v}  # drafters calibrated on another target: not paired
+    static = [v for v, d in own.items() if d.get("scheme") == FP8_STATIC and d.get("calibration") == "cache"]
+    dynamic = [v for v, d in own.items() if d.get("scheme") == FP8_DYNAMIC and d.get("calibration") == "none"]
+    pairs = [(v, w) for v in static for w in dynamic]
+    pairs += [(v, w) for v in static for w in static
+              if own[v].get("activation_scale") == "mse" and own[w].get("activation_scale") == "minmax"]
+    return pairs
 
 
 def _tau_table(results: dict) -> list[str]:
@@ -156,12 +173,18 @@ def pair_matrix_section(results: dict) -> list[str]:
 # "which variant should I ship?": a rule a user can read, applied to this run's numbers
 SHIP_MIN_TAU_RATIO = 0.95  # a candidate keeps at least this share of the bf16 drafter's tau with the same target
 SHIP_TIE = 0.01  # candidates within 1% of the best tau are named together (60-prompt runs resolve ~1-2%)
+FP8_SCHEMES = ("fp8", "fp8-dynamic", "fp8-block")  # W8A8 E4M3 (vLLM CompressedTensorsW8A8Fp8, sm 89+)
+# (GPU generation, candidate schemes, why, FP8 first: an FP8 candidate within SHIP_TIE of the best is shipped)
 GPU_GENERATIONS = (
-    ("Blackwell (sm 100+, FP4 tensor cores)", ("nvfp4", "nvfp4a16", "w4a16"),
-     "NVFP4 runs natively there, W4A4 included"),
-    ("Hopper / Ampere (sm 80-90)", ("nvfp4a16", "w4a16"),
+    ("Blackwell (sm 100+, FP4 and FP8 tensor cores)", ("nvfp4", "nvfp4a16", "w4a16") + FP8_SCHEMES,
+     "NVFP4 runs natively there, W4A4 included, and FP8 W8A8 too", False),
+    ("Hopper / Ada (sm 89-90, FP8 tensor cores)", ("nvfp4a16", "w4a16") + FP8_SCHEMES,
+     "FP8 W8A8 is the format their tensor cores run, so an FP8 variant within 1% of the best is shipped first; "
      "vLLM serves every NVFP4 checkpoint weight-only there (Marlin), so a W4A4 variant's calibrated activation "
-     "scales never reach it: only weight-only variants are candidates"),
+     "scales never reach it: of the 4-bit variants only weight-only ones are candidates", True),
+    ("Ampere (sm 80-86)", ("nvfp4a16", "w4a16"),
+     "no FP8 or FP4 tensor cores: vLLM serves FP8 and NVFP4 checkpoints weight-only there (Marlin), so only the "
+     "weight-only 4-bit variants are candidates", False),
 )
 
 
@@ -171,7 +194,9 @@ def ship_rule() -> str:
             f"prompt), and it keeps at least {SHIP_MIN_TAU_RATIO:.0%} of the `bf16` drafter's τ (all prompts) with "
             f"that target. Ship the candidate with the highest τ; candidates within {SHIP_TIE:.0%} of it are named "
             f"too (a tie at this run's prompt count: choose the data-free one, which needs no calibration run, or "
-            f"the one your serving stack already uses).")
+            f"the one your serving stack already uses). On Hopper / Ada, whose tensor cores run FP8, an FP8 "
+            f"candidate (fp8, fp8-dynamic, fp8-block) within {SHIP_TIE:.0%} of the best τ is shipped instead "
+            f"(the best such one); FP8 is no candidate on Ampere, which serves it weight-only.")
 
 
 def recommend(results: dict) -> list[dict]:
@@ -181,7 +206,7 @@ def recommend(results: dict) -> list[dict]:
     if not matrix:
         matrix = {results["target"]["variant"]: results["variants"]}
     out = []
-    for gpu, schemes, note in GPU_GENERATIONS:
+    for gpu, schemes, note, fp8_first in GPU_GENERATIONS:
         for t, row in matrix.items():
             ref = (row.get(REFERENCE) or {}).get("overall", {}).get("tau")
             cands = []
@@ -199,7 +224,14 @@ def recommend(results: dict) -> list[dict]:
                             "why": note})
                 continue
             best_tau, best = cands[0]
-            ties = [v for tau, v in cands[1:] if tau >= (1 - SHIP_TIE) * best_tau]
+            if fp8_first:  # the best FP8 candidate within the tie band of the best one goes first
+                fp8 = [(tau, v) for tau, v in cands if (results["variants"].get(v) or {}).get("scheme") in FP8_SCHEMES
+                       and tau >= (1 - SHIP_TIE) * best_tau]
+                if fp8:
+                    cands = fp8[:1] + [c for c in cands if c != fp8[0]]
+                    best_tau, best = cands[0]
+            top = max(tau for tau, _ in cands)
+            ties = [v for tau, v in cands[1:] if tau >= (1 - SHIP_TIE) * top]
             out.append({"gpu": gpu, "target": t, "ship": best, "ties": ties, "tau": best_tau,
                         "ratio": best_tau / ref if ref else None, "why": note})
     return out

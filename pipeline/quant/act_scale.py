@@ -145,8 +145,9 @@ class LayerError:
     and `energy` read them back once the forward is done.
     """
 
-    def __init__(self, weight: torch.Tensor, args, scales: list[tuple[str, float]]):
+    def __init__(self, weight: torch.Tensor, args, scales: list[tuple[str, float]], many=None):
         self.weight, self.args = weight.detach(), args
+        self.many = many or qdq_many  # candidates' QDQ in one call: NVFP4 global scales, or FP8 static scales
         self.labels = [label for label, _ in scales]
         self.scales = [value for _, value in scales]
         self._sums: torch.Tensor | None = None  # [energy, error of each candidate]
@@ -177,7 +178,7 @@ class LayerError:
                 hi = min(len(self.scales), lo + per)
                 # all candidates' QDQ in one call; each candidate's error is then the same product and sum
                 # as one at a time (same shapes, same order), so the sums are the same floats
-                diff = qdq_many(chunk, self.args, gs[lo:hi]) - chunk
+                diff = self.many(chunk, self.args, gs[lo:hi]) - chunk
                 self._sums[1 + lo:1 + hi] += torch.stack([(diff[i] @ w.T).double().square().sum()
                                                           for i in range(hi - lo)])
                 del diff
@@ -226,7 +227,7 @@ def run_hooked(model, modules: dict[str, torch.nn.Module], layers: dict[str, Lay
             h.remove()
 
 
-def fused_groups(model, names: list[str]) -> list[list[str]]:
+def fused_groups(model, names: list[str], extra: tuple = ()) -> list[list[str]]:
     """The layers that must share one input_global_scale, in module order.
 
     vLLM serves q/k/v and gate/up as one fused Linear with one activation global scale (it keeps
@@ -237,7 +238,7 @@ def fused_groups(model, names: list[str]) -> list[list[str]]:
 
     wanted, group_of = set(names), {}
     for parent, module in model.named_modules():
-        for fusion in FUSED_LAYER_NAMES:
+        for fusion in list(FUSED_LAYER_NAMES) + list(extra):
             if all(hasattr(module, n) for n in fusion):
                 members = [f"{parent}.{n}" if parent else n for n in fusion]
                 members = [m for m in members if m in wanted]
@@ -390,3 +391,136 @@ def plot(search_record: dict | None, heldout: dict | None, title: str, path) -> 
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     save_png(fig, path, dpi=100)
+
+
+# --- FP8 static per-tensor activations (quant.scheme=fp8) ----------------------------------------------------
+# FP8 W8A8 with a static activation scale stores `input_scale` = absmax / 448 per Linear (llm-compressor's
+# static_minmax over every calibration batch): values are divided by it, clamped to +-448 and rounded to E4M3
+# (compressed-tensors' _quantize; vLLM's static fp8 quant does the same). `activation_scale: mse` picks, per
+# Linear (per fused group: vLLM serves q/k/v and gate/up at the max() of their shards' input_scale,
+# 0.26.0 / 0.32.0 layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py
+# process_weights_after_loading), the candidate with the least E(s) = sum ||(Q_s(x) - x) W^T||^2 among the
+# minmax scale and minmax / m for each multiplier m (m > 1: a tighter range that clips the rarest outliers, as
+# a larger NVFP4 global scale does); ties go to minmax. `activation_scale: minmax` writes each fused group's
+# largest minmax scale to every member (what vLLM would serve anyway), so the stored scales are the served ones.
+
+
+def fp8_static_quantized(model) -> dict[str, torch.nn.Module]:
+    """name -> Linear whose scheme quantizes its input with a static per-tensor FP8 scale (`input_scale`)."""
+    out = {}
+    for name, m in model.named_modules():
+        acts = getattr(getattr(m, "quantization_scheme", None), "input_activations", None)
+        if (acts is not None and not acts.dynamic and str(getattr(acts.type, "value", acts.type)) == "float"
+                and int(acts.num_bits) == 8 and isinstance(getattr(m, "input_scale", None), torch.Tensor)):
+            out[name] = m
+    return out
+
+
+def fp8_qdq_many(x: torch.Tensor, args, scales: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' static per-tensor FP8 quantize-dequantize of `x` at each of C scales: [C, *x.shape]
+    (elementwise, so row c equals fake_quantize(x, scale c) bit for bit)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    c = scales.numel()
+    xs = x.unsqueeze(0).expand(c, *x.shape)
+    s = scales.reshape(c, *([1] * x.dim())).to(x.dtype)
+    return fake_quantize(xs, s, torch.zeros_like(s), args)
+
+
+def fp8_candidates(minmax: float, multipliers) -> list[tuple[str, float]]:
+    """(label, input_scale): minmax first, then minmax / m for each multiplier where that gives a new value."""
+    out = [("minmax", _f32(minmax))]
+    seen = {out[0][1]}
+    for m in multipliers:
+        v = _f32(minmax / float(m))
+        if v not in seen and v > 0 and math.isfinite(v):
+            seen.add(v)
+            out.append((f"minmax*{float(m):g}", v))
+    return out
+
+
+# a hybrid (Gated DeltaNet) target's projections vLLM fuses beyond llm-compressor's list: in_proj_qkv + in_proj_z
+# -> in_proj_qkvz, in_proj_b + in_proj_a -> in_proj_ba (docs/hybrid.md; the gates stay dense in every preset)
+FP8_EXTRA_FUSED = (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"))
+
+
+def _fp8_groups(model, modules) -> list[list[str]]:
+    return fused_groups(model, list(modules), FP8_EXTRA_FUSED)
+
+
+def _set_input_scale(module, value: float) -> None:
+    from compressed_tensors.offload import update_offload_parameter
+
+    old = module.input_scale
+    update_offload_parameter(module, "input_scale", torch.full_like(old, value))
+
+
+def fp8_share_fused(model) -> dict:
+    """activation_scale=minmax for FP8: each fused group (q/k/v, gate/up) gets its members' largest minmax
+    input_scale, the one vLLM serves the fused Linear at; returns the record (groups and scales)."""
+    modules = fp8_static_quantized(model)
+    groups = _fp8_groups(model, modules)
+    for group in groups:
+        if len(group) > 1:
+            top = max(float(modules[n].input_scale.reshape(-1)[0]) for n in group)
+            for n in group:
+                _set_input_scale(modules[n], top)
+    return {"method": "minmax", "groups": [g for g in groups if len(g) > 1],
+            "input_scales": {n: float(m.input_scale.reshape(-1)[0]) for n, m in modules.items()}}
+
+
+def search_fp8(model, batches, q) -> dict:
+    """Pick each static-FP8 Linear's input_scale by the search (module comment above); write it in place."""
+    mults = [float(m) for m in q.activation_scale_multipliers]
+    modules = fp8_static_quantized(model)
+    groups = _fp8_groups(model, modules)
+    layers = {}
+    for group in groups:
+        minmax = max(float(modules[n].input_scale.reshape(-1)[0]) for n in group)  # no member clips
+        for n in group:
+            layers[n] = LayerError(modules[n].weight, modules[n].quantization_scheme.input_activations,
+                                   fp8_candidates(minmax, mults), many=fp8_qdq_many)
+    limit = int(q.activation_scale_samples)
+    used = len(batches) if limit == 0 else min(limit, len(batches))
+    run_hooked(model, modules, layers, _Head(batches, used), "fp8 activation scale search")
+    record = {}
+    for group in groups:
+        errors = [layers[n].errors for n in group]
+        i = min(range(len(errors[0])), key=lambda c: (sum(e[c] for e in errors), c))  # ties: minmax
+        for n in group:
+            _set_input_scale(modules[n], layers[n].scales[i])
+            lay = layers[n]
+            rec = {"chosen": lay.labels[i], "chosen_scale": lay.scales[i], "minmax_scale": lay.scales[0],
+                   "chosen_multiplier": lay.scales[0] / lay.scales[i], "rows": lay.rows,
+                   "error": {"minmax": lay.errors[0], "chosen": lay.errors[i]},
+                   "relative_error": {"minmax": lay.relative(0), "chosen": lay.relative(i)}}
+            record[n] = rec | ({"fused_with": [m for m in group if m != n]} if len(group) > 1 else {})
+    return {"method": "mse", "format": "fp8 static per-tensor input_scale", "multipliers": mults, "samples": used,
+            "objective": "sum over calibration rows of ||(Q_s(x) - x) W^T||^2, inputs with quantization disabled; "
+                         "candidates minmax / m; one scale per fused group (q/k/v, gate/up) on the sum of its errors",
+            "groups": [g for g in groups if len(g) > 1], "layers": record}
+
+
+def fp8_share_weight_scales(model) -> list[list[str]]:
+    """Per-tensor FP8 weights: each fused group (q/k/v, gate/up) gets its members' largest weight_scale before the
+    weights are compressed, so that vLLM's load-time requantization of the fused Linear to the max() of its
+    shards' scales (0.32.0 layers/quantization/utils/w8a8_utils.py:88-103, `requantize_with_max_scale`) finds
+    every shard already at that scale: the stored FP8 weights are exactly the served ones (no second rounding).
+    Returns the groups changed."""
+    from compressed_tensors.offload import update_offload_parameter
+
+    mods = {}
+    for name, m in model.named_modules():
+        w = getattr(getattr(m, "quantization_scheme", None), "weights", None)
+        if (w is not None and str(getattr(w.strategy, "value", w.strategy)) == "tensor" and int(w.num_bits) == 8
+                and str(getattr(w.type, "value", w.type)) == "float" and isinstance(getattr(m, "weight_scale", None),
+                                                                                   torch.Tensor)):
+            mods[name] = m
+    changed = []
+    for group in _fp8_groups(model, mods):
+        if len(group) > 1:
+            top = max(float(mods[n].weight_scale.reshape(-1)[0]) for n in group)
+            for n in group:
+                update_offload_parameter(mods[n], "weight_scale", torch.full_like(mods[n].weight_scale, top))
+            changed.append(group)
+    return changed

@@ -64,7 +64,7 @@ def run_oneshot(model, q, ignore: list[str], batches: list[dict] | None, seed: i
         # ... bad calibration setup"; both describe what this variant is, so they are muted and the
         # one line below says what happens instead
         muted += ["llmcompressor.pipelines.registry", "llmcompressor.modifiers.quantization.calibration"]
-        if SCHEMES[q.scheme].quantize_activations:
+        if SCHEMES[q.scheme].quantize_activations and SCHEMES[q.scheme].grouped:
             print(f"[specquant] {q.name}: calibration-free variant: no activation statistics by design; every "
                   f"input_global_scale is set from the fixed activation absmax {float(q.fixed_activation_amax):g} "
                   "(fixed_activation_amax)")
@@ -129,6 +129,16 @@ def activation_scales(model, q, batches) -> tuple[dict | None, dict | None, dict
 
     if not quantizes_activations(q):
         return None, None, {}
+    scheme = SCHEMES[q.scheme]
+    if not scheme.grouped:  # FP8: static per-tensor input_scale (fp8), or dynamic activations (nothing stored)
+        act_scale.fp8_share_weight_scales(model)  # per-tensor weights: one scale per fused group, as vLLM serves it
+        if not scheme.static_activations:
+            return None, None, {}
+        minmax = input_scales(model)
+        if q.activation_scale == "mse":
+            return None, act_scale.search_fp8(model, batches, q), minmax
+        act_scale.fp8_share_fused(model)
+        return None, None, minmax
     if q.calibration == "none":
         return set_fixed_activation_scales(model, float(q.fixed_activation_amax)), None, {}
     minmax = input_global_scales(model)
@@ -145,6 +155,18 @@ def input_global_scales(model) -> dict[str, float]:
         if isinstance(scale, torch.Tensor):
             out[name] = float(scale.reshape(-1)[0])
     return out
+
+
+def input_scales(model) -> dict[str, float]:
+    """name -> static FP8 input_scale of every such Linear (fp8's minmax scales, for the record)."""
+    from pipeline.quant import act_scale
+
+    return {n: float(m.input_scale.reshape(-1)[0]) for n, m in act_scale.fp8_static_quantized(model).items()}
+
+
+def stored_activation_scales(model) -> dict[str, float]:
+    """What the checkpoint stores per activation-quantized Linear: NVFP4 input_global_scale, FP8 input_scale."""
+    return input_global_scales(model) or input_scales(model)
 
 
 def quantizes_activations(q) -> bool:

@@ -19,7 +19,8 @@ class Scheme:
     """One quantization format: a compressed-tensors preset (what vLLM reads) and what may change in it."""
 
     name: str
-    preset: str  # compressed_tensors.quantization.quant_scheme.PRESET_SCHEMES: NVFP4, NVFP4A16, W4A16
+    # compressed_tensors.quantization.quant_scheme.PRESET_SCHEMES: NVFP4, NVFP4A16, W4A16, FP8, FP8_DYNAMIC, FP8_BLOCK
+    preset: str
     fixed_group_size: bool  # NVFP4 kernels only read 16-element blocks
 
     def base(self):
@@ -29,16 +30,37 @@ class Scheme:
         return preset_name_to_scheme(self.preset, ["Linear"])
 
     @property
-    def default_group_size(self) -> int:
-        return int(self.base().weights.group_size)
+    def grouped(self) -> bool:
+        """Whether the weights carry one scale per group of input channels (NVFP4, W4A16); FP8 weights carry
+        one per tensor, per output channel or per 128x128 block (`block`) and take no group size."""
+        return self.base().weights.group_size is not None
+
+    @property
+    def default_group_size(self) -> int | None:
+        g = self.base().weights.group_size
+        return int(g) if g is not None else None
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """FP8_BLOCK's weight block (rows, columns); None for every other scheme."""
+        b = self.base().weights.block_structure
+        return (int(b[0]), int(b[1])) if b else None
 
     @property
     def quantize_activations(self) -> bool:
         return self.base().input_activations is not None
 
     @property
+    def static_activations(self) -> bool:
+        """Activations quantized with one static per-tensor scale stored in the checkpoint (FP8 `input_scale`),
+        as opposed to NVFP4's calibrated global scale beside dynamic block scales, or dynamic per token/group."""
+        a = self.base().input_activations
+        return a is not None and not a.dynamic and str(getattr(a.strategy, "value", a.strategy)) == "tensor"
+
+    @property
     def number_format(self) -> str:
-        """`fp4` (NVFP4, NVFP4A16: float 4-bit weights) or `int4` (W4A16), from the preset's weight args."""
+        """`fp4` (NVFP4, NVFP4A16: float 4-bit weights), `int4` (W4A16) or `fp8` (FP8 presets), from the preset's
+        weight args."""
         w = self.base().weights
         return f"{'fp' if str(getattr(w.type, 'value', w.type)) == 'float' else 'int'}{int(w.num_bits)}"
 
@@ -47,6 +69,10 @@ SCHEMES: dict[str, Scheme] = {
     "nvfp4": Scheme("nvfp4", "NVFP4", True),  # fp4 weights and local-dynamic fp4 activations, FP8 block scales
     "nvfp4a16": Scheme("nvfp4a16", "NVFP4A16", True),
     "w4a16": Scheme("w4a16", "W4A16", False),  # int4 symmetric, group 128
+    # FP8 E4M3 (W8A8), what Hopper and Ada run natively (vLLM CompressedTensorsW8A8Fp8):
+    "fp8": Scheme("fp8", "FP8", False),  # per-tensor weights, static per-tensor activation scales (calibrated)
+    "fp8-dynamic": Scheme("fp8-dynamic", "FP8_DYNAMIC", False),  # per-channel weights, dynamic per-token activations
+    "fp8-block": Scheme("fp8-block", "FP8_BLOCK", False),  # 128x128 block weights, dynamic per-group-128 activations
 }
 ALGORITHMS = ("rtn", "gptq", "awq")
 CALIBRATIONS = ("cache", "none")
@@ -84,6 +110,10 @@ def check_observer_format(q, field: str) -> None:
     fmt = SCHEMES[q.scheme].number_format
     if made_for == fmt:
         return
+    if fmt not in twins:  # FP8: the 4-bit observers' grids are not its grid
+        raise bad_value(f"{field}.observer", q.observer, f"it is tuned to {made_for.upper()} weights but "
+                        f"{field}.scheme {q.scheme} stores {fmt.upper()} weights",
+                        f"use {field}.observer=minmax or mse for {q.scheme}")
     others = " or ".join(s.name for s in SCHEMES.values() if s.number_format == made_for)
     raise bad_value(f"{field}.observer", q.observer, f"it is tuned to {made_for.upper()} weights but "
                     f"{field}.scheme {q.scheme} stores {fmt.upper()} weights",
@@ -136,7 +166,10 @@ def check_dflash2(q, dconf, field: str) -> None:
                         "its convolution coefficients", f"use {field}.algorithm=gptq (e.g. quant=w4a16-gptq)")
 
 
-def group_size(q) -> int:
+def group_size(q) -> int | None:
+    """The weight group size: the config's, else the scheme's default; None for an FP8 scheme (no groups)."""
+    if not SCHEMES[q.scheme].grouped:
+        return None
     return int(q.group_size) if q.group_size is not None else SCHEMES[q.scheme].default_group_size
 
 
@@ -160,11 +193,19 @@ def validate_settings(q, field: str) -> None:
     if q.pipeline not in PIPELINES:
         raise bad_value(f"{field}.pipeline", q.pipeline, "it is not an llm-compressor calibration pipeline",
                         f"use one of {', '.join(PIPELINES)}")
+    if scheme.static_activations and q.calibration == "none":
+        raise bad_value(f"{field}.calibration", q.calibration, f"{q.scheme} stores one static activation scale per "
+                        "layer, which only calibration data can set", f"set {field}.calibration=cache, or use "
+                        f"{field}.scheme=fp8-dynamic (per-token scales at run time, data-free)")
     if q.algorithm in ("gptq", "awq") and q.calibration == "none":
         raise bad_value(f"{field}.algorithm", q.algorithm, "GPTQ needs calibration data but calibration is 'none'",
                         f"set {field}.calibration=cache or {field}.algorithm=rtn")
+    if not scheme.grouped and q.group_size is not None:
+        raise bad_value(f"{field}.group_size", q.group_size, f"{q.scheme} weights have no groups (one scale per "
+                        f"{'128x128 block' if scheme.block else 'tensor' if q.scheme == 'fp8' else 'output channel'})",
+                        "leave it unset (null)")
     gs = group_size(q)
-    if gs <= 0:
+    if gs is not None and gs <= 0:
         raise bad_value(f"{field}.group_size", q.group_size, "a group size must be positive",
                         f"leave it unset for the scheme default {scheme.default_group_size}")
     if scheme.fixed_group_size and gs != scheme.default_group_size:
@@ -206,6 +247,7 @@ class Linears(list):
     """`quantized_linears`' answer: (name, in_features) pairs, plus what the ignore entries matched."""
 
     all_names: tuple[str, ...] = ()  # every nn.Linear of the model, in module order
+    out_features: dict[str, int] = {}  # noqa: RUF012 - set per instance by quantized_linears
     unmatched_ignore: tuple[str, ...] = ()  # ignore entries that match no nn.Linear (they would do nothing)
 
 
@@ -213,7 +255,9 @@ def quantized_linears(model: torch.nn.Module, ignore: list[str]) -> Linears:
     """(name, in_features) of every nn.Linear the recipe will quantize, in module order."""
     from compressed_tensors.utils import is_match, match_named_modules
 
-    out = Linears((name, int(mod.in_features)) for name, mod in match_named_modules(model, ["Linear"], ignore))
+    matched = list(match_named_modules(model, ["Linear"], ignore))
+    out = Linears((name, int(mod.in_features)) for name, mod in matched)
+    out.out_features = {name: int(mod.out_features) for name, mod in matched}
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
     out.all_names = tuple(name for name, _ in linears)
     out.unmatched_ignore = tuple(e for e in ignore if not any(is_match(name, mod, e) for name, mod in linears))
@@ -282,7 +326,12 @@ def validate_group_size(q, field: str, linears: list[tuple[str, int]]) -> None:
     if not linears:
         raise bad_value(f"{field}.ignore", list(q.ignore), "it leaves no Linear layer to quantize",
                         "remove entries from the ignore list")
+    block = SCHEMES[q.scheme].block
+    if block is not None:
+        validate_block(q, field, linears, block)
     gs = group_size(q)
+    if gs is None:
+        return
     bad = [(name, width) for name, width in linears if width % gs != 0]
     if bad:
         name, width = bad[0]
@@ -294,12 +343,30 @@ def validate_group_size(q, field: str, linears: list[tuple[str, int]]) -> None:
                         f"use a group size that divides every quantized layer's width, {hint}")
 
 
+def validate_block(q, field: str, linears, block: tuple[int, int]) -> None:
+    """FP8_BLOCK: every quantized layer's in- and out-features must be multiples of the 128x128 weight block
+    (vLLM reads one scale per block; its activations are quantized per 128 input channels at run time)."""
+    bad = [(name, i, o) for name, i, o in _widths(linears) if i % block[1] or (o is not None and o % block[0])]
+    if bad:
+        name, i, o = bad[0]
+        more = f" (and {len(bad) - 1} more layers)" if len(bad) > 1 else ""
+        raise bad_value(f"{field}.scheme", q.scheme, f"its {block[0]}x{block[1]} weight blocks do not tile "
+                        f"{name} ({o} x {i}){more}", f"use {field}.scheme=fp8-dynamic or fp8 (no blocks), or add "
+                        f"those layers to {field}.ignore")
+
+
+def _widths(linears):
+    """(name, in_features, out_features or None) of `quantized_linears`' answer."""
+    outs = getattr(linears, "out_features", {})
+    return [(name, int(width), outs.get(name)) for name, width in linears]
+
+
 def _weight_args(q):
     """The preset's weight args with what the config sets: observer, its settings and the group size."""
     from compressed_tensors.quantization import QuantizationArgs
 
     preset = SCHEMES[q.scheme].base().weights
-    return QuantizationArgs(**{**dict(preset), "group_size": group_size(q),
+    return QuantizationArgs(**{**dict(preset), "group_size": group_size(q) if SCHEMES[q.scheme].grouped else None,
                                "observer": str(q.observer).strip().lower(),
                                "observer_kwargs": dict(q.observer_kwargs or {})})
 
@@ -310,14 +377,17 @@ def build_modifier(q, ignore: list[str]):
 
     NVFP4's activations are the preset's: dynamic "local", so FP8 block scales are computed per token at
     run time and only the per-tensor input_global_scale is calibrated (static_minmax keeps the running
-    absmax over all batches), in groups of the weights' size (16: `validate_settings`).
+    absmax over all batches), in groups of the weights' size (16: `validate_settings`). FP8's are the
+    preset's as they are: static per-tensor `input_scale` (fp8: static_minmax, then `act_scale`), dynamic per
+    token (fp8-dynamic) or per group of 128 (fp8-block), computed by the kernel at run time.
     """
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     preset = SCHEMES[q.scheme].base()
     acts = preset.input_activations
+    grouped = SCHEMES[q.scheme].grouped  # FP8 activations keep the preset's (tensor, token or group 128)
     group = QuantizationScheme(**{**dict(preset), "weights": _weight_args(q), "input_activations": (
-        QuantizationArgs(**{**dict(acts), "group_size": group_size(q)}) if acts is not None else None)})
+        QuantizationArgs(**{**dict(acts), "group_size": group_size(q)}) if acts is not None and grouped else acts)})
     kwargs = {"config_groups": {"group_0": group}, "ignore": list(ignore)}
     if q.algorithm == "awq":
         from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -344,7 +414,10 @@ DATA_OBSERVERS = ("imatrix-mse", "nvfp4-expanded-imatrix")
 
 def needs_data(q) -> bool:
     """Whether the recipe runs a calibration forward (activation scales, GPTQ Hessians, imatrix statistics)."""
-    return q.calibration == "cache" and (SCHEMES[q.scheme].quantize_activations or q.algorithm in ("gptq", "awq")
+    s = SCHEMES[q.scheme]
+    # dynamic FP8 activations (per token, per group) have nothing to calibrate
+    acts = s.quantize_activations and (s.grouped or s.static_activations)
+    return q.calibration == "cache" and (acts or q.algorithm in ("gptq", "awq")
                                          or _observer_key(str(q.observer)) in DATA_OBSERVERS)
 
 

@@ -110,7 +110,14 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                 "causality": "0.26.0 transformers_utils/configs/speculators/algos.py:124-125, "
                              "model_executor/models/qwen3_dflash.py:55-59",
                 "verifier": "0.26.0 transformers_utils/config.py:682-683 (taken verbatim, relative to the cwd)",
-                "nvfp4_hopper": "0.26.0 model_executor/kernels/linear/__init__.py:446-460 (Marlin, weight-only)"},
+                "nvfp4_hopper": "0.26.0 model_executor/kernels/linear/__init__.py:446-460 (Marlin, weight-only)",
+                "fp8": "0.26.0 layers/quantization/compressed_tensors/compressed_tensors.py:526-560, :826-832 "
+                       "(CompressedTensorsW8A8Fp8: tensor/channel/block weights, static tensor or dynamic "
+                       "activations; sm89+, else W8A16 :834-838), schemes/compressed_tensors_w8a8_fp8.py:194 "
+                       "(a fused layer serves at the max() of its shards' input_scale)",
+                "fp8_qkv": "0.26.0 model_executor/models/qwen3_dflash.py:441 (the context-KV precompute slices "
+                           "qkv_proj.weight into a plain F.linear: an FP8 weight fails on a dtype mismatch, vLLM "
+                           "#51581)"},
             dflash2_cites={"dflash2": "no model_executor/models/qwen3_dflash2.py in 0.26.0; 0.28.0 adds it"}),
     Profile("0.28-0.31", "0.28.0", "0.31.0", False, quantized_qkv=False, shared_qkv_scale=True, split_shards=True,
             reads_is_causal=True, refused_actorder=("group", "dynamic"), hub_id_verifier=False,
@@ -150,7 +157,13 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                 "verifier": "0.33.0 transformers_utils/config.py:860-873, 0.34.0 :905-918 (`vllm serve <drafter "
                             "dir>`: a Hub id that is no local path)",
                 "nvfp4_hopper": "0.34.0 model_executor/layers/quantization/utils/humming/priority.py:11 (Humming "
-                                "ahead of Marlin on sm90, weight-only)"},
+                                "ahead of Marlin on sm90, weight-only)",
+                "fp8": "0.32.0 layers/quantization/compressed_tensors/compressed_tensors.py:582-616, :900 "
+                       "(CompressedTensorsW8A8Fp8: tensor/channel/block weights), schemes/"
+                       "compressed_tensors_w8a8_fp8.py:187 (a fused layer serves at the max() of its shards' "
+                       "input_scale)",
+                "fp8_qkv": "0.32.0 model_executor/models/qwen3_dflash.py:532-546, :625-633 (a quantized qkv_proj, "
+                           "FP8 included, runs through its own quant method for the context K/V: #51581 fixed)"},
             dflash2_first="0.32.0", conv_draft_quant=True,
             dflash2_cites={
                 "dflash2": "0.32.0 transformers_utils/configs/speculators/algos.py:129-130, base.py:135; 0.34.0 "
@@ -192,6 +205,12 @@ ACTIVATION_FP4_SCHEMES = ("nvfp4",)
 def refuse_settings(q, field_name: str = "quant") -> Profile:
     """Settings the chosen range cannot serve, refused before any work; returns the profile."""
     prof = profile(q.vllm, f"{field_name}.vllm")
+    if bool(q.quantize_qkv) and not prof.quantized_qkv and str(q.scheme).startswith("fp8"):
+        raise bad_value(f"{field_name}.quantize_qkv", True, f"vLLM {prof.versions} (quant.vllm={prof.name}) runs the "
+                        "DFlash context-KV precompute as a plain linear over qkv_proj.weight, which fails on an "
+                        f"FP8 weight with a dtype mismatch (vLLM #51581; "
+                        f"{prof.cites.get('fp8_qkv', prof.cites['dense_qkv'])})",
+                        "leave it false, or write for vLLM 0.32 and newer with quant.vllm=0.32+")
     if bool(q.quantize_qkv) and not prof.quantized_qkv:
         raise bad_value(f"{field_name}.quantize_qkv", True, f"vLLM {prof.versions} (quant.vllm={prof.name}) needs a "
                         f"dense qkv_proj for the DFlash context-KV precompute ({prof.cites['dense_qkv']})",
@@ -370,7 +389,7 @@ def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num
                                                 inner is not None)
             continue
         shards = hf_shards(layer, num_target_layers)
-        stored = {("quantized" if f"{s}.weight_packed" in names else
+        stored = {("quantized" if stored_quantized(s, names) else
                    "dense" if f"{s}.weight" in names else "missing") for s in shards}
         if "missing" in stored:
             problems.append(f"{layer}: the checkpoint has no weights for {shards}")
@@ -404,6 +423,13 @@ def checkpoint_problems(config: dict[str, Any], tensor_names: Iterable[str], num
     return problems
 
 
+def stored_quantized(shard: str, names: set[str]) -> bool:
+    """Whether a checkpoint stores `shard` quantized: packed 4-bit weights (`weight_packed`, pack-quantized and
+    nvfp4-pack-quantized) or FP8 weights with their scale (`weight` in float8_e4m3fn beside `weight_scale`,
+    float-quantized); a dense layer has `weight` alone."""
+    return f"{shard}.weight_packed" in names or f"{shard}.weight_scale" in names
+
+
 DFLASH2_DENSE = (".kernel_projection", ".hidden_projection")  # DFlash2 Linears every checkpoint keeps dense
 
 
@@ -413,7 +439,7 @@ def _dflash2_dense_problems(layer: str, shard: str, names: set[str], ignore: lis
     the draft's quant config (kernel_projection from 0.31), named in `ignore` so that vLLM builds it dense."""
     where = f"vLLM {prof.versions}"
     rule = prof.dflash2_cites.get(layer.rsplit(".", 1)[-1], "")
-    if f"{shard}.weight_packed" in names:
+    if stored_quantized(shard, names):
         return [f"{layer}: the checkpoint stores it quantized but {where} builds it dense ({rule}); keep it dense"]
     if f"{shard}.weight" not in names:
         return [f"{layer}: the checkpoint has no weights for {[shard]}"]
@@ -453,9 +479,10 @@ def check_dir(path: str | Path, num_target_layers: int, prof: str | Profile | No
     return checkpoint_problems(config, names, num_target_layers, prof, scales, standalone)
 
 
-# vLLM 0.32's compressed-tensors scheme class for each 4-bit weight format we write (compressed_tensors.py:797-868)
+# vLLM 0.32's compressed-tensors scheme class for each weight format we write (compressed_tensors.py:797-868;
+# FP8 W8A8, tensor/channel/block weights with static or dynamic activations: :582-616, CompressedTensorsW8A8Fp8)
 VLLM_SCHEMES = {("int", False): "CompressedTensorsWNA16", ("float", True): "CompressedTensorsW4A4Fp4",
-                ("float", False): "CompressedTensorsW4A4Fp4"}
+                ("float", False): "CompressedTensorsW4A4Fp4", ("float8", True): "CompressedTensorsW8A8Fp8"}
 
 
 def _scheme_of(quant_config: dict | None) -> tuple[str, bool] | None:
@@ -465,6 +492,8 @@ def _scheme_of(quant_config: dict | None) -> tuple[str, bool] | None:
         return None
     w, a = groups[0].get("weights") or {}, groups[0].get("input_activations")
     kind = str(w.get("type", "int"))
+    if kind == "float" and int(w.get("num_bits") or 4) == 8:  # FP8 W8A8: not weight-only
+        return VLLM_SCHEMES[("float8", a is not None)], False
     # weight-only is a flag of vLLM's FP4 scheme (`use_a16`); its int4 scheme is weight-only by name
     return VLLM_SCHEMES[(kind, a is not None)], (a is None) if kind == "float" else None
 
@@ -480,7 +509,7 @@ def dflash2_modules(config: dict[str, Any], tensor_names: Iterable[str], num_tar
     out: dict[str, dict] = {}
     for layer in vllm_linears(n, num_target_layers, conv=config.get("conv_kernel_size") is not None,
                               selector=config.get("selector_rank") is not None):
-        stored = {("quantized" if f"{s}.weight_packed" in names else "dense")
+        stored = {("quantized" if stored_quantized(s, names) else "dense")
                   for s in hf_shards(layer, num_target_layers)}
         if stored == {"quantized"} and scheme is not None:
             out[layer] = {"kind": "linear", "scheme": scheme[0], "weight_only": scheme[1]}

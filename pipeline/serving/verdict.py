@@ -35,6 +35,14 @@ _NO_CPU_KERNEL = re.compile(r"Failed to find a kernel that can implement the\s+N
                             r"|MarlinNvFp4LinearKernel", re.S)
 
 
+# vLLM 0.32's CPU build declares `_C::static_scaled_fp8_quant` as a stub (no arguments, no CPU kernel), and loading
+# per-tensor FP8 weights into a fused Linear (gate_up_proj, qkv_proj) always requantizes every shard at the max() of
+# their weight scales through it (layers/quantization/utils/fp8_utils.py:1472 -> utils/w8a8_utils.py:103): a
+# static FP8 checkpoint (quant=fp8, fp8-minmax) cannot load there; per-channel (fp8-dynamic) and block (fp8-block)
+# FP8 weights take no such step and load
+_NO_CPU_STATIC_FP8 = re.compile(r"_C::static_scaled_fp8_quant\(\) expected at most 0 argument")
+
+
 def unsupported_on(result: dict) -> str | None:
     """Why a pair that failed cannot load on this engine's platform at all (no kernel for its scheme there),
     in words; None for a real failure. Only the CPU build has such gaps the check expects."""
@@ -45,6 +53,10 @@ def unsupported_on(result: dict) -> str | None:
         return ("not loadable on the CPU build: vLLM has no NVFP4 kernel for the CPU platform"
                 + (" (weight-only NVFP4 goes to Marlin, GPU only)" if result.get("nvfp4_emulation") else
                    " (serve.cpu_nvfp4_emulation=false)"))
+    if _NO_CPU_STATIC_FP8.search(text):
+        return ("not loadable on the CPU build: its _C::static_scaled_fp8_quant is a stub with no CPU kernel, and "
+                "vLLM calls it to requantize the shards of a fused per-tensor FP8 Linear (gate_up_proj) at one scale "
+                "while loading (layers/quantization/utils/w8a8_utils.py:103)")
     return None
 
 
@@ -181,7 +193,7 @@ def summarize(results: list[dict], prompts: dict[str, list], min_ratio: float, m
         job = r["job"]
         t, v, backend = job["target_variant"], job.get("variant"), job.get("linear_backend", "auto")
         if v is None:
-            if not r.get("ok"):
+            if not r.get("ok") and not unsupported_on(r):  # a target this build has no kernel for: reported below
                 failures.append(f"target {t} alone does not load in vLLM ({r.get('error')})")
             continue
         key = f"{t}/{v}" + ("" if backend == "auto" else f"/{backend}")
@@ -377,6 +389,13 @@ def _fmt(x) -> str:
     return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
 
+def _kv_words(summary: dict) -> str:
+    """The KV cache dtype the engines ran with (serve.kv_cache_dtype), when it is not the model dtype."""
+    kv = str((summary.get("settings") or {}).get("kv_cache_dtype") or "auto")
+    return "" if kv == "auto" else (f" KV cache dtype `{kv}` (serve.kv_cache_dtype) for the target and the draft in "
+                                    "every engine: tau and lossless above are measured under it.")
+
+
 def render(summary: dict) -> str:
     v = summary.get("versions") or {}
     where = (f"vLLM {v.get('vllm')} CPU build, torch {v.get('torch')}, {v.get('cpu')} (loading, lossless decoding "
@@ -386,7 +405,8 @@ def render(summary: dict) -> str:
     lines = ["## Served by vLLM (serve-check)", "",
              f"{where}; greedy, the evaluate stage's prompts; lossless = outputs equal the same "
              "target served alone; tau = 1 + accepted / drafts from vLLM's spec-decode counters. "
-             "`ref` is the reference loop's tau (eval/results.json) for the same drafter and target.", ""]
+             "`ref` is the reference loop's tau (eval/results.json) for the same drafter and target."
+             + _kv_words(summary), ""]
     subsets = sorted({s for p in summary["pairs"].values() for s in (p.get("tau") or {}) if s != "all"})
     head = ["target", "drafter", "drafter kernel", "loads", "lossless", "= bf16 drafter"] + [f"tau {s}" for s in subsets] + \
         ["tau all", "ref all", "vLLM - ref", "verdict"]

@@ -147,7 +147,8 @@ def _layer_kernels(worker) -> list[dict]:
             if scheme is None or id(m) in layers_seen:  # a root nested in another is walked once
                 continue
             layers_seen.add(id(m))
-            kernel = getattr(scheme, "kernel", None)
+            # FP8 W8A8 (CompressedTensorsW8A8Fp8) keeps its kernel as `fp8_linear`
+            kernel = getattr(scheme, "kernel", None) or getattr(scheme, "fp8_linear", None)
             out.append({"root": root, "name": name, "scheme": type(scheme).__name__,
                         "kernel": type(kernel).__name__ if kernel is not None else None})
     return out
@@ -505,6 +506,8 @@ def run_job(job: dict) -> dict:
                       enforce_eager=bool(job.get("enforce_eager", True)), max_model_len=int(job["max_model_len"]),
                       kv_cache_memory_bytes=int(job.get("kv_cache_memory_bytes", 1 << 30)), disable_log_stats=False,
                       seed=int(job.get("seed", 0)), dtype=job.get("dtype", "auto"), enable_prefix_caching=False)
+        if job.get("kv_cache_dtype", "auto") != "auto":  # serve.kv_cache_dtype (fp8: E4M3 target and draft KV)
+            kwargs["kv_cache_dtype"] = str(job["kv_cache_dtype"])
         if platform != "cpu":  # the CPU build picks its own attention backend and has no GPU memory to share
             kwargs["attention_backend"] = job.get("attention_backend", "FLASH_ATTN")
             if job.get("gpu_memory_utilization"):

@@ -73,6 +73,9 @@ def _scheme_of(quantization: dict) -> str | None:
         return "nvfp4" if group.get("input_activations") else "nvfp4a16"
     if w.get("type") == "int" and w.get("num_bits") == 4 and not group.get("input_activations"):
         return "w4a16"
+    a = group.get("input_activations") if group else None
+    if w.get("type") == "float" and w.get("num_bits") == 8 and a:  # FP8 W8A8 (issue 45)
+        return {"tensor": "fp8", "channel": "fp8-dynamic", "block": "fp8-block"}.get(w.get("strategy"))
     return None
 
 

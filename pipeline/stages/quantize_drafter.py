@@ -277,7 +277,7 @@ def run(cfg) -> dict:
                 clock.lap("scale_search_s")
             if batches is not None:
                 batches.close()
-            scales = calibrate.input_global_scales(model)
+            scales = calibrate.stored_activation_scales(model)
             native_ignore = write_quantized(model, out, ignore, list(q.ignore), int(dconf.num_target_layers),
                                             str(q.vllm))
             clock.lap("write_s")

@@ -122,9 +122,15 @@ def run(cfg) -> dict:
     calibrate.run_oneshot(model, q, ignore, share, int(cfg.seed))
     timings["oneshot_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
     baseline = None
-    if calibrate.quantizes_activations(q) and q.calibration == "none":
+    if not recipes.SCHEMES[q.scheme].grouped:  # FP8: fused groups at one scale, as vLLM serves them
+        from pipeline.quant import act_scale
+
+        act_scale.fp8_share_weight_scales(model)
+        if recipes.SCHEMES[q.scheme].static_activations:
+            act_scale.fp8_share_fused(model)  # the target's FP8 input scales are plain minmax
+    elif calibrate.quantizes_activations(q) and q.calibration == "none":
         baseline = calibrate.set_fixed_activation_scales(model, float(q.fixed_activation_amax))
-    scales = calibrate.input_global_scales(model)
+    scales = calibrate.stored_activation_scales(model)
 
     out = rd.target(q.name)
     # under torchrun compressing is collective (every rank compresses its share of modules) and rank 0

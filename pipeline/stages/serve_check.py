@@ -123,6 +123,7 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int],
     on_cpu = info.get("platform") == "cpu"
     base = {"max_tokens": int(cfg.eval.max_new_tokens), "stop_token_ids": stop, "max_model_len": max_len,
             "kv_cache_memory_bytes": int(s.kv_cache_memory_bytes), "seed": int(cfg.seed), "dtype": s.dtype,
+            "kv_cache_dtype": str(s.kv_cache_dtype),
             "gpu_memory_utilization": float(s.gpu_memory_utilization or round(0.9 / max(1, parallel(cfg, info)), 3)),
             "cpu_nvfp4_emulation": bool(s.cpu_nvfp4_emulation), "cpu_int4_emulation": bool(s.cpu_int4_emulation),
             "attention_backend": s.attention_backend, "additional_config": dict(s.additional_config or {}),
@@ -491,6 +492,9 @@ def update_report(rd: RunDir, section: str) -> None:
                       + "\n")
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")  # what serve.kv_cache_dtype may be (vLLM's CacheConfig.cache_dtype values we check)
+
+
 def run(cfg) -> dict:
     s = cfg.serve
     if not 0 < float(s.min_tau_ratio) <= 1:
@@ -500,6 +504,9 @@ def run(cfg) -> dict:
                         "in [0, 0.1]", "use e.g. 0.01 (1%), or 0 for exact equality only")
     if int(s.lossless_tie_checks) < 0:
         raise bad_value("serve.lossless_tie_checks", s.lossless_tie_checks, "it must be >= 0", "use e.g. 16")
+    if str(s.kv_cache_dtype) not in KV_CACHE_DTYPES:
+        raise bad_value("serve.kv_cache_dtype", s.kv_cache_dtype, "it is not a KV cache dtype serve-check runs",
+                        f"use {' or '.join(KV_CACHE_DTYPES)} (auto = the model dtype)")
     rd = RunDir.from_cfg(cfg)
     if not rd.root.is_dir():
         raise bad_value("run_dir", str(rd.root), "the run directory does not exist", "run the earlier stages first")
