@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.models import validation
+from pipeline.models import compat, validation
 from tests._support import REPO, run_cli, run_main
 
 ASSETS = REPO / "assets"
@@ -278,7 +278,7 @@ def test_the_real_checkpoints_pass_every_validator():
     """The validators accept every shipped checkpoint pair (the cases above are refusals, not a validator that
     refuses everything), and each family's validator is the one picked."""
     for _, drafter, target in WORLDS.values():
-        validation.check_pair(drafter, target)
+        compat.check_checkpoints(drafter, target)
     for p in sorted((REPO / "tests" / "fixtures").glob("dflash*/*/checkpoint")):
         validation.check_drafter(p)
     assert validation.drafter_family(validation.check_drafter(WORLDS["dflash2"][1])) == "dflash2"

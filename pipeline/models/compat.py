@@ -12,6 +12,7 @@ CLI: `python -m pipeline.models.compat DRAFTER_DIR TARGET_DIR` prints "compatibl
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -123,6 +124,20 @@ def check_compatible(drafter_config, target_config, tokenizer=None, mask_token: 
     _check_dflash2(drafter_config, target_config, bad_value)
     _check_layers(drafter_config, target_config, bad_value)
     _check_mask(drafter_config, tokenizer, mask_token, bad_value)
+
+
+
+def check_checkpoints(drafter_path: str | Path, target_path: str | Path, fmt: str = "auto", revision: str | None = None,
+               tokenizer=None, mask_token: str | None = None, where: str = "target"):
+    """Both checkpoints validated (`check_target`, `check_drafter`), then the drafter against the target
+    (`check_compatible`). Returns the drafter's light config."""
+    from pipeline.models.validation import check_drafter, check_target
+
+    target = check_target(target_path, revision, where)
+    drafter = check_drafter(drafter_path, fmt)
+    if target is not None:
+        check_compatible(drafter, target, tokenizer, mask_token)
+    return drafter
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ other fields first, then against the tensors that carry it; a tensor a checkpoin
 name (a compressed-tensors `weight_packed`) is not looked at. Each bad field is one `bad_value` sentence naming
 the field, its value and the fix.
 
-The stages call `check_drafter`, `check_target` and `check_pair` (the two, then the pair's
+The stages call `check_drafter`, `check_target` and `compat.check_checkpoints` (the two, then the pair's
 `compat.check_compatible`) where they first read a checkpoint, before any weight is loaded or anything is written:
 cache, quantize-drafter, quantize-target, evaluate, serve-check and convert. Nothing here imports torch.
 """
@@ -448,19 +448,6 @@ def check_target(path: str | Path, revision: str | None = None, where: str = "ta
     return cfg
 
 
-def check_pair(drafter_path: str | Path, target_path: str | Path, fmt: str = "auto", revision: str | None = None,
-               tokenizer=None, mask_token: str | None = None, where: str = "target"):
-    """Both checkpoints validated (`check_target`, `check_drafter`), then the drafter against the target
-    (`compat.check_compatible`). Returns the drafter's light config."""
-    from pipeline.models.compat import check_compatible
-
-    target = check_target(target_path, revision, where)
-    drafter = check_drafter(drafter_path, fmt)
-    if target is not None:
-        check_compatible(drafter, target, tokenizer, mask_token)
-    return drafter
-
-
 __all__ = ["tensor_shapes", "drafter_family", "validate_dflash_config", "validate_dflash2_config",
            "validate_drafter_config", "DRAFTER_FAMILIES", "validate_dense_config", "validate_qwen3_5_config",
-           "validate_target_config", "TARGET_FAMILIES", "check_drafter", "check_target", "check_pair"]
+           "validate_target_config", "TARGET_FAMILIES", "check_drafter", "check_target"]

@@ -120,10 +120,10 @@ def validate(cfg):
         raise bad_value(f"{FIELD}.calibration_target", q.calibration_target, f"quant `{str(q.name).rsplit('-on-', 1)[0]}` is data-free (it reads no "
                         "cached hidden states), so no target's states can calibrate it",
                         "leave calibration_target=bf16, or pick a calibrated preset (e.g. quant=w4a16-gptq)")
-    from pipeline.models import validation
+    from pipeline.models import compat
 
     # every field of the drafter's and the target's families against their tensors' headers, then the pair
-    validation.check_pair(cfg.drafter.path, cfg.target.path, cfg.drafter.format, cfg.target.revision)
+    compat.check_checkpoints(cfg.drafter.path, cfg.target.path, cfg.drafter.format, cfg.target.revision)
     dconf = drafter_config(cfg)
     if dconf.has_draft_vocab:  # its head is its own; the quantized checkpoint would be written without it
         raise bad_value("drafter.path", str(cfg.drafter.path), f"the drafter has a trimmed head of "
