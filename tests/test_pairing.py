@@ -257,3 +257,27 @@ def test_serve_check_without_vllm_refuses_first_and_alone(world, tmp_path):
     assert err.count("\n") == 1 and err.startswith("error: `serve.python`") and "cannot import vLLM" in err, err
     assert "warning" not in err
     assert not (copy / "qw" / "eval" / "serve_check.json").exists()
+
+
+def test_serve_check_pairs_a_quantized_target_with_the_drafters_made_for_it(world):
+    """serve.pairs=calibrated (the default): the configured target serves every drafter; a quantized target serves
+    the drafters calibrated on it, their bf16-calibrated recipe and bf16 (every drafter when none was made for it);
+    serve.pairs=all and a named serve.variants serve every drafter everywhere; a bad value is one sentence."""
+    from pipeline.stages import serve_check
+
+    rd = run_dir(world)
+    drafters = {v: rd.drafter(v) for v in sorted(rd.drafter_variants(), key=lambda v: (v != "bf16", v))}
+    assert {"w4a16-imatrix", "w4a16-imatrix-on-w4a16"} <= set(drafters)
+    targets = {"bf16": TARGET, "w4a16": rd.target("w4a16"), "other": rd.target("w4a16")}
+    got = serve_check.pairs_to_serve(compose(_base(world)), rd, targets, drafters)
+    order = list(drafters)
+    assert got["bf16"] == order and got["other"] == order
+    assert got["w4a16"] == [v for v in order if v in {"bf16", "w4a16-imatrix", "w4a16-imatrix-on-w4a16"}]
+    assert set(got["w4a16"]) >= {"w4a16-imatrix", "w4a16-imatrix-on-w4a16"}
+    every = serve_check.pairs_to_serve(compose([*_base(world), "serve.pairs=all"]), rd, targets, drafters)
+    assert every == {t: order for t in targets}
+    named = serve_check.pairs_to_serve(compose([*_base(world), "serve.variants=[w4a16-imatrix]"]), rd, targets,
+                                       {"w4a16-imatrix": drafters["w4a16-imatrix"]})
+    assert named == {t: ["w4a16-imatrix"] for t in targets}
+    with pytest.raises(SpecquantError, match=r"^`serve\.pairs` = .some.: .*use calibrated"):
+        serve_check.pairs_to_serve(compose([*_base(world), "serve.pairs=some"]), rd, targets, drafters)

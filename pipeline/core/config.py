@@ -199,6 +199,8 @@ class ServeConfig:
     python: str | None = None
     targets: list[str] = field(default_factory=list)  # bf16 and/or target variants; empty = every one of the run
     variants: list[str] = field(default_factory=list)  # drafter variants; empty = every one of the run
+    # calibrated: a quantized target serves the drafters made for it (+ their bf16 recipe, bf16); all: every pair
+    pairs: str = "calibrated"
     parallel: int | None = None  # engines (worker processes) at once; null = 4 on a GPU, 1 on the CPU build
     kv_cache_memory_bytes: int = 1 << 30  # fixed KV budget per engine (skips profiling; engines share the GPU)
     # vLLM's kv_cache_dtype for every engine (target and draft KV): auto (the model dtype) | fp8 (E4M3, scales 1.0

@@ -77,6 +77,29 @@ def _drafters(cfg, rd: RunDir) -> dict[str, Path]:
     return {v: found[v] for v in chosen}
 
 
+PAIRS = ("calibrated", "all")
+
+
+def pairs_to_serve(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str, Path]) -> dict[str, list[str]]:
+    """{target: the drafters served beside it}. `serve.pairs=all`, or drafters named in `serve.variants`: every
+    drafter on every target. `calibrated` (the default): the configured target serves every drafter; a quantized
+    target serves the drafters calibrated on its hidden states, the bf16-calibrated recipe of each (the
+    mismatched pair beside it) and the bf16 drafter, or every drafter when none was calibrated on it."""
+    if str(cfg.serve.pairs) not in PAIRS:
+        raise bad_value("serve.pairs", cfg.serve.pairs, "it is not a pairing serve-check knows",
+                        "use calibrated (a quantized target serves the drafters made for it) or all")
+    order = list(drafters)
+    if str(cfg.serve.pairs) == "all" or list(cfg.serve.variants or []):
+        return {t: order for t in targets}
+    out = {}
+    for t in targets:
+        mine = [v for v in order if t != REFERENCE and pairing.drafter_record(rd, v) is not None
+                and (pairing.drafter_record(rd, v) or {}).get("variant") == t]
+        keep = set(mine) | {pairing.base_variant(v, pairing.drafter_record(rd, v)) for v in mine} | {REFERENCE}
+        out[t] = order if t == REFERENCE or not mine else [v for v in order if v in keep]
+    return out
+
+
 def _w4a4(path: Path) -> bool:
     """Whether a drafter quantizes activations to FP4 (NVFP4 W4A4): those get the emulation run too."""
     conf = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -150,6 +173,7 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int],
                      "max_model_len": max_len, "cpu_nvfp4_emulation": bool(s.cpu_nvfp4_emulation),
                      "cpu_int4_emulation": bool(s.cpu_int4_emulation)})
     served = served or {}
+    serve_with = pairs_to_serve(cfg, rd, targets, drafters)
     for t, tpath in targets.items() if drafters or not dflash2 else ():
         target = str(tpath.resolve()) if tpath.exists() else str(tpath)
         as_served = {"target": served[t]["path"], "served_as": served[t], "language_model_only": True} if t in served else {}
@@ -159,7 +183,7 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int],
         emulate = bool(s.emulate_w4a4) and not on_cpu and sm < 10 and not _quantized(tpath)
         jobs.append({**base, "name": f"{t}--target-only", "target_variant": t, "target": target, "drafter": None,
                      "variant": None, "linear_backend": "auto", "prompts": prompts, **as_served})
-        for v, dpath in drafters.items():
+        for v, dpath in ((v, drafters[v]) for v in serve_with[t]):
             k = int(load_drafter_config(dpath).block_size) - 1
             backends = ["auto"] + (["emulation"] if emulate and _w4a4(dpath) else [])
             for b in backends:
@@ -465,10 +489,11 @@ def check_pairing(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str,
     """Every drafter against every target it will be served with (a refusal or a warning sentence each),
     and {variant: (calibration target, base variant)} for the drafters calibrated on a quantized target."""
     warnings = []
+    serve_with = pairs_to_serve(cfg, rd, targets, drafters)
     for t, path in targets.items():
         served = pairing.target_identity(path, t, cfg.target.revision if t == REFERENCE else None,
                                          bool(cfg.target.trust_remote_code))
-        for v in drafters:  # a refusal raises here; the warnings are printed once vLLM is known to be there
+        for v in serve_with[t]:  # a refusal raises here; the warnings are printed once vLLM is known to be there
             sentence = pairing.check_pair(v, pairing.drafter_record(rd, v), served)
             if sentence:
                 warnings.append(sentence)
@@ -535,8 +560,8 @@ def run(cfg) -> dict:
     prompts, stop = _prompts(cfg)
     jobs = build_jobs(cfg, rd, info, prompts, stop, served)
     n = parallel(cfg, info)
-    print(f"[specquant] serve-check: {len(jobs)} vLLM engines ({len(targets)} targets x {len(drafters)} drafters, "
-          f"+ target alone), {n} at a time, {engine(info)}", file=sys.stderr)
+    print(f"[specquant] serve-check: {len(jobs)} vLLM engines ({len(targets)} targets, {len(drafters)} drafters, "
+          f"serve.pairs={cfg.serve.pairs}, + each target alone), {n} at a time, {engine(info)}", file=sys.stderr)
     folder = rd.eval / "serve_check"
     folder.mkdir(parents=True, exist_ok=True)
     first = next(p for ps in prompts.values() for p in ps)
