@@ -32,6 +32,21 @@ from tests._support import write_dflash2_blend as write_blend  # noqa: F401
 from tests._support import write_dflash2_target as write_target  # noqa: F401
 
 
+def _block_widths() -> list[int]:
+    """The widths of the fixture drafter's quantized Linears (in and out): fc reads the aux layers' concatenated
+    hidden states; attention, o_proj and the MLP read and write hidden / heads x head_dim / intermediate."""
+    g = geometry()
+    return [g["hidden"] * len(g["zlab_target_layer_ids"]), g["hidden"], g["intermediate"], g["heads"] * g["head_dim"]]
+
+
+def _blocks_tile() -> bool:
+    """Whether FP8_BLOCK's weight blocks tile every quantized Linear of the fixture (quantize-drafter refuses
+    `fp8-block` otherwise: test_fp8_block_is_refused_where_its_blocks_do_not_tile)."""
+    from pipeline.quant import recipes
+
+    return not any(w % b for w in _block_widths() for b in recipes.SCHEMES["fp8-block"].block)
+
+
 def _variants() -> dict[str, tuple[str, ...]]:
     """Every drafter preset in conf/quant/ (every scheme and algorithm: RTN, GPTQ, imatrix, calibration-free),
     W4A16 ones at the fixture's group size; nvfp4a16-imatrix also with q/k/v quantized (vLLM 0.32+ serves that).
@@ -39,7 +54,7 @@ def _variants() -> dict[str, tuple[str, ...]]:
     out = {}
     for f in sorted((Path(__file__).resolve().parent.parent / "conf" / "quant").glob("*.yaml")):
         name = f.stem
-        if name.endswith("-awq"):
+        if name.endswith("-awq") or (name == "fp8-block" and not _blocks_tile()):
             continue
         out[name] = (f"quant={name}",) + ((f"quant.group_size={w4a16_group()}",) if name.startswith("w4a16") else ())
     out["nvfp4a16-imatrix-qkv"] = ("quant=nvfp4a16-imatrix", "quant.quantize_qkv=true",
@@ -295,6 +310,21 @@ def test_awq_is_refused_for_a_dflash2_drafter(tmp_path):
     with pytest.raises(SpecquantError, match="kernel_projection"):
         recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-awq").quant, dconf, "quant")
     recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-gptq").quant, dconf, "quant")
+
+
+def test_fp8_block_is_refused_where_its_blocks_do_not_tile(world):
+    """FP8_BLOCK stores one scale per 128x128 weight block: a drafter whose widths it does not tile is refused by
+    the stage in one sentence naming `quant.scheme`, before any variant folder is written (where the fixture's
+    widths do tile, `fp8-block` is one of VARIANTS and is written and checked like the others)."""
+    from pipeline.stages import quantize_drafter
+
+    if _blocks_tile():
+        pytest.skip(f"the fixture's widths {_block_widths()} tile 128x128 blocks: fp8-block is tested as a variant")
+    root, _ = world
+    cfg = world_cfg(root, "quant=fp8-block")
+    with pytest.raises(SpecquantError, match=r"quant\.scheme.*fp8-block.*do not tile"):
+        quantize_drafter.run(cfg)
+    assert not (Path(cfg.run_dir) / "drafter" / "fp8-block").exists()
 
 
 def test_reference_loop_drafts_the_selector_path_and_is_lossless(world):
