@@ -27,7 +27,10 @@ from tests._support import build_dflash2_world as build_world
 from tests._support import dflash2_geometry as geometry
 from tests._support import dflash2_w4a16_group as w4a16_group
 from tests._support import dflash2_world_cfg as world_cfg
-from tests._support import one_thread  # noqa: F401 - autouse: one thread, as the other quantize tests
+from tests._support import (
+    nvfp4_qdq_reference,
+    one_thread,  # noqa: F401 - autouse: one thread, as the other quantize tests
+)
 from tests._support import write_dflash2_blend as write_blend  # noqa: F401
 from tests._support import write_dflash2_target as write_target  # noqa: F401
 
@@ -90,6 +93,12 @@ def expected_sets(qkv: bool) -> tuple[set[str], set[str]]:
     return quantized, dense
 
 
+def _quantized_layers(tensors: dict[str, torch.Tensor]) -> set[str]:
+    """The Linears a checkpoint stores quantized: packed 4-bit codes (`weight_packed`) or E4M3 weights (FP8)."""
+    return ({k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")}
+            | {k.removesuffix(".weight") for k in tensors if k.endswith(".weight") and tensors[k].dtype == torch.float8_e4m3fn})
+
+
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
@@ -103,8 +112,9 @@ def test_written_layers_ignore_and_codebooks(world, variant):
     out = root / "qw" / "drafter" / variant
     tensors = _tensors(out)
     quantized, dense = expected_sets("quant.quantize_qkv=true" in VARIANTS[variant])
-    assert {k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")} == quantized
-    linears = {k.removesuffix(".weight") for k in tensors if k.endswith(".weight") and tensors[k].dim() == 2}
+    assert _quantized_layers(tensors) == quantized
+    linears = {k.removesuffix(".weight") for k in tensors if k.endswith(".weight") and tensors[k].dim() == 2
+               and tensors[k].dtype != torch.float8_e4m3fn}
     assert linears == dense
     # base kernels and codebooks: bare Parameters, the source drafter's bytes (neither a recipe nor a rename
     # touched them); the dense projections too
@@ -147,6 +157,12 @@ def decode(tensors: dict[str, torch.Tensor], layer: str, fmt: str, group: int) -
     """A quantized layer's weight decoded from the file alone (not through compressed-tensors): NVFP4 = two E2M1
     codes per byte, low nibble first, times fp8 block scale / global scale (compressed-tensors' decompressor
     hands it out in bfloat16); W4A16 = eight unsigned nibbles per int32, low first, minus 8, times the group scale."""
+    if fmt == "float-quantized":  # FP8: E4M3 weights times a per-tensor, per-channel or per-block float scale
+        w, scale = tensors[f"{layer}.weight"].float(), tensors[f"{layer}.weight_scale"].float()
+        if scale.dim() == 2 and scale.shape[1] > 1:  # 2-D blocks: one scale per (rows x cols) tile
+            rows, cols = -(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1])
+            scale = scale.repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
+        return w * scale
     packed, scale = tensors[f"{layer}.weight_packed"], tensors[f"{layer}.weight_scale"].float()
     if fmt == "nvfp4-pack-quantized":
         codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2).long()
@@ -156,6 +172,22 @@ def decode(tensors: dict[str, torch.Tensor], layer: str, fmt: str, group: int) -
     words = packed.to(torch.int64) & 0xFFFFFFFF
     values = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).flatten(-2).float() - 8
     return values * scale.repeat_interleave(group, -1)
+
+
+def _activation_qdq(x: torch.Tensor, tensors: dict[str, torch.Tensor], layer: str, acts: dict) -> torch.Tensor:
+    """An independent activation quantize-dequantize as the checkpoint's `input_activations` say: NVFP4 (groups
+    of 16 at the stored input_global_scale), or FP8 E4M3 at the stored static per-tensor `input_scale`, or with a
+    dynamic scale per token (or per group of `group_size` channels of a token): amax / 448, saturating."""
+    if acts.get("num_bits") == 4:
+        return nvfp4_qdq_reference(x, tensors[f"{layer}.input_global_scale"])
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    xf = x.float()
+    if not acts.get("dynamic"):
+        scale = tensors[f"{layer}.input_scale"].float()
+        return ((xf / scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    g = xf.unflatten(-1, (-1, int(acts["group_size"]))) if acts.get("strategy") == "group" else xf.unsqueeze(-2)
+    scale = (g.abs().amax(-1, keepdim=True) / fmax).clamp(min=torch.finfo(torch.float32).tiny)
+    return ((g / scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn).float() * scale).flatten(-2).to(x.dtype)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -169,8 +201,6 @@ def test_reload_through_our_model_gives_close_logits(world, variant):
     from pipeline.models.formats import load_drafter
     from pipeline.quant import cache_batches, checks
     from pipeline.stages.cache import CacheReader
-    from tests._support import nvfp4_qdq_reference
-
     root, _ = world
     target, out = root / "target", root / "qw" / "drafter" / variant
     reference = load_drafter(root / "qw" / "drafter" / "bf16", target=target, dtype=torch.float32)
@@ -191,7 +221,7 @@ def test_reload_through_our_model_gives_close_logits(world, variant):
     own = dict(independent.named_modules())
     with torch.no_grad():
         for layer in quantized:
-            w = decode(tensors, layer, qc["format"], int(weights["group_size"]))
+            w = decode(tensors, layer, qc["format"], int(weights["group_size"] or 0))
             assert torch.equal(w, mods[layer].weight.float()), layer
             own[layer].weight.copy_(w)
     g = geometry()
@@ -205,7 +235,7 @@ def test_reload_through_our_model_gives_close_logits(world, variant):
         ref = reference(**batch, select=True)
         served = reloaded(**batch, select=True)
         handles = [own[n].register_forward_pre_hook(
-            lambda m, args, s=tensors[f"{n}.input_global_scale"]: (nvfp4_qdq_reference(args[0], s),))
+            lambda m, args, n=n: (_activation_qdq(args[0], tensors, n, acts),))
             for n in quantized] if acts is not None else []
         try:
             want_served = independent(**batch, select=True)
