@@ -31,13 +31,16 @@ class DrafterFamily:
     Class attributes every family sets: `name` (registry key, lower case), `card_name` (the model card's word),
     `vllm_method` (`speculative_config.method`), `serve_mode` (one of `SERVE_MODES`: serve-check runs the drafter
     in a vLLM engine, or builds vLLM's model class, loads the checkpoint and probes one draft block), `formats`
-    (the checkpoint layouts it is read and written in, `layout.FORMATS`)."""
+    (the checkpoint layouts it is read and written in, `layout.FORMATS`), `head_trim_refusal`."""
 
     name: ClassVar[str]
     card_name: ClassVar[str]
     vllm_method: ClassVar[str] = "dflash"
     serve_mode: ClassVar[str] = "engine"
     formats: ClassVar[tuple[str, ...]] = layout.FORMATS
+    # why `convert --draft-vocab` cannot trim this family's head (None: it can), a clause after "it is a <card_name>
+    # drafter, "
+    head_trim_refusal: ClassVar[str | None] = None
 
     # ---------------------------------------------------------------- reading a checkpoint
     def detects(self, config: Any) -> bool:
@@ -83,6 +86,10 @@ class DrafterFamily:
         """Quantization settings (`q`: the `quant` group) this family's drafter `config` cannot take, refused in one
         sentence before any weight is read."""
 
+    def check_notes(self, config) -> dict[str, Any]:
+        """Entries the family adds to quantize-drafter's record of its check (what the top-1 numbers compare)."""
+        return {}
+
     # ---------------------------------------------------------------- serving it
     def refuse_profile(self, prof, field_name: str) -> None:
         """A vLLM range (a `pipeline.serving.contract.Profile`) that cannot serve this family, refused in one
@@ -91,6 +98,11 @@ class DrafterFamily:
     def vllm_record(self, prof) -> dict[str, Any]:
         """The stage record's `vllm` entry of a checkpoint of this family written for the range `prof`."""
         return prof.record()
+
+    def recorded_versions(self, record: dict[str, Any]) -> str | None:
+        """The releases a `vllm_record` entry says serve this family's checkpoints, where narrower than the range's
+        own `versions` (the card names them); None: the range's."""
+        return None
 
     def vllm_linears(self, config: Any, num_target_layers: int) -> list[str]:
         """Every Linear vLLM builds for a drafter `config` (a speculators config.json dict or a parsed config),

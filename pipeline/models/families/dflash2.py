@@ -78,6 +78,7 @@ class DFlash2(DFlash):
     card_name = "DFlash2"
     vllm_method = "dflash"  # vLLM picks its DFlash2 class from the checkpoint's config
     serve_mode = "load-and-probe"
+    head_trim_refusal = "whose candidate selector reads the target's whole head"
 
     def detects(self, config: Any) -> bool:
         """speculators `dflash2`, z-lab `DFlash2DraftModel`, or any DFlash2 field set (top level or z-lab's
@@ -113,6 +114,10 @@ class DFlash2(DFlash):
                             "mlp_conv.kernel_projection, changing its convolution coefficients",
                             f"use {field_name}.algorithm=gptq (e.g. quant=w4a16-gptq)")
 
+    def check_notes(self, config) -> dict[str, Any]:
+        """With a candidate selector the drafter drafts the selector's path: the check's top-1 compares it."""
+        return {"top1_of": "candidate_selector path"} if field(config, "selector_rank") is not None else {}
+
     def refuse_profile(self, prof, field_name: str) -> None:
         """A range without a DFlash2 model class (`Profile.dflash2_first` None: 0.26)."""
         if prof.dflash2_first is None:
@@ -123,6 +128,10 @@ class DFlash2(DFlash):
     def vllm_record(self, prof) -> dict[str, Any]:
         """The range's record with the releases that build vLLM's DFlash2 class and the DFlash2 rules."""
         return prof.record(dflash2=True)
+
+    def recorded_versions(self, record: dict[str, Any]) -> str | None:
+        """The releases of the range that build vLLM's DFlash2 class (`Profile.dflash2_versions`)."""
+        return record.get("dflash2_versions")
 
     def vllm_layer_linears(self, config: Any, prefix: str) -> list[str]:
         """DFlash's, then the layer's two convolution kernel projections (vLLM's `qwen3_dflash2.py` names)."""
