@@ -35,12 +35,13 @@ from tests._support import write_dflash2_target as write_target  # noqa: F401
 def _variants() -> dict[str, tuple[str, ...]]:
     """Every drafter preset in conf/quant/ (every scheme and algorithm: RTN, GPTQ, imatrix, calibration-free),
     W4A16 ones at the fixture's group size; nvfp4a16-imatrix also with q/k/v quantized (vLLM 0.32+ serves that).
-    AWQ needs CUDA and is refused for DFlash2 (`test_awq_is_refused_for_a_dflash2_drafter`)."""
+    AWQ needs CUDA and is refused for DFlash2 (`test_awq_is_refused_for_a_dflash2_drafter`). The FP8 presets are
+    left out: these checks decode 4-bit packed weights, and FP8_BLOCK's 128x128 blocks tile no fixture layer."""
     out = {}
     for f in sorted((Path(__file__).resolve().parent.parent / "conf" / "quant").glob("*.yaml")):
         name = f.stem
-        if name.endswith("-awq"):
-            continue
+        if name.endswith("-awq") or name.startswith("fp8"):  # FP8 presets (issue 45): not covered here yet
+            continue  # (the checks below decode 4-bit packed weights; fp8-block's blocks tile no fixture layer)
         out[name] = (f"quant={name}",) + ((f"quant.group_size={w4a16_group()}",) if name.startswith("w4a16") else ())
     out["nvfp4a16-imatrix-qkv"] = ("quant=nvfp4a16-imatrix", "quant.quantize_qkv=true",
                                    "quant.name=nvfp4a16-imatrix-qkv")
@@ -288,13 +289,14 @@ def test_contract_refuses_the_known_dflash2_failures(world):
 def test_awq_is_refused_for_a_dflash2_drafter(tmp_path):
     """AWQ's norm -> gate/up smoothing would rescale the MLP convolution's kernel_projection input (CUDA-only, so
     the refusal is checked directly; the stage calls it before any weight is read)."""
+    from pipeline.models import families
     from pipeline.models.formats import load_drafter_config
-    from pipeline.quant import recipes
 
     dconf = load_drafter_config(DRAFTER)
+    family = families.family_of(dconf)
     with pytest.raises(SpecquantError, match="kernel_projection"):
-        recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-awq").quant, dconf, "quant")
-    recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-gptq").quant, dconf, "quant")
+        family.check_settings(world_cfg(tmp_path, "quant=w4a16-awq").quant, dconf, "quant")
+    family.check_settings(world_cfg(tmp_path, "quant=w4a16-gptq").quant, dconf, "quant")
 
 
 def test_reference_loop_drafts_the_selector_path_and_is_lossless(world):
