@@ -29,10 +29,11 @@ import torch
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core import hashes
 from pipeline.core.errors import bad_value
-from pipeline.core.io import PARTIAL_PREFIX, atomic_dir, atomic_write_json, read_json, remove_partials
+from pipeline.core.io import PARTIAL_PREFIX, atomic_dir, atomic_write_json, remove_partials
 from pipeline.core.loading import checkpoint_sha256
 from pipeline.core.seeding import seed_everything
 from pipeline.models import families
+from pipeline.models.checkpoint_info import CheckpointInfo
 from pipeline.quant import cache_batches, calibrate, drafter_checks, export, pairing, recipes
 
 FIELD = "quant"
@@ -298,7 +299,7 @@ def run(cfg) -> dict:
         "output": str(out), "reference": str(reference), "scheme": q.scheme, "observer": q.observer,
         "observer_kwargs": dict(q.observer_kwargs or {}), "algorithm": q.algorithm,
         "group_size": recipes.group_size(q), "ignore": ignore, "calibration": q.calibration,
-        "ignore_written": read_json(out / "config.json", "config.json")["quantization_config"]["ignore"],
+        "ignore_written": list(CheckpointInfo.read(out, f"drafter/{q.name}").ignore),
         "ignore_compressed_tensors": native_ignore,
         # the vLLM range the checkpoint is written and checked for
         "vllm": families.family_of(dconf).vllm_record(contract_profile(q)),

@@ -52,6 +52,10 @@ class DrafterFamily:
         shape}), one sentence per bad field (`pipeline.models.validation`)."""
         raise NotImplementedError
 
+    def check_target(self, config: Any, target_config: Any) -> None:
+        """What the family adds to `compat.check_compatible` (a drafter `config` against its target's config, from
+        configs alone), one sentence per misfit."""
+
     def config_class(self) -> type:
         """The transformers config class of the family's drafters (imports torch)."""
         raise NotImplementedError

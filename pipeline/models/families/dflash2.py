@@ -19,6 +19,7 @@ from pipeline.models.families.dflash import DFlash, validate_dflash_config
 from pipeline.models.fields import get as _get
 from pipeline.models.fields import is_int as _is_int
 from pipeline.models.fields import rows as _rows
+from pipeline.models.targets import text_config
 
 CONVS = ("attention_conv", "mlp_conv")
 SELECTOR_PROJECTION = "candidate_selector.hidden_projection"  # vLLM's name adds `model.`
@@ -91,6 +92,19 @@ class DFlash2(DFlash):
 
     def validate(self, config: Any, tensors: Shapes | None = None) -> None:
         validate_dflash2_config(config, tensors)
+
+    def check_target(self, config: Any, target_config: Any) -> None:
+        """The selector's top-K within the target's vocabulary (its own fields: `validate_dflash2_config`)."""
+        top_k = field(config, "selector_top_k")
+        if top_k is None:
+            return
+        v_t = field(target_config, "vocab_size")
+        if v_t is None:  # a multimodal target keeps it in its text config
+            v_t = field(text_config(target_config), "vocab_size")
+        if not 1 <= top_k <= v_t:
+            raise bad_value("drafter.selector_top_k", top_k, f"the selector keeps the top-K candidates of the target's "
+                            f"{v_t}-token vocabulary, so K must be between 1 and {v_t}",
+                            "use a drafter whose selector_top_k fits this target's vocabulary")
 
     def dense_linears(self, config) -> list[str]:
         """Every convolution's `kernel_projection` (its per-row kernel coefficients; vLLM 0.31+ builds it with the
