@@ -40,7 +40,7 @@ def validate_dflash_config(cfg, tensors: Shapes | None = None) -> None:
                   "fix the drafter config's head counts")
     if not _is_int(hd) or hd < 1 or hd % 2:
         raise err("head_dim", hd, "RoPE needs an even, positive head dimension", "fix the drafter config's head_dim")
-    n, h, vocab = _get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size"), _get(cfg, "vocab_size")
+    n, vocab = _get(cfg, "num_hidden_layers"), _get(cfg, "vocab_size")
     kinds = _get(cfg, "layer_types")
     if kinds is not None:
         kinds = list(kinds) if isinstance(kinds, list | tuple) else kinds
@@ -67,10 +67,14 @@ def validate_dflash_config(cfg, tensors: Shapes | None = None) -> None:
                   "set the aux layers (z-lab target_layer_ids / speculators aux_hidden_state_layer_ids)")
     if len(set(ids)) != len(ids):
         raise err("drafter.aux_layer_ids", list(ids), "it repeats a layer", "list each aux layer once")
-    trimmed = _get(cfg, "draft_vocab_size")
-    if tensors is None:
-        return
-    # ---- against the tensors: each shape names the field it follows from
+    if tensors is not None:
+        _against_tensors(cfg, tensors, heads, kv, hd, ids)
+
+
+def _against_tensors(cfg, tensors: Shapes, heads: int, kv: int, hd: int, ids: list[int]) -> None:
+    """`validate_dflash_config`'s second half: each field against the tensor shape that follows from it."""
+    err = bad_value
+    n, h, trimmed = _get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size"), _get(cfg, "draft_vocab_size")
     norm = tensors.get("norm.weight")
     if norm and norm[0] != h:
         raise err("drafter.hidden_size", h, f"the checkpoint's norm.weight has {norm[0]} channels",
