@@ -53,7 +53,8 @@ def _blocks_tile() -> bool:
 def _variants() -> dict[str, tuple[str, ...]]:
     """Every drafter preset in conf/quant/ (every scheme and algorithm: RTN, GPTQ, imatrix, calibration-free),
     W4A16 ones at the fixture's group size; nvfp4a16-imatrix also with q/k/v quantized (vLLM 0.32+ serves that).
-    AWQ needs CUDA and is refused for DFlash2 (`test_awq_is_refused_for_a_dflash2_drafter`)."""
+    AWQ needs CUDA and is refused for DFlash2 (`test_awq_is_refused_for_a_dflash2_drafter`). FP8 presets too:
+    `fp8-block` where its 128x128 blocks tile the fixture's widths (else its refusal is tested)."""
     out = {}
     for f in sorted((Path(__file__).resolve().parent.parent / "conf" / "quant").glob("*.yaml")):
         name = f.stem
@@ -333,13 +334,14 @@ def test_contract_refuses_the_known_dflash2_failures(world):
 def test_awq_is_refused_for_a_dflash2_drafter(tmp_path):
     """AWQ's norm -> gate/up smoothing would rescale the MLP convolution's kernel_projection input (CUDA-only, so
     the refusal is checked directly; the stage calls it before any weight is read)."""
+    from pipeline.models import families
     from pipeline.models.formats import load_drafter_config
-    from pipeline.quant import recipes
 
     dconf = load_drafter_config(DRAFTER)
+    family = families.family_of(dconf)
     with pytest.raises(SpecquantError, match="kernel_projection"):
-        recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-awq").quant, dconf, "quant")
-    recipes.check_dflash2(world_cfg(tmp_path, "quant=w4a16-gptq").quant, dconf, "quant")
+        family.check_settings(world_cfg(tmp_path, "quant=w4a16-awq").quant, dconf, "quant")
+    family.check_settings(world_cfg(tmp_path, "quant=w4a16-gptq").quant, dconf, "quant")
 
 
 def test_fp8_block_is_refused_where_its_blocks_do_not_tile(world):

@@ -37,7 +37,6 @@ def check_empty_target(dst: Path) -> None:
 def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = None,
             verifier_architectures: list[str] | None = None, draft_vocab: int | None = None,
             target: str | Path | None = None, counts_from: str | Path | None = None) -> Path:
-    from pipeline.core.io import read_json
     from pipeline.models.formats import (
         FORMATS,
         borrowed_keys,
@@ -60,9 +59,9 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
                                   ("--counts-from", counts_from)) if v is None]
         raise bad_value(missing[0], None, "a trimmed head needs --draft-vocab, --target and --counts-from together",
                         f"add {' and '.join(missing)}")
-    from pipeline.artifacts.checkpoint import read_quantization_config
+    from pipeline.models.checkpoint_info import CheckpointInfo
 
-    quantized = (src / "config.json").is_file() and read_quantization_config(src) is not None
+    quantized = (src / "config.json").is_file() and CheckpointInfo.read(src, "SRC").quantized
     if quantized and not trim:
         raise bad_value("SRC", str(src), "it is a quantized (compressed-tensors) checkpoint, which convert re-labels "
                         "only while trimming its head", "convert the full-precision drafter, or add --draft-vocab")
@@ -76,7 +75,7 @@ def convert(src: str | Path, dst: str | Path, to: str, verifier: str | None = No
         cfg.verifier_name_or_path = verifier
         vdir = Path(verifier) if Path(verifier).is_absolute() else dst / verifier
         if verifier_architectures is None and (vdir / "config.json").is_file():
-            verifier_architectures = read_json(vdir / "config.json").get("architectures")
+            verifier_architectures = list(CheckpointInfo.read(vdir, "--verifier").architectures) or None
     if verifier_architectures is not None:
         cfg.verifier_architectures = list(verifier_architectures)
     if trim:
@@ -142,7 +141,8 @@ def _ignores_head(qc: dict) -> bool:
 def write_trimmed(src: Path, dst: Path, to: str, cfg, n: int, target: Path, counts_from, quantized: bool) -> Path:
     """Write SRC with a head trimmed to `n` ids to DST in one rename (`atomic_dir`)."""
     from pipeline.core.io import atomic_dir, read_json
-    from pipeline.models import validation
+    from pipeline.models import families, validation
+    from pipeline.models.checkpoint_info import CheckpointInfo
     from pipeline.models.compat import check_compatible
     from pipeline.models.formats import check_tensors, config_dict_for, read_tensors, write_checkpoint
 
@@ -151,13 +151,14 @@ def write_trimmed(src: Path, dst: Path, to: str, cfg, n: int, target: Path, coun
     if cfg.has_draft_vocab:
         raise bad_value("SRC", str(src), f"its head is already trimmed to {cfg.draft_vocab_size} tokens",
                         "trim the full-vocabulary drafter instead")
-    if cfg.is_dflash2:
-        raise bad_value("SRC", str(src), "it is a DFlash2 drafter, whose candidate selector reads the target's whole "
-                        "head", "trim a DFlash drafter's head only")
+    family = families.family_of(cfg)
+    if family.head_trim_refusal:
+        raise bad_value("SRC", str(src), f"it is a {family.card_name} drafter, {family.head_trim_refusal}",
+                        "trim a DFlash drafter's head only")
     if quantized and to != "speculators":
         raise bad_value("--to", to, "a quantized drafter is written in speculators layout only (where vLLM reads its "
                         "quantization_config)", "use --to speculators")
-    if quantized and not read_json(src / "config.json", "SRC").get("speculators_model_type"):
+    if quantized and CheckpointInfo.read(src, "SRC").format != "speculators":
         raise bad_value("SRC", str(src), "it is a quantized checkpoint not in speculators layout",
                         "trim the checkpoint quantize-drafter wrote (runs/<run>/drafter/<variant>)")
     tensors = read_tensors(src)

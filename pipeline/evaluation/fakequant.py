@@ -149,14 +149,14 @@ def load_drafter_variant(path: str | Path, target, dtype: torch.dtype, device: s
     its own trimmed head), then loaded with `load_checkpoint_into`, so `spec_decode` runs them like any other
     drafter.
     """
-    from pipeline.models.dflash import DFlashDrafter
+    from pipeline.models import families
     from pipeline.models.formats import load_drafter, load_drafter_config
 
     if read_quantization_config(path) is None:
         dense = {"quantization": describe(None), "quantized_modules": [], "activation_quantized_modules": []}
         return load_drafter(path, target=target, dtype=dtype, device=device), dense
     cfg = load_drafter_config(path)
-    drafter = DFlashDrafter(cfg).to(dtype)
+    drafter = families.family_of(cfg, str(path)).model_class()(cfg).to(dtype)
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     drafter.attach_target_weights(embed, head)
     summary = load_checkpoint_into(drafter, path)

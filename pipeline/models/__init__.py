@@ -1,4 +1,5 @@
-"""The DFlash drafter (model, formats, compatibility checks, speculative decoding).
+"""Drafter and target families: the DFlash drafter (model, formats, compatibility checks, speculative decoding), the
+drafter-family registry (`pipeline.models.families`), the target families (`targets`) and `checkpoint_info`.
 
 Kept import-light (no torch here) so `pipeline.models.layout` / `compat` answer in well under a
 second; `DFlashConfig` is registered with `AutoConfig` when `pipeline.models.dflash` is imported.

@@ -101,27 +101,16 @@ def _check_mask(d, tokenizer, mask_token, err) -> None:
                       f"mask_token_id is {mid}", "use the tokenizer the drafter was trained with")
 
 
-def _check_dflash2(d, t, err) -> None:
-    """DFlash2's selector against the target's vocabulary (its own fields: `validation.validate_dflash2_config`)."""
-    top_k = getattr(d, "selector_top_k", None)
-    if top_k is None:
-        return  # a DFlash drafter
-    v_t = _get(t, "vocab_size")
-    if not 1 <= top_k <= v_t:
-        raise err("drafter.selector_top_k", top_k, f"the selector keeps the top-K candidates of the target's "
-                  f"{v_t}-token vocabulary, so K must be between 1 and {v_t}",
-                  "use a drafter whose selector_top_k fits this target's vocabulary")
-
-
 def check_compatible(drafter_config, target_config, tokenizer=None, mask_token: str | None = None) -> None:
     """Raise `SpecquantError` (one sentence) if the drafter cannot run on this target/tokenizer."""
     from pipeline.core.errors import bad_value
+    from pipeline.models.families import family_of
     from pipeline.models.validation import validate_drafter_config
 
     validate_drafter_config(drafter_config)  # the drafter's own fields (its family's validator)
     _check_hidden(drafter_config, target_config, bad_value)
     _check_vocab(drafter_config, target_config, tokenizer, bad_value)
-    _check_dflash2(drafter_config, target_config, bad_value)
+    family_of(drafter_config).check_target(drafter_config, target_config)  # what the family adds (DFlash2's top-K)
     _check_layers(drafter_config, target_config, bad_value)
     _check_mask(drafter_config, tokenizer, mask_token, bad_value)
 

@@ -1,9 +1,10 @@
 """Every config field of every drafter and target family, checked before any work (issue 47).
 
 One validator per family, a self-contained function of (config, tensors):
-- drafters (`DRAFTER_FAMILIES`, picked by `drafter_family`): `validate_dflash_config` (DFlash: layer sizes,
-  layer types and sliding windows, block size, mask id, aux layers) and `validate_dflash2_config` (DFlash's
-  checks, then the convolution's group and taps and the selector's rank and top-K);
+- drafters (each in its family's module, `pipeline.models.families`, picked by `families.family_of`):
+  `validate_dflash_config` (DFlash: layer sizes, layer types and sliding windows, block size, mask id, aux layers)
+  and `validate_dflash2_config` (DFlash's checks, then the convolution's group and taps and the selector's rank
+  and top-K), re-exported here;
 - targets (`TARGET_FAMILIES`, keyed by `pipeline.models.targets.Family.name`): `validate_dense_config`
   (Qwen3/Llama-style decoders) and `validate_qwen3_5_config` (the Qwen3.5 hybrid: its `layer_types` and
   linear-attention sizes as well).
@@ -11,7 +12,7 @@ One validator per family, a self-contained function of (config, tensors):
 {name: shape} from the checkpoint's safetensors headers (`tensor_shapes`: no weight is read), or None when no
 header can be read (the loaders then refuse the files in their own sentence). A field is checked against the
 other fields first, then against the tensors that carry it; a tensor a checkpoint does not store under its plain
-name (a compressed-tensors `weight_packed`) is not looked at. Each bad field is one `bad_value` sentence naming
+name (a compressed-tensors `weight_packed`) is not looked at. The shared field checks are `pipeline.models.fields`. Each bad field is one `bad_value` sentence naming
 the field, its value and the fix.
 
 The stages call `check_drafter`, `check_target` and `compat.check_checkpoints` (the two, then the pair's
@@ -22,239 +23,39 @@ cache, quantize-drafter, quantize-target, evaluate, serve-check and convert. Not
 from __future__ import annotations
 
 import json
-import re
-import struct
 from pathlib import Path
-from typing import Any
 
 from pipeline.core.errors import bad_value
-
-Shapes = dict[str, tuple[int, ...]]
-DRAFTER_LAYER_KINDS = ("full_attention", "sliding_attention")
-DENSE_LAYER_KINDS = ("full_attention", "sliding_attention")
-HYBRID_LAYER_KINDS = ("full_attention", "linear_attention")
-LEGACY_HYBRID_KINDS = {"attention": "full_attention", "mamba": "linear_attention"}  # transformers' remap
-MAX_HEADER_BYTES = 100 << 20
-
-
-# ---------------------------------------------------------------- the checkpoint's tensors, from headers only
-def tensor_shapes(path: str | Path) -> Shapes | None:
-    """{tensor name: shape} over every *.safetensors file of a directory, from the headers (8-byte length +
-    JSON) alone; None when there is none or a header cannot be read (`pipeline.core.loading` names those)."""
-    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
-    if not files:
-        return None
-    out: Shapes = {}
-    for f in files:
-        try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                if not 0 < n <= MAX_HEADER_BYTES:
-                    return None
-                header = json.loads(fh.read(n))
-            for name, entry in header.items():
-                if name != "__metadata__":
-                    out[name] = tuple(int(x) for x in entry["shape"])
-        except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError):
-            return None
-    return out
+from pipeline.models.families import family_of
+from pipeline.models.families.dflash import validate_dflash_config
+from pipeline.models.families.dflash2 import validate_dflash2_config
+from pipeline.models.fields import (  # noqa: F401 - MAX_HEADER_BYTES, Shapes: the names this module always had
+    DENSE_LAYER_KINDS,
+    HYBRID_LAYER_KINDS,
+    LEGACY_HYBRID_KINDS,
+    MAX_HEADER_BYTES,
+    Shapes,
+    tensor_shapes,
+)
+from pipeline.models.fields import get as _get
+from pipeline.models.fields import is_int as _is_int
+from pipeline.models.fields import layer_ids as _layer_ids
+from pipeline.models.fields import layer_kinds as _layer_kinds
+from pipeline.models.fields import positive as _positive
+from pipeline.models.fields import rows as _rows
+from pipeline.models.fields import sliding_window as _sliding_window
 
 
-def _get(cfg: Any, key: str, default=None):
-    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _positive(cfg, key: str, where: str, fix: str) -> int:
-    v = _get(cfg, key)
-    if not _is_int(v) or v < 1:
-        raise bad_value(f"{where}.{key}", v, "it must be a positive integer", fix)
-    return v
-
-
-def _layer_ids(tensors: Shapes, prefix: str) -> list[int]:
-    pat = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
-    return sorted({int(m.group(1)) for name in tensors if (m := pat.match(name))})
-
-
-def _rows(tensors: Shapes | None, name: str) -> int | None:
-    shape = (tensors or {}).get(name)
-    return shape[0] if shape else None
-
-
-def _layer_kinds(where: str, kinds, n: int, allowed: tuple[str, ...], fix: str) -> list[str]:
-    if not isinstance(kinds, list | tuple) or not all(isinstance(k, str) for k in kinds):
-        raise bad_value(f"{where}.layer_types", kinds, "it is not a list of layer type names", fix)
-    if len(kinds) != n:
-        raise bad_value(f"{where}.layer_types", list(kinds), f"it has {len(kinds)} entr{'y' if len(kinds) == 1 else 'ies'} but num_hidden_layers is "
-                        f"{n} (one entry per decoder layer)", fix)
-    other = [i for i, k in enumerate(kinds) if k not in allowed]
-    if other:
-        raise bad_value(f"{where}.layer_types", list(kinds), f"entry {other[0]} ({kinds[other[0]]!r}) is not one of "
-                        f"{', '.join(allowed)}", fix)
-    return list(kinds)
-
-
-def _sliding_window(cfg, where: str, kinds: list[str], fix: str) -> None:
-    sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
-    window = _get(cfg, "sliding_window")
-    if (sliding or _get(cfg, "use_sliding_window") is True) and (not _is_int(window) or window < 1):
-        which = f"layers {sliding} are sliding_attention layers" if sliding else "use_sliding_window is true"
-        raise bad_value(f"{where}.sliding_window", window, f"{which} and need a positive window size", fix)
-
-
-# ---------------------------------------------------------------- drafters
+# ---------------------------------------------------------------- drafters: each family's own validator
 def drafter_family(cfg) -> str:
-    """`dflash2` where the config sets DFlash2's convolution/selector fields, else `dflash`."""
-    from pipeline.models.layout import DFLASH2_FIELDS
-
-    return "dflash2" if any(_get(cfg, k) is not None for k in DFLASH2_FIELDS) else "dflash"
-
-
-def validate_dflash_config(cfg, tensors: Shapes | None = None) -> None:
-    """A DFlash drafter's fields against each other and its checkpoint's tensors (`tensors`: {name: shape})."""
-    err = bad_value
-    fix = "use a drafter exported with a consistent config.json (or fix that field)"
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        _positive(cfg, key, "drafter", fix)
-    bs = _get(cfg, "block_size")
-    if not _is_int(bs) or bs < 2:  # the sentence test_bad_inputs and test_dflash2 know
-        raise err("block_size", bs, "a DFlash block holds the bonus token plus at least one mask token",
-                  "use block_size >= 2 (z-lab drafters use 16)")
-    heads, kv, hd = _get(cfg, "num_attention_heads"), _get(cfg, "num_key_value_heads"), _get(cfg, "head_dim")
-    kv = heads if kv is None else kv  # DFlashConfig's defaults
-    hd = _get(cfg, "hidden_size") // heads if hd is None else hd
-    if not _is_int(kv) or kv < 1 or heads % kv:
-        raise err("num_attention_heads", heads, f"it is not a multiple of num_key_value_heads={kv}",
-                  "fix the drafter config's head counts")
-    if not _is_int(hd) or hd < 1 or hd % 2:
-        raise err("head_dim", hd, "RoPE needs an even, positive head dimension", "fix the drafter config's head_dim")
-    n, h, vocab = _get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size"), _get(cfg, "vocab_size")
-    kinds = _get(cfg, "layer_types")
-    if kinds is not None:
-        kinds = list(kinds) if isinstance(kinds, list | tuple) else kinds
-        other = [i for i, t in enumerate(kinds) if t not in DRAFTER_LAYER_KINDS] if isinstance(kinds, list) else []
-        if other:  # the sentence this had before issue 47
-            raise err("drafter.layer_types", kinds, f"layers {other} are neither full_attention nor "
-                      "sliding_attention, which this drafter implementation does not support",
-                      "use a drafter with attention layers only")
-        kinds = _layer_kinds("drafter", kinds, n, DRAFTER_LAYER_KINDS,
-                             f"give one full_attention or sliding_attention entry per draft layer ({n})")
-        window = _get(cfg, "sliding_window")
-        sliding = [i for i, t in enumerate(kinds) if t == "sliding_attention"]
-        if sliding and (not _is_int(window) or window < 1):
-            raise err("drafter.sliding_window", window, f"layers {sliding} are sliding_attention layers and need a "
-                      "positive window size", "set the drafter config's sliding_window (z-lab's DFlash2 drafters "
-                      "use 2048)")
-    mid = _get(cfg, "mask_token_id")
-    if not _is_int(mid) or not 0 <= mid < vocab:
-        raise err("drafter.mask_token_id", mid, f"it is not a token id of the {vocab}-token vocabulary",
-                  "set the drafter's mask_token_id to the tokenizer's mask token")
-    ids = _get(cfg, "aux_layer_ids")
-    if not ids or not all(_is_int(m) for m in ids):
-        raise err("drafter.aux_layer_ids", ids, "a DFlash drafter needs a list of target layer ids",
-                  "set the aux layers (z-lab target_layer_ids / speculators aux_hidden_state_layer_ids)")
-    if len(set(ids)) != len(ids):
-        raise err("drafter.aux_layer_ids", list(ids), "it repeats a layer", "list each aux layer once")
-    trimmed = _get(cfg, "draft_vocab_size")
-    if tensors is None:
-        return
-    # ---- against the tensors: each shape names the field it follows from
-    norm = tensors.get("norm.weight")
-    if norm and norm[0] != h:
-        raise err("drafter.hidden_size", h, f"the checkpoint's norm.weight has {norm[0]} channels",
-                  f"set hidden_size to {norm[0]} (the drafter's width)")
-    layers = _layer_ids(tensors, "")
-    if layers and layers[-1] + 1 != n:
-        raise err("drafter.num_hidden_layers", n, f"the checkpoint holds {layers[-1] + 1} draft layers "
-                  f"(layers.0 .. layers.{layers[-1]})", f"set num_hidden_layers to {layers[-1] + 1}")
-    head_norm = tensors.get("layers.0.self_attn.q_norm.weight")
-    if head_norm and head_norm[0] != hd:
-        raise err("drafter.head_dim", hd, f"the checkpoint's per-head q_norm has {head_norm[0]} dimensions",
-                  f"set head_dim to {head_norm[0]}")
-    for proj, key, count in (("q_proj", "num_attention_heads", heads), ("k_proj", "num_key_value_heads", kv)):
-        rows = _rows(tensors, f"layers.0.self_attn.{proj}.weight")
-        if rows is not None and rows != count * hd:
-            right = f"set {key} to {rows // hd}" if rows % hd == 0 else "use the config the drafter was exported with"
-            raise err(f"drafter.{key}", count, f"the checkpoint's {proj} has {rows} rows, not {key} x head_dim = "
-                      f"{count} x {hd}", right)
-    rows = _rows(tensors, "layers.0.mlp.gate_proj.weight")
-    if rows is not None and rows != _get(cfg, "intermediate_size"):
-        raise err("drafter.intermediate_size", _get(cfg, "intermediate_size"), f"the checkpoint's mlp.gate_proj "
-                  f"has {rows} rows", f"set intermediate_size to {rows}")
-    fc = tensors.get("fc.weight")
-    width = _get(cfg, "target_hidden_size") or h
-    if fc and len(fc) == 2 and fc[1] != len(ids) * width:
-        if fc[1] % width == 0:
-            raise err("drafter.aux_layer_ids", list(ids), f"the checkpoint's fc reads {fc[1] // width} x {width} "
-                      f"target features, so the drafter was trained on {fc[1] // width} aux layers, not {len(ids)}",
-                      f"list the {fc[1] // width} target layers the drafter was trained on")
-        raise err("drafter.target_hidden_size", _get(cfg, "target_hidden_size"), f"the checkpoint's fc reads "
-                  f"{fc[1]} features, not {len(ids)} aux layers x {width}", "use the config the drafter was "
-                  "exported with")
-    if trimmed is not None:
-        rows = _rows(tensors, "lm_head.weight")
-        if rows is not None and rows != trimmed:
-            raise err("drafter.draft_vocab_size", trimmed, f"the checkpoint's own lm_head has {rows} rows",
-                      f"set draft_vocab_size to {rows}")
-
-
-def validate_dflash2_config(cfg, tensors: Shapes | None = None) -> None:
-    """A DFlash2 drafter: DFlash's checks, then its convolution (group size vs the hidden size, taps vs the block
-    size) and candidate selector (rank, top-K vs the vocabulary), against each other and the tensors."""
-    validate_dflash_config(cfg, tensors)
-    err = bad_value
-    h, bs, vocab = _get(cfg, "hidden_size"), _get(cfg, "block_size"), _get(cfg, "vocab_size")
-    taps, group = _get(cfg, "conv_kernel_size"), _get(cfg, "conv_group_size")
-    rank, top_k = _get(cfg, "selector_rank"), _get(cfg, "selector_top_k")
-    if not _is_int(group) or group < 1 or h % group:
-        raise err("drafter.conv_group_size", group, f"it does not divide the drafter's hidden size {h} (the "
-                  "convolution shares one dynamic coefficient per group of channels)",
-                  f"use a conv_group_size that divides {h}")
-    if not _is_int(taps) or not 1 <= taps <= bs:
-        raise err("drafter.conv_kernel_size", taps, f"the convolution runs inside one {bs}-token block, so "
-                  f"it needs between 1 and block_size={bs} taps", "use a drafter exported with a valid "
-                  "conv_kernel_size (DFlash2 uses 2)")
-    if not _is_int(rank) or rank < 1:
-        raise err("drafter.selector_rank", rank, "the candidate selector needs a positive rank",
-                  "use a drafter exported with its selector_rank (DFlash2 uses 256)")
-    if not _is_int(top_k) or not 1 <= top_k <= vocab:
-        raise err("drafter.selector_top_k", top_k, f"the selector keeps the top-K candidates of the "
-                  f"{vocab}-token vocabulary, so K must be between 1 and {vocab}",
-                  f"set selector_top_k to at most {vocab} (the value the drafter was trained with)")
-    if tensors is None:
-        return
-    base = tensors.get("layers.0.attention_conv.base_kernel")
-    if base and len(base) == 3 and base[1] != taps:
-        raise err("drafter.conv_kernel_size", taps, f"the checkpoint's convolution kernels have {base[1]} taps "
-                  f"(layers.0.attention_conv.base_kernel is {list(base)})", f"set conv_kernel_size to {base[1]}")
-    rows = _rows(tensors, "layers.0.attention_conv.kernel_projection.weight")
-    if rows is not None and rows != 2 * taps * (h // group):
-        groups = rows // (2 * taps) if rows % (2 * taps) == 0 else None
-        right = f"set conv_group_size to {h // groups}" if groups and h % groups == 0 else \
-            "use the config the drafter was exported with"
-        raise err("drafter.conv_group_size", group, f"the checkpoint's convolutions make {groups or '?'} dynamic "
-                  f"coefficients per tap, not hidden_size / conv_group_size = {h // group}", right)
-    rows = _rows(tensors, "candidate_selector.hidden_projection.weight")
-    if rows is not None and rows != rank:
-        raise err("drafter.selector_rank", rank, f"the checkpoint's selector projects to rank {rows}",
-                  f"set selector_rank to {rows}")
-    for book in ("predecessor_codebook", "successor_codebook"):
-        shape = tensors.get(f"candidate_selector.{book}") or tensors.get(f"candidate_selector.{book}.weight")
-        if shape and shape[0] != vocab:
-            raise err("drafter.vocab_size", vocab, f"the checkpoint's selector codebooks have {shape[0]} rows "
-                      "(one per token)", "use the config the drafter was exported with")
-
-
-DRAFTER_FAMILIES = {"dflash": validate_dflash_config, "dflash2": validate_dflash2_config}
+    """The name of the drafter family of `cfg` (`pipeline.models.families.family_of`)."""
+    return family_of(cfg).name
 
 
 def validate_drafter_config(cfg, tensors: Shapes | None = None) -> None:
-    """The drafter family's validator (`DRAFTER_FAMILIES`)."""
-    DRAFTER_FAMILIES[drafter_family(cfg)](cfg, tensors)
+    """The drafter family's validator (`DrafterFamily.validate`: `validate_dflash_config`,
+    `validate_dflash2_config`, each in its family's module)."""
+    family_of(cfg).validate(cfg, tensors)
 
 
 # ---------------------------------------------------------------- targets
@@ -449,5 +250,5 @@ def check_target(path: str | Path, revision: str | None = None, where: str = "ta
 
 
 __all__ = ["tensor_shapes", "drafter_family", "validate_dflash_config", "validate_dflash2_config",
-           "validate_drafter_config", "DRAFTER_FAMILIES", "validate_dense_config", "validate_qwen3_5_config",
+           "validate_drafter_config", "validate_dense_config", "validate_qwen3_5_config",
            "validate_target_config", "TARGET_FAMILIES", "check_drafter", "check_target"]

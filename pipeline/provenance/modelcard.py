@@ -150,15 +150,6 @@ def _pair_caveat(p: dict[str, Any]) -> list[str]:
             "below).", ""]
 
 
-def _dflash2_lines(family: str) -> list[str]:
-    """What a DFlash2 drafter keeps dense beside the scheme's ignore list."""
-    if family != "DFlash2":
-        return []
-    return ["- DFlash2: every convolution's `kernel_projection` and the candidate selector's `hidden_projection` "
-            "stay dense (`config.json`'s `ignore` names each under specquant's and vLLM's module names); the convolutions' "
-            "`base_kernel` and the selector's codebooks are not Linear layers and are stored unquantized"]
-
-
 def render(info: dict[str, Any]) -> str:
     """The whole README.md. `info` keys: see pipeline.stages.publish.card_info."""
     sig = info.get("signature")
@@ -189,7 +180,7 @@ def render(info: dict[str, Any]) -> str:
            "Using it with any other target gives meaningless proposals (near-zero acceptance).", "",
            "## Quantization", f"- scheme: `{scheme}` (compressed-tensors checkpoint; `quantization_config` "
            "in `config.json`, the llm-compressor recipe in `recipe.yaml`)",
-           *_calibration_lines(info.get("calibration") or {}), *_dflash2_lines(family), "",
+           *_calibration_lines(info.get("calibration") or {}), *(info.get("family_lines") or []), "",
            "Full details: `quant_run_manifest.json`, `calibration_manifest.json` and `provenance/`.", "",
            "## Acceptance length", ]
     if table:
@@ -206,9 +197,9 @@ def render(info: dict[str, Any]) -> str:
     out += pairing_lines(info.get("pairing") or {})
     vllm = info.get("vllm") or {}
     out += ["## Serving with vLLM",
-            (f"Written and checked for **vLLM {vllm['dflash2_versions']}**, the releases of specquant's contract "
-             f"profile `{vllm['profile']}` (`pipeline/serving/contract.py`) that build vLLM's DFlash2 model class."
-             if vllm.get("dflash2_versions") else
+            (f"Written and checked for **vLLM {info['family_versions']}**, the releases of specquant's contract "
+             f"profile `{vllm['profile']}` (`pipeline/serving/contract.py`) that build vLLM's {family} model class."
+             if info.get("family_versions") else
              f"Written and checked for **vLLM {vllm['versions']}** (specquant's contract profile "
              f"`{vllm['profile']}`, `pipeline/serving/contract.py`)." if vllm.get("versions") else
              "The vLLM range this checkpoint was written for is not recorded."),

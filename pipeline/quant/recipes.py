@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.core.errors import bad_value
+from pipeline.models import families
 from pipeline.quant import act_scale
 
 
@@ -133,37 +134,12 @@ def _observer_key(name: str) -> str:
 
 
 def resolve_ignore(q, dconf=None) -> list[str]:
-    """The ignore list written into the recipe: the user's entries plus what must stay dense (for a DFlash2
-    drafter `dconf`, its kernel and hidden projections: `dflash2_dense`)."""
-    ignore = list(q.ignore) + dflash2_dense(dconf) + ([] if q.quantize_qkv else [QKV_IGNORE]) + list(ALWAYS_IGNORE)
+    """The ignore list written into the recipe: the user's entries plus what must stay dense (for a drafter config
+    `dconf`, the Linears its family keeps dense: `DrafterFamily.dense_linears`, e.g. DFlash2's kernel and hidden
+    projections)."""
+    family = [] if dconf is None else families.family_of(dconf).dense_linears(dconf)
+    ignore = list(q.ignore) + family + ([] if q.quantize_qkv else [QKV_IGNORE]) + list(ALWAYS_IGNORE)
     return list(dict.fromkeys(ignore))  # de-duplicated, order kept
-
-
-def dflash2_dense(dconf) -> list[str]:
-    """A DFlash2 drafter's Linears that stay dense, by exact name (each written under vLLM's name as well,
-    `pipeline.serving.contract.serving_ignore`): every convolution's `kernel_projection` (its per-row kernel
-    coefficients; vLLM 0.31+ builds it with the draft's quant config unless ignored) and the candidate
-    selector's `hidden_projection` (vLLM builds it dense). The base kernels and codebooks are Parameters,
-    never touched by a recipe (it targets Linear). Empty for a DFlash drafter (or None)."""
-    if dconf is None or not getattr(dconf, "is_dflash2", False):
-        return []
-    names = []
-    if dconf.has_conv:
-        names += [f"layers.{i}.{conv}.kernel_projection" for i in range(int(dconf.num_hidden_layers))
-                  for conv in ("attention_conv", "mlp_conv")]
-    if dconf.has_selector:
-        names.append("candidate_selector.hidden_projection")
-    return names
-
-
-def check_dflash2(q, dconf, field: str) -> None:
-    """Settings a DFlash2 drafter cannot take, in one sentence before any weight is read: AWQ's smoothing of
-    gate/up folds a scale into `post_attention_layernorm`, whose output also feeds the MLP convolution's
-    `kernel_projection` (its per-row coefficients), which nothing would compensate."""
-    if getattr(dconf, "has_conv", False) and q.algorithm == "awq":
-        raise bad_value(f"{field}.algorithm", q.algorithm, "AWQ's smoothing scale folded into post_attention_layernorm "
-                        "would also scale the input of a DFlash2 drafter's mlp_conv.kernel_projection, changing "
-                        "its convolution coefficients", f"use {field}.algorithm=gptq (e.g. quant=w4a16-gptq)")
 
 
 def group_size(q) -> int | None:

@@ -65,20 +65,6 @@ def _target_path(cfg, rd: RunDir) -> str:
     return str(rd.target(variant))
 
 
-def _scheme_of(quantization: dict) -> str | None:
-    """The scheme name a checkpoint's quantization_config amounts to (for drafters without a stage record)."""
-    group = next(iter(quantization.get("groups", {}).values()), None)
-    w = (group or {}).get("weights") or {}
-    if w.get("type") == "float" and w.get("num_bits") == 4:
-        return "nvfp4" if group.get("input_activations") else "nvfp4a16"
-    if w.get("type") == "int" and w.get("num_bits") == 4 and not group.get("input_activations"):
-        return "w4a16"
-    a = group.get("input_activations") if group else None
-    if w.get("type") == "float" and w.get("num_bits") == 8 and a:  # FP8 W8A8 (issue 45)
-        return {"tensor": "fp8", "channel": "fp8-dynamic", "block": "fp8-block"}.get(w.get("strategy"))
-    return None
-
-
 def _variant_meta(rd: RunDir, variant: str, summary: dict) -> dict[str, Any]:
     """Scheme and calibration from the quantize-drafter stage record (`pipeline.artifacts.stage_record`); a
     quantized drafter without one (not made by this run's quantize-drafter) has its scheme read off the
@@ -103,7 +89,9 @@ def _variant_meta(rd: RunDir, variant: str, summary: dict) -> dict[str, Any]:
             ([f"activation scale ({method})"] if method else [])
         return {"scheme": quant.get("scheme"), "calibration": cal, "activation_scale": method,
                 "algorithm": algo, "what_is_calibrated": " + ".join(parts) or "nothing (data-free)"}
-    return {"scheme": _scheme_of(q), "calibration": None, "activation_scale": None}
+    from pipeline.models.checkpoint_info import scheme_of  # the one parser of a quantization_config's scheme
+
+    return {"scheme": scheme_of(q), "calibration": None, "activation_scale": None}
 
 
 def _stop_ids(tokenizer, target) -> list[int]:

@@ -37,6 +37,7 @@ from pipeline.core.errors import SpecquantError, bad_value
 from pipeline.core.hub import REPO_ID, hub_id
 from pipeline.core.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine, sha256_file
 from pipeline.core.secrets import remember, scrub, scrub_obj
+from pipeline.models.checkpoint_info import CheckpointInfo
 from pipeline.provenance import modelcard, signing
 from pipeline.provenance import record as prov
 from pipeline.serving import command, verdict
@@ -188,7 +189,8 @@ def _read_json(path: Path) -> Any:
 
 def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
               signer: signing.Signer | None = None) -> dict[str, Any]:
-    ckpt = _read_json(folder / "config.json") or {}
+    info = CheckpointInfo.read(folder, f"drafter/{variant}")
+    ckpt, family = info.config, info.drafter_family
     # the manifests through their reader (pipeline/artifacts/manifests.py): a malformed one is one sentence
     qrm = manifests.read_quant_run(folder / manifests.QUANT_RUN) if (folder / manifests.QUANT_RUN).is_file() else None
     cal = manifests.read_calibration(folder / manifests.CALIBRATION) \
@@ -202,6 +204,7 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
     pc = cfg.publish
     # a drafter calibrated on a quantized target is published for that target (_published_target)
     published_for = _published_target(cfg, rd, variant)
+    vllm = (entry.vllm if entry else None) or (record.result.get("vllm") if record else None)
     target = (published_for or pc.target_model or hub_id(cfg.target.path)
               or verifier.get("name_or_path") or cfg.target.path)
     return {
@@ -211,7 +214,8 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "license": cfg.drafter.license, "library_name": pc.library_name,
         "target": target, "target_revision": cfg.target.revision,
         "block_size": ckpt.get("block_size"),
-        "family": "DFlash2" if "DFlash2DraftModel" in (ckpt.get("architectures") or []) else "DFlash",
+        # the drafter family's words on the card (pipeline.models.families): its name, what it keeps dense
+        "family": family.card_name, "family_lines": family.card_lines(),
         # the serving command's drafter settings, read from the published checkpoint as every command reads them
         "serving_command": {**dict(zip(("num_speculative_tokens", "quantized"), command.drafter_settings(folder))),
                             # the configured target's pinned revision; a quantized target's repo has its own
@@ -232,7 +236,8 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "serving": verdict.status_for(rd.root, variant),
         # the vLLM range the checkpoint is written and checked for: the manifest's copy of the quantize-drafter
         # record's (pipeline.serving.contract.Profile.record), the record's own where the manifest has none
-        "vllm": (entry.vllm if entry else None) or (record.result.get("vllm") if record else None),
+        "vllm": vllm,
+        "family_versions": family.recorded_versions(vllm or {}),
         "pairing": pairing_info(cfg, rd, variant, target, results),
         "signature": {"file": signing.SIGNATURE, "public_key_sha256": signer.fingerprint,
                       "tool": f"model-signing {signing.tool_version()}",

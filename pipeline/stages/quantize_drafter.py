@@ -7,11 +7,14 @@ anchored blocks; write a compressed-tensors checkpoint in speculators format to
 runs/<name>/drafter/<quant.name>/ (and the unquantized reference to drafter/bf16/ if missing);
 reload and check both against the held-apart samples.
 
-A DFlash2 drafter (`pipeline.models.dflash`: convolutions and candidate selector) goes through the same recipe:
-its calibration forward runs the convolutions; its `kernel_projection`s and `hidden_projection` stay dense
-and are written in `ignore` under both names (`recipes.dflash2_dense`), base kernels and codebooks are
-written as they were; the check's top-1 compares the selectors' chosen tokens (`drafter_checks`). It needs a
-vLLM range with a DFlash2 model class (`quant.vllm` 0.28-0.31 or 0.32+; `contract.refuse_dflash2`).
+Every drafter family (`pipeline.models.families`) goes through the same recipe; the stage asks the drafter's
+family what differs: the Linears it keeps dense (`dense_linears`, written in `ignore` under both names), the
+settings and vLLM ranges it cannot take (`check_settings`, `refuse_profile`), the record's `vllm` entry
+(`vllm_record`) and what the check compares (`check_notes`). A DFlash2 drafter (`pipeline.models.dflash`:
+convolutions and candidate selector): its calibration forward runs the convolutions; its `kernel_projection`s
+and `hidden_projection` stay dense, base kernels and codebooks are written as they were; the check's top-1
+compares the selectors' chosen tokens (`drafter_checks`); it needs a vLLM range with a DFlash2 model class
+(`quant.vllm` 0.28-0.31 or 0.32+).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import torch
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core import hashes
 from pipeline.core.errors import bad_value
-from pipeline.core.io import PARTIAL_PREFIX, atomic_dir, atomic_write_json, read_json, remove_partials
+from pipeline.core.io import PARTIAL_PREFIX, atomic_dir, atomic_write_json, remove_partials
 from pipeline.core.loading import checkpoint_sha256
 from pipeline.core.seeding import seed_everything
+from pipeline.models import families
+from pipeline.models.checkpoint_info import CheckpointInfo
 from pipeline.quant import cache_batches, calibrate, drafter_checks, export, pairing, recipes
 
 FIELD = "quant"
@@ -129,9 +134,9 @@ def validate(cfg):
         raise bad_value("drafter.path", str(cfg.drafter.path), f"the drafter has a trimmed head of "
                         f"{dconf.draft_vocab_size} tokens", "quantize the full-vocabulary drafter, then trim its "
                         "head with `python -m pipeline convert --draft-vocab N`")
-    if dconf.is_dflash2:  # a range without a DFlash2 model class, in one sentence before any weight is read
-        contract.refuse_dflash2(contract.profile(q.vllm, f"{FIELD}.vllm"), FIELD)
-        recipes.check_dflash2(q, dconf, FIELD)
+    family = families.family_of(dconf)  # a range or settings the family cannot take: one sentence, before any weight
+    family.refuse_profile(contract.profile(q.vllm, f"{FIELD}.vllm"), FIELD)
+    family.check_settings(q, dconf, FIELD)
     ignore = recipes.resolve_ignore(q, dconf)
     recipes.validate_group_size(q, FIELD, drafter_linears(dconf, ignore))
     n_target = num_target_layers(cfg)
@@ -294,10 +299,10 @@ def run(cfg) -> dict:
         "output": str(out), "reference": str(reference), "scheme": q.scheme, "observer": q.observer,
         "observer_kwargs": dict(q.observer_kwargs or {}), "algorithm": q.algorithm,
         "group_size": recipes.group_size(q), "ignore": ignore, "calibration": q.calibration,
-        "ignore_written": read_json(out / "config.json", "config.json")["quantization_config"]["ignore"],
+        "ignore_written": list(CheckpointInfo.read(out, f"drafter/{q.name}").ignore),
         "ignore_compressed_tensors": native_ignore,
         # the vLLM range the checkpoint is written and checked for
-        "vllm": contract_profile(q).record(dflash2=True) if dconf.is_dflash2 else contract_profile(q).record(),
+        "vllm": families.family_of(dconf).vllm_record(contract_profile(q)),
         "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
         "seeds": {"seed": seed, "split_permutation": seed, "torch_manual_seed": seed,
                   "anchors": f"{seed} * {cache_batches.SAMPLE_SEED_STRIDE} + cache index",
@@ -317,8 +322,8 @@ def run(cfg) -> dict:
         "check": {**{k: v for k, v in report.to_json().items()
                      if k in ("weight_error_summary", "layer_output_error_summary", "served", "weights_only",
                               "served_rounding_band", "activation_error_summary")},
-                  # DFlash2: what the top-1 numbers compare (a DFlash record is left as it was)
-                  **({"top1_of": "candidate_selector path"} if dconf.has_selector else {})},
+                  # what the top-1 numbers compare where the family says (a DFlash record is left as it was)
+                  **families.family_of(dconf).check_notes(dconf)},
         "timings": clock.finish(),
         "device": str(recipes.resolve_device(q.device)),
     }
