@@ -111,7 +111,7 @@ def test_worker_scopes_wrap_and_restore_a_module():
     (and an instance attribute that was there before) back afterwards, wrapping twice is a no-op."""
     from torch.profiler import profile
 
-    from pipeline.serving import worker
+    from pipeline.serving import worker_speed as worker
 
     class Net(torch.nn.Module):
         def forward(self, x):

@@ -163,7 +163,7 @@ def test_serving_worker_reads_the_head_of_either_layout(wrapped):
     side puts in its job (`targets.head_lookup`), finds the text tower's embedding and head in the wrapper, never
     the MTP head's, equal to the text-only checkpoint's."""
     from pipeline.models import targets
-    from pipeline.serving.worker import _target_head
+    from pipeline.serving.worker_load_probe import _target_head
 
     def lookup(path):
         return targets.head_lookup(json.loads((Path(path) / "config.json").read_text()))

@@ -1,0 +1,184 @@
+"""What every serve-check worker shares, inside vLLM's interpreter (standard library, vLLM and torch only; see
+`pipeline.serving.worker`): the log handler that keeps vLLM's kernel lines, the atomic result write, vLLM's
+spec-decode counters, versions and platform, the CPU build's runtime and its emulation kernels, and how a result
+records a failure and ends."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+                 "vllm:spec_decode_num_draft_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+KERNEL_LINE = re.compile(r"^(Using \S+ for |Selected \S+ for )|Weight-only|weight-only|emulat", re.I)
+
+
+class LogLines(logging.Handler):
+    """Keeps vLLM's log lines that name kernels (and the last lines, for errors)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.kernel_lines: list[str] = []
+        self.tail: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed log call must not kill the check
+            return
+        self.tail = (self.tail + [msg])[-40:]
+        if KERNEL_LINE.search(msg) and len(msg) < 400 and msg not in self.kernel_lines:
+            self.kernel_lines.append(msg)
+
+
+def write_result(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def spec_counters(llm) -> dict:
+    out: dict = {name: 0 for name in SPEC_COUNTERS}
+    out[PER_POS] = []
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[m.name] += int(m.value)
+        elif m.name == PER_POS:
+            vals = list(m.values)
+            acc = out[PER_POS] + [0] * (len(vals) - len(out[PER_POS]))
+            out[PER_POS] = [a + int(v) for a, v in zip(acc, vals + [0] * (len(acc) - len(vals)))]
+    return out
+
+
+def counter_diff(after: dict, before: dict) -> dict:
+    per = [a - (before[PER_POS][i] if i < len(before[PER_POS]) else 0) for i, a in enumerate(after[PER_POS])]
+    return {"drafts": after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]],
+            "accepted": after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]],
+            "draft_tokens": after[SPEC_COUNTERS[2]] - before[SPEC_COUNTERS[2]],
+            "accepted_per_pos": per}
+
+
+def versions() -> dict:
+    import platform
+
+    import torch
+    import vllm
+
+    v = {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+         "python": sys.version.split()[0], "platform": platform_name()}
+    if v["platform"] == "cpu":
+        v["cpu"] = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, torch {torch.backends.cpu.get_cpu_capability()}"
+    if torch.cuda.is_available():
+        v["gpu"] = torch.cuda.get_device_name(0)
+        v["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    try:
+        from importlib.metadata import version
+
+        v["compressed-tensors"] = version("compressed-tensors")
+    except Exception:  # noqa: BLE001
+        pass
+    return v
+
+
+def platform_name() -> str:
+    """vLLM's platform in this interpreter: "cuda", "cpu", ... (vLLM's own detection)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def cpu_runtime() -> dict:
+    """What an engine on the CPU build needs from its environment: the interpreter's libiomp5 to preload
+    (without it generation is ~20x slower) and the cores torch may use."""
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return {"libiomp5": str(lib) if lib.is_file() else None, "cores": len(os.sched_getaffinity(0))}
+
+
+def _register_cpu_nvfp4_emulation() -> str:
+    """vLLM's pure-torch NVFP4 kernel, registered for the CPU platform (which lists none) in this process."""
+    from vllm.model_executor.kernels.linear import register_linear_kernel
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+    from vllm.platforms import PlatformEnum
+
+    register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+    return EmulationNvFp4LinearKernel.__name__
+
+
+def _register_cpu_int4_emulation() -> str | None:
+    """vLLM's CPU build for x86 without AVX-512 (`_C_AVX2`) lacks `cpu_gemm_wna16`, the op its only W4A16
+    kernel calls (vLLM 0.32 `model_executor/kernels/linear/mixed_precision/cpu.py:198`), so every int4 layer
+    fails at its first forward. There, and only there, a pure-torch W4A16 kernel is put first for the CPU
+    platform: it reads vLLM's loaded compressed-tensors parameters (int32-packed uint4b8 weights, per-group
+    scales) with vLLM's own unpacking and computes dequantize-then-matmul in the activation dtype. The
+    checkpoint goes through vLLM's whole loading path; only the GEMM is ours. None where the op exists."""
+    import torch
+    from vllm.model_executor.kernels.linear import _POSSIBLE_KERNELS
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
+    from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_quantized_values_into_int32
+    from vllm.platforms import PlatformEnum, current_platform
+    from vllm.scalar_type import scalar_types
+
+    current_platform.import_kernels()
+    if hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        return None
+
+    class TorchEmulationWNA16LinearKernel(MPLinearKernel):
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return -1
+
+        @classmethod
+        def can_implement(cls, c) -> tuple[bool, str | None]:
+            if c.weight_type != scalar_types.uint4b8 or c.zero_points:
+                return False, f"symmetric int4 (uint4b8) only, not {c.weight_type} zero_points={c.zero_points}"
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            packed, scales = getattr(layer, self.w_q_name), getattr(layer, self.w_s_name)
+            q = unpack_quantized_values_into_int32(packed.data, self.config.weight_type, packed.packed_dim)
+            if packed.input_dim == 0:  # to [out, in]
+                q = q.t()
+            s = scales.data if scales.output_dim == 0 else scales.data.t()
+            group = q.shape[1] if self.config.group_size == -1 else self.config.group_size
+            w = (q.float() - self.config.weight_type.bias) * s.float().repeat_interleave(group, dim=1)[:, : q.shape[1]]
+            layer.register_buffer("emulated_weight", w.to(self.config.act_type).contiguous(), persistent=False)
+
+        def apply_weights(self, layer, x, bias=None):
+            return torch.nn.functional.linear(x, layer.emulated_weight, bias)
+
+    _POSSIBLE_KERNELS[PlatformEnum.CPU].insert(0, TorchEmulationWNA16LinearKernel)
+    return TorchEmulationWNA16LinearKernel.__name__
+
+
+def register_cpu_emulation(result: dict, job: dict) -> None:
+    """On the CPU build: the emulation kernels the job allows (both by default), named in the result."""
+    if job.get("cpu_nvfp4_emulation", True):
+        result["nvfp4_emulation"] = _register_cpu_nvfp4_emulation()
+    if job.get("cpu_int4_emulation", True):
+        result["int4_emulation"] = _register_cpu_int4_emulation()
+
+
+def record_error(result: dict, exc: BaseException) -> None:
+    """A failure in the result file: its type and first line, and the traceback's end."""
+    text = str(exc).strip()
+    result["error"] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    result["traceback"] = traceback.format_exc()[-4000:]
+
+
+def finish(result: dict, lines, t0: float) -> dict:
+    """What every worker result ends with: the captured kernel lines and log tail, wall time, versions."""
+    result["kernel_log"] = lines.kernel_lines
+    result["log_tail"] = lines.tail
+    result["wall_s"] = round(time.perf_counter() - t0, 3)
+    try:
+        result["versions"] = versions()
+    except Exception as exc:  # noqa: BLE001
+        result["versions"] = {"error": str(exc)}
+    return result
