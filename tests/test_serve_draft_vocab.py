@@ -25,6 +25,7 @@ TINY = _support.REPO / "assets" / "tiny"
 def test_vllm_serves_the_trimmed_head_losslessly(tmp_path, monkeypatch):
     from pipeline.commands.convert import convert
     from pipeline.core.config import compose
+    from pipeline.serving import launch
     from pipeline.stages import serve_check as sc
     from pipeline.stages.runner import run_stage
 
@@ -40,13 +41,13 @@ def test_vllm_serves_the_trimmed_head_losslessly(tmp_path, monkeypatch):
                              target=TINY / "target", counts_from=tmp_path / "tiny")
                for name, src in (("bf16", TINY / "drafter"), ("w4a16", tmp_path / "tiny" / "drafter" / "w4a16"))}
     cfg = compose(ov)
-    info = sc.probe(VLLM)
+    info = launch.probe(VLLM)
     prompts, stop = sc._prompts(cfg)
     monkeypatch.setattr(sc, "_targets", lambda cfg, rd: {"bf16": Path(str(cfg.target.path))})
     monkeypatch.setattr(sc, "_drafters", lambda cfg, rd: {f"trimmed-{k}": Path(v) for k, v in trimmed.items()})
     jobs = sc.build_jobs(cfg, None, info, prompts, stop)
     assert [j["name"] for j in jobs] == ["bf16--target-only", "bf16--trimmed-bf16", "bf16--trimmed-w4a16"]
-    alone, *served = sc.run_jobs(VLLM, jobs, tmp_path / "jobs", 1, sc.worker_env(info))
+    alone, *served = launch.run_jobs(VLLM, jobs, tmp_path / "jobs", 1, launch.worker_env(info))
     for r in served:
         assert alone["ok"] and r["ok"], (r["name"], alone.get("error"), r.get("error"))
         assert set(r["subsets"]) == set(prompts)

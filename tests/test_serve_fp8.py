@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not VLLM, reason="needs vLLM's CPU build: `make 
 
 def test_cpu_build_serves_fp8_dynamic_losslessly_and_names_why_static_fp8_cannot_load(tmp_path, monkeypatch):
     from pipeline.core.config import compose
-    from pipeline.serving import verdict
+    from pipeline.serving import launch, verdict
     from pipeline.stages import serve_check as sc
     from pipeline.stages.runner import run_stage
 
@@ -35,7 +35,7 @@ def test_cpu_build_serves_fp8_dynamic_losslessly_and_names_why_static_fp8_cannot
         qov = [*ov, f"quant={q}", "quant.num_samples=8", "quant.heldout_samples=4"]
         run_stage("quantize_drafter", "pipeline.stages.quantize_drafter", compose(qov), qov)
     cfg = compose(ov)
-    info = sc.probe(VLLM)
+    info = launch.probe(VLLM)
     prompts, stop = sc._prompts(cfg)
     run = tmp_path / "tiny"
     monkeypatch.setattr(sc, "_targets", lambda cfg, rd: {"bf16": Path(str(cfg.target.path))})
@@ -47,8 +47,8 @@ def test_cpu_build_serves_fp8_dynamic_losslessly_and_names_why_static_fp8_cannot
     kv = sc.build_jobs(compose([*ov, "serve.kv_cache_dtype=fp8"]), None, info, prompts, stop)[:2]
     kv = [{**j, "name": j["name"] + "--kv-fp8"} for j in kv]
     assert {j["kv_cache_dtype"] for j in kv} == {"fp8"}
-    alone, dynamic, static, kv_alone, kv_dynamic = sc.run_jobs(VLLM, jobs + kv, tmp_path / "jobs", 1,
-                                                               sc.worker_env(info))
+    alone, dynamic, static, kv_alone, kv_dynamic = launch.run_jobs(VLLM, jobs + kv, tmp_path / "jobs", 1,
+                                                                   launch.worker_env(info))
     assert alone["ok"] and dynamic["ok"], (alone.get("error"), dynamic.get("error"))
     # every quantized draft Linear (o_proj, gate_up_proj, down_proj, fc) is vLLM's FP8 W8A8 scheme
     drafter = [x for x in dynamic["layers"] if x["root"] != "model"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.config import compose
-from pipeline.serving import verdict
+from pipeline.serving import report, verdict
 from pipeline.stages import serve_check as sc
 from tests._support import worker_results
 
@@ -73,9 +73,9 @@ def test_a_divergence_on_the_targets_near_tie_is_a_warning_not_a_failure(world):
         ties_here = p["lossless"]["near_ties"]
         assert p["ok"] and ties_here and all(t["gap"] <= tie and t["worst_gap"] <= tie for t in ties_here)
         assert p["lossless"]["equal"] + len(ties_here) == n
-    text = verdict.render(s)
+    text = report.render(s)
     assert "near-tie" in text and "(up to the near-ties above)" in text
-    assert "near-tie of the target's logits" in verdict.variant_status(s, "bf16")["summary"]
+    assert "near-tie of the target's logits" in report.variant_status(s, "bf16")["summary"]
 
     # a tolerance below the measured gap turns the same difference back into a failure
     gap = max(t["gap"] for p in s["pairs"].values() for t in p["lossless"]["near_ties"])

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.serving import verdict
+from pipeline.serving import report, speedup, verdict
 from pipeline.stages import serve_check
 from tests._support import worker_prompts, worker_results
 
@@ -46,7 +46,7 @@ def test_the_recorded_results_are_timed_engines_with_graphs(results):
 
 def test_speedup_arithmetic_on_recorded_timings(results):
     s = _summary(results)
-    speed = verdict.speed_summary(results, s, user_tau=3.5)
+    speed = speedup.speed_summary(results, s, user_tau=3.5)
     assert speed["measured"] and speed["batches"] == [1, 16]
     alone = {r["batch"]: r for r in speed["rows"] if r["drafter"] is None and r["target"] == "bf16"}
     pairs = [r for r in speed["rows"] if r["drafter"] is not None and r["target"] == "bf16"]
@@ -67,18 +67,18 @@ def test_estimate_takes_the_reference_loops_tau_and_none_without_one(results):
     pair = next(r for r in results if r["job"]["variant"] == "bf16/k15")
     ref = {"bf16/k15": {"all": 4.2, **{s: 4.2 for s in pair["subsets"]}}}
     s = _summary(results, ref)
-    rows = [r for r in verdict.speed_summary(results, s)["rows"] if r["drafter"] == "bf16/k15"]
+    rows = [r for r in speedup.speed_summary(results, s)["rows"] if r["drafter"] == "bf16/k15"]
     assert rows and all(r["tau_estimate"] == 4.2 and r["tau_estimate_source"] == "reference loop" for r in rows)
     assert all(r["speedup_estimated"] == pytest.approx(4.2 * r["target_ms_per_step"] / r["ms_per_step"], rel=1e-3)
                for r in rows)
-    bare = verdict.speed_summary(results, _summary(results))
+    bare = speedup.speed_summary(results, _summary(results))
     assert all("speedup_estimated" not in r for r in bare["rows"])  # no tau, no estimate: nothing invented
 
 
 def test_report_section_names_gpu_versions_date_and_every_row(results):
     s = _summary(results)
-    s["speed"] = verdict.speed_summary(results, s, user_tau=3.0)
-    text = verdict.render(s)
+    s["speed"] = speedup.speed_summary(results, s, user_tau=3.0)
+    text = report.render(s)
     section = text.split("### Speed as served", 1)[1]
     v = results[0]["versions"]
     for word in (v["gpu"], "vLLM 0.26.0", f"torch {v['torch']}", s["speed"]["date"], "CUDA graphs"):
@@ -91,12 +91,12 @@ def test_without_a_gpu_the_section_says_not_measured(results):
     for r in cpu:  # what the worker writes on the CPU build
         r["speed"] = {"measured": False, "reason": "not measured on the cpu platform"}
     s = _summary(cpu)
-    s["speed"] = verdict.speed_summary(cpu, s)
+    s["speed"] = speedup.speed_summary(cpu, s)
     assert s["speed"] == {"measured": False, "reason": "not measured on the cpu platform"}
-    text = verdict.render(s)
+    text = report.render(s)
     assert "Not measured: not measured on the cpu platform. No figure is given." in text
     assert "ms/step" not in text
-    assert verdict.render({**s, "speed": None}).count("Speed as served") == 0
+    assert report.render({**s, "speed": None}).count("Speed as served") == 0
 
 
 def test_speed_turns_graphs_on_and_one_engine_at_a_time_on_a_gpu_only():
@@ -122,8 +122,8 @@ def _as_stage_names(results):
 def test_recommendation_is_the_best_speedup_and_names_drafters_slower_than_bf16(results):
     res = _as_stage_names(results)
     s = _summary(res)
-    s["speed"] = verdict.speed_summary(res, s, user_tau=3.0)
-    advice = verdict.speed_advice(s["speed"])
+    s["speed"] = speedup.speed_summary(res, s, user_tau=3.0)
+    advice = speedup.speed_advice(s["speed"])
     pairs = [r for r in s["speed"]["rows"] if r["drafter"] is not None]
     assert {(a["target"], a["batch"]) for a in advice} == {(r["target"], r["batch"]) for r in pairs}
     for a in advice:
@@ -132,17 +132,17 @@ def test_recommendation_is_the_best_speedup_and_names_drafters_slower_than_bf16(
         assert a["best_speedup"] == max(r["speedup_estimated"] for r in mine)
         bf16 = next(r for r in mine if r["drafter"] == "bf16")
         assert a["slower_than_bf16"] == sorted(r["drafter"] for r in mine if r["ms_per_step"] > bf16["ms_per_step"])
-        assert verdict.advice_words(a) in verdict.render(s)
+        assert report.advice_words(a) in report.render(s)
     variants = {p["variant"] for p in s["pairs"].values()}
     assert {"bf16", "w4a16"} <= variants
     for variant in variants:
-        line = verdict.variant_status(s, variant)["speed"]
+        line = report.variant_status(s, variant)["speed"]
         assert line.startswith("Speed as served") and results[0]["versions"]["gpu"] in line
         assert line.count("at batch") == len(advice)
     # the same engines with no tau: the advice falls back to the measured speedup, and says so
     bare = _summary(res)
-    bare["speed"] = verdict.speed_summary(res, bare)
-    assert all(a["by"] == "speedup_measured" for a in verdict.speed_advice(bare["speed"]))
+    bare["speed"] = speedup.speed_summary(res, bare)
+    assert all(a["by"] == "speedup_measured" for a in speedup.speed_advice(bare["speed"]))
 
 
 def test_card_says_speed_measured_or_not(results):
@@ -150,11 +150,11 @@ def test_card_says_speed_measured_or_not(results):
 
     res = _as_stage_names(results)
     s = _summary(res)
-    s["speed"] = verdict.speed_summary(res, s, user_tau=3.0)
-    assert _speed_measured({"serving": verdict.variant_status(s, "w4a16")})
+    s["speed"] = speedup.speed_summary(res, s, user_tau=3.0)
+    assert _speed_measured({"serving": report.variant_status(s, "w4a16")})
     s["speed"] = {"measured": False, "reason": "not measured on the cpu platform"}
-    status = verdict.variant_status(s, "w4a16")
+    status = report.variant_status(s, "w4a16")
     assert status["speed"] == "Speed: not measured (not measured on the cpu platform)."
     assert not _speed_measured({"serving": status})
     s.pop("speed")
-    assert "speed" not in verdict.variant_status(s, "w4a16")  # nothing timed, nothing said
+    assert "speed" not in report.variant_status(s, "w4a16")  # nothing timed, nothing said

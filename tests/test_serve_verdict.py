@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.errors import SpecquantError
-from pipeline.serving import verdict
+from pipeline.serving import report, verdict
 from tests._support import worker_prompts, worker_results
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm" / "tiny-h200-worker-results.tar.xz"
@@ -64,18 +64,18 @@ def test_a_pair_that_does_not_load_or_differs_from_the_target_fails(results):
     assert any("drafter w4a16 with target bf16: does not load" in f and "QKVParallelLinear" in f
                for f in s["failures"])
     assert any(f.startswith("drafter nvfp4a16 with target bf16: not lossless (59/60") for f in s["failures"])
-    status = verdict.variant_status(s, "w4a16")
+    status = report.variant_status(s, "w4a16")
     assert status["checked"] and status["ok"] is False and "does not load" in status["summary"]
 
 
 def test_report_section_and_card_sentence(results):
     s = verdict.summarize(results, _prompts(results), 0.9, 1.05, "bf16", {"nvfp4": {"all": 3.765}})
-    text = verdict.render(s)
+    text = report.render(s)
     assert "| bf16 | nvfp4 [emulation] | EmulationNvFp4LinearKernel (emulated W4A4) | yes | 60/60 |" in text
     assert "vLLM 0.26.0" in text and "NVIDIA H200" in text
-    status = verdict.variant_status(s, "nvfp4")
+    status = report.variant_status(s, "nvfp4")
     assert status["ok"] and "lossless 60/60, tau 3.806, MarlinNvFp4LinearKernel (weight-only FP4)" in status["summary"]
-    assert verdict.variant_status(s, "not-a-variant")["checked"] is False
+    assert report.variant_status(s, "not-a-variant")["checked"] is False
 
 
 def test_publish_refuses_a_variant_whose_serve_check_failed(results, tmp_path):
@@ -101,13 +101,13 @@ def test_serve_check_json_is_versioned_and_read_through_its_one_reader(results, 
 
     s = verdict.summarize(results, _prompts(results), 0.99, 1.05, None, {})
     path = tmp_path / "eval" / "serve_check.json"
-    assert verdict.status_for(tmp_path, "nvfp4")["checked"] is False and serve_results.read(path) is None
+    assert report.status_for(tmp_path, "nvfp4")["checked"] is False and serve_results.read(path) is None
     serve_results.write(path, s)
     written = json.loads(path.read_text())
     assert written["format_version"] == serve_results.FORMAT_VERSION == 1
     assert serve_results.read(path) == json.loads(json.dumps(s))
-    assert verdict.status_for(tmp_path, "nvfp4") == verdict.variant_status(serve_results.read(path), "nvfp4")
-    assert verdict.status_for(tmp_path, "nvfp4")["checked"] is True
+    assert report.status_for(tmp_path, "nvfp4") == report.variant_status(serve_results.read(path), "nvfp4")
+    assert report.status_for(tmp_path, "nvfp4")["checked"] is True
     path.write_text(json.dumps({k: v for k, v in written.items() if k != "format_version"}))  # before the field
     assert serve_results.read(path) == json.loads(json.dumps(s))
     path.write_text(json.dumps({**written, "format_version": 2}))

@@ -159,7 +159,7 @@ def test_calibration_forward_equals_brute_force_and_the_served_block(full, half)
 def test_vllms_dflash2_class_drafts_the_same_windowed_block(full, tmp_path):
     """vLLM's own DFlash2 class (its modules, weights through its loader, the window it resolves per layer, the
     attention in torch with vLLM's window convention: pipeline/serving/worker.py) against the reference loop."""
-    from pipeline.stages import serve_check
+    from pipeline.serving import launch
 
     bs = full.config.block_size
     window, n_ctx = bs // 2, 3 * bs
@@ -183,7 +183,7 @@ def test_vllms_dflash2_class_drafts_the_same_windowed_block(full, tmp_path):
            "target_head": head_lookup(json.loads((TARGET / "config.json").read_text()))}
     (tmp_path / "job.json").write_text(json.dumps(job))
     subprocess.run([VLLM, "-m", "pipeline.serving.worker", str(tmp_path / "job.json"), str(tmp_path / "r.json")],
-                   env=serve_check.worker_env(serve_check.probe(VLLM)), cwd=str(REPO), capture_output=True,
+                   env=launch.worker_env(launch.probe(VLLM)), cwd=str(REPO), capture_output=True,
                    timeout=600)
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["ok"], (result.get("error"), result.get("traceback"))

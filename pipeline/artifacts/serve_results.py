@@ -1,8 +1,8 @@
 """What serve-check writes for other stages: `eval/serve_check.json`, its summary of every engine it ran.
 
 `pipeline.stages.serve_check` is the one writer (`write`); the manifest, publish and the model card read it
-through `read` (via `pipeline.serving.verdict.status_for`), never by opening the file themselves. The summary's
-fields are `pipeline.serving.verdict.summarize`'s (`pairs`, `dflash2`, `failures`, `versions`, `speed`, ...),
+through `read` (via `pipeline.serving.report.status_for`), never by opening the file themselves. The summary's
+fields are `pipeline.serving.verdict.decide`'s (`pairs`, `dflash2`, `failures`, `versions`, `speed`, ...),
 plus `format_version` (`FORMAT_VERSION`), added here. A file without `format_version` is the same summary
 written before the field existed (serve-check of 2026-12-05 and earlier) and is read as it is; any other
 version is refused in one sentence naming the file. serve-check needs vLLM, so this file is not among the

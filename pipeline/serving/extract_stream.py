@@ -60,12 +60,9 @@ def check_vllm_engine(cfg, aux: list[int], num_layers: int) -> dict:
 
 
 def _worker_env() -> dict:
-    from pipeline.serving.launch import worker_pythonpath
+    from pipeline.serving.launch import worker_env
 
-    env = {**os.environ, "PYTHONPATH": worker_pythonpath(), "VLLM_NO_USAGE_STATS": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core must step on its own (module docstring)
-    return env
+    return worker_env(in_process=False)  # the engine core must step on its own (module docstring)
 
 
 class _Worker:

@@ -1,5 +1,6 @@
 """Starting vLLM's interpreter from the project side: the probe of `serve.python` (vLLM importable, a platform
-the workers drive) and the PYTHONPATH and working directory its worker processes get. Shared by serve-check
+the workers drive), the environment, PYTHONPATH and working directory its worker processes get, and serve-check's
+worker subprocesses (`run_jobs`: one job file in, one result file out, several at once). Shared by serve-check
 (`pipeline.stages.serve_check`) and the cache stage's vLLM engine (`pipeline.serving.extract_stream`)."""
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ import json
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.core.errors import bad_value
+from pipeline.core.io import atomic_write_json
+from pipeline.serving.records import EngineJob, LoadProbeJob, WorkerResult
 
 PLATFORMS = {"cuda", "cpu"}  # what the worker drives (pipeline/serving/worker.py)
 
@@ -56,6 +60,13 @@ def engine(info: dict) -> str:
     return f"vLLM {info.get('vllm')} on {info.get('gpu')}"
 
 
+def engine_words(versions: dict) -> str:
+    """The engine a result came from: vLLM's version and the GPU, or its CPU build."""
+    if versions.get("platform") == "cpu":
+        return f"vLLM {versions.get('vllm')} CPU build ({versions.get('cpu')})"
+    return f"vLLM {versions.get('vllm')} on {versions.get('gpu')}"
+
+
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
@@ -65,3 +76,57 @@ def worker_pythonpath() -> str:
     from the interpreter's own environment (plus any PYTHONPATH the caller gave it)."""
     extra = os.environ.get("SPECQUANT_VLLM_PYTHONPATH", "")
     return os.pathsep.join(p for p in (str(repo_root()), extra) if p)
+
+
+def worker_env(info: dict | None = None, in_process: bool = True) -> dict[str, str]:
+    """A worker's environment: the checkout on PYTHONPATH, offline, no usage report. `in_process` (serve-check):
+    the engine in the worker's own process, and on the CPU build the interpreter's libiomp5 preloaded
+    (`worker_common.cpu_runtime`, found by the probe `info`); else (the cache's extractor) the engine core steps
+    in its own process."""
+    env = {**os.environ, "PYTHONPATH": worker_pythonpath(), "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    if not in_process:
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        return env
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["VLLM_USE_FLASHINFER_SAMPLER"] = os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if (info or {}).get("platform") == "cpu" and info.get("libiomp5"):
+        env["LD_PRELOAD"] = os.pathsep.join(p for p in (info["libiomp5"], os.environ.get("LD_PRELOAD", "")) if p)
+    return env
+
+
+def run_worker(python: str, job: EngineJob | LoadProbeJob, folder: Path, env: dict[str, str]) -> WorkerResult:
+    """One worker process for one job: `folder/<name>.json` its result, `<name>.log` its output; a worker that
+    writes no result gets one saying how it exited (the job's prompts and head lookup left out)."""
+    job_file, result_file, log = (folder / f"{job['name']}.job.json", folder / f"{job['name']}.json",
+                                  folder / f"{job['name']}.log")
+    result_file.unlink(missing_ok=True)
+    atomic_write_json(job_file, job.to_json() if isinstance(job, EngineJob | LoadProbeJob) else job)
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.run([python, "-m", "pipeline.serving.worker", str(job_file), str(result_file)],
+                              stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()))
+    job_file.unlink(missing_ok=True)
+    if result_file.is_file():
+        return WorkerResult.from_json(json.loads(result_file.read_text(encoding="utf-8")))
+    tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["no output"]
+    return WorkerResult(ok=False, name=job["name"], error=f"the worker exited {proc.returncode} without a result "
+                        f"({tail[0][:300]})", job={k: v for k, v in job.items() if k not in ("prompts", "target_head")})
+
+
+def run_jobs(python: str, jobs: list, folder: Path, parallel: int, env: dict[str, str]) -> list[WorkerResult]:
+    """Every job in its own worker, `parallel` at once, the results in the jobs' order."""
+    from tqdm import tqdm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(jobs), desc="serve-check engines", unit="engine")
+
+    def one(job):
+        r = run_worker(python, job, folder, env)
+        bar.update(1)
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        results = list(pool.map(one, jobs))
+    bar.close()
+    return results
+

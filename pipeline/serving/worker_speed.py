@@ -9,7 +9,7 @@ a batch is timed twice, with 1 token (prefill) and with `max_tokens`, after one 
 times, decode seconds (vLLM's own per-request first/last token timestamps, and the difference of the two runs),
 engine steps per sequence (spec-decode drafts per sequence for a pair, tokens - 1 alone), ms per step, decode
 tokens/s, tau from the same run. The worker measures; the speedup over the target alone is the stage's arithmetic
-(`verdict.speed_summary`).
+(`pipeline.serving.speedup.speed_summary`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
 from pipeline.core.secrets import scrub, scrub_obj
 from pipeline.provenance import record as prov
-from pipeline.serving import command, verdict
+from pipeline.serving import command, report
 from pipeline.stages import ORDER
 
 OWN_OUTPUTS = (manifests.CALIBRATION, manifests.QUANT_RUN, "provenance/")
@@ -245,7 +245,7 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
         "checks": ({"file": check_rel, "sha256": tree[check_rel]["sha256"],
                     "report": check_report.read_report(rd.root / check_rel).to_json()} if check_rel in tree else None),
         "stage": ({**_stage_summary(name, rec), "result": _untimed(rec.result)} if rec else None),
-        "serving": verdict.status_for(rd.root, variant) if kind == "drafter" else None,
+        "serving": report.status_for(rd.root, variant) if kind == "drafter" else None,
         # drafters: the vLLM range the checkpoint is written and checked for (quantize-drafter's record,
         # pipeline.serving.contract.Profile.record); null for targets and a drafter no quantize-drafter wrote
         "vllm": res.get("vllm") if kind == "drafter" else None,

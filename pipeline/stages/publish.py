@@ -40,7 +40,7 @@ from pipeline.core.secrets import remember, scrub, scrub_obj
 from pipeline.models.checkpoint_info import CheckpointInfo
 from pipeline.provenance import modelcard, signing
 from pipeline.provenance import record as prov
-from pipeline.serving import command, verdict
+from pipeline.serving import command, report
 
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")  # weights only from safetensors
@@ -142,7 +142,7 @@ def _sources(rd: RunDir, variant: str) -> dict[str, Path]:
 
 def _refuse_unserved(cfg, rd: RunDir, variant: str) -> None:
     """A variant whose serve check failed is never published; a pushed one must name its target by Hub id."""
-    status = verdict.status_for(rd.root, variant)
+    status = report.status_for(rd.root, variant)
     if status.get("checked") and not status.get("ok"):
         raise bad_value("publish.variants", variant, f"its vLLM serve check failed ({status['summary']})",
                         "fix the variant and re-run `make serve-check`, or leave it out of publish.variants")
@@ -233,7 +233,7 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
         "acceptance_table": modelcard.acceptance_table(results, variant),
         "calibration_comparison": modelcard.calibration_lines(results, variant),
         "plots": sorted(p.relative_to(folder).as_posix() for p in (folder / "eval").glob("*.png")),
-        "serving": verdict.status_for(rd.root, variant),
+        "serving": report.status_for(rd.root, variant),
         # the vLLM range the checkpoint is written and checked for: the manifest's copy of the quantize-drafter
         # record's (pipeline.serving.contract.Profile.record), the record's own where the manifest has none
         "vllm": vllm,
