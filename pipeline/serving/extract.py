@@ -54,79 +54,94 @@ def _pending(out_dir: Path) -> int:
     return sum(1 for e in os.scandir(out_dir) if e.name.endswith(".safetensors"))
 
 
+def _engine_kwargs(job: dict, out_dir: Path) -> dict:
+    """The `vllm.LLM` arguments: the target with vLLM's hidden-states extractor and its file connector."""
+    kwargs = dict(
+        model=job["target"], skip_tokenizer_init=True, dtype=job.get("dtype", "bfloat16"),
+        enforce_eager=bool(job.get("enforce_eager", True)), max_model_len=int(job["max_model_len"]),
+        max_num_batched_tokens=int(job["max_num_batched_tokens"]), enable_prefix_caching=False,
+        tensor_parallel_size=int(job.get("tensor_parallel_size", 1)), seed=int(job.get("seed", 0)),
+        gpu_memory_utilization=float(job.get("gpu_memory_utilization", 0.85)),
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {
+                                "eagle_aux_hidden_state_layer_ids": list(job["aux_layer_ids"])}}},
+        kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                            "kv_connector_extra_config": {"shared_storage_path": str(out_dir),
+                                                          "allow_custom_save_path": True}})
+    if job.get("attention_backend"):
+        kwargs["attention_backend"] = job["attention_backend"]
+    return kwargs
+
+
+def _extract(llm, job: dict, ids: dict, order: list[int], per_sample: int, out_dir: Path) -> list[str]:
+    """One continuous request stream in shard order (no drain at a shard's end): requests are added while fewer
+    than a shard's worth are queued in vLLM and the reader has consumed all but `backlog` shards' files, so the
+    scratch space stays bounded whatever the dataset size. Returns the files vLLM wrote, in order."""
+    from vllm import SamplingParams
+
+    def params(g: int):  # the request names its file, so the reader knows it before vLLM finishes it
+        return SamplingParams(max_tokens=1, temperature=0.0,
+                              extra_args={"kv_transfer_params": {"hidden_states_path": sample_path(out_dir, g)}})
+    bound = max(1, int(job.get("backlog", 2))) * per_sample
+    stop_file = Path(job.get("stop_file", out_dir / "stop"))
+    expected = {sample_path(out_dir, g) for g in order}
+    engine = llm.llm_engine
+    written: list[str] = []
+    nxt = 0
+    while len(written) < len(order):
+        queued = nxt - len(written)
+        if nxt < len(order) and queued < per_sample and _pending(out_dir) <= bound:
+            batch = order[nxt:nxt + per_sample - queued]
+            llm.enqueue([{"prompt_token_ids": ids[g]} for g in batch], [params(g) for g in batch],
+                        use_tqdm=False)
+            nxt += len(batch)
+            continue
+        if not engine.has_unfinished_requests():  # the reader is behind: wait for it
+            if stop_file.exists():
+                raise RuntimeError("the reader asked the worker to stop")
+            time.sleep(0.02)
+            continue
+        for out in engine.step():
+            if not out.finished:
+                continue
+            path = str((out.kv_transfer_params or {}).get("hidden_states_path") or "")
+            if path not in expected:
+                raise RuntimeError(f"vLLM wrote a sample to {path or 'no file'}, not to a path a request "
+                                   "named (allow_custom_save_path ignored?)")
+            expected.discard(path)
+            written.append(path)
+    return written
+
+
+def _wait_complete(written: list[str]) -> None:
+    """Every file complete before the worker exits (and the clock stops): a shared lock on each one's lock file."""
+    import fcntl
+
+    for path in written:
+        try:
+            fh = open(path + ".lock")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            continue  # already read and removed by the reader
+        with fh:
+            fcntl.flock(fh, fcntl.LOCK_SH)
+
+
 def run_job(job: dict) -> dict:
     out_dir = Path(job["out_dir"])
     result: dict = {"ok": False}
     t0 = time.perf_counter()
     try:
         import torch
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
         chunks: list[list[int]] = job["chunks"]
         ids = _read_samples(job["samples"], {g for c in chunks for g in c})
-        kwargs = dict(
-            model=job["target"], skip_tokenizer_init=True, dtype=job.get("dtype", "bfloat16"),
-            enforce_eager=bool(job.get("enforce_eager", True)), max_model_len=int(job["max_model_len"]),
-            max_num_batched_tokens=int(job["max_num_batched_tokens"]), enable_prefix_caching=False,
-            tensor_parallel_size=int(job.get("tensor_parallel_size", 1)), seed=int(job.get("seed", 0)),
-            gpu_memory_utilization=float(job.get("gpu_memory_utilization", 0.85)),
-            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": {
-                                    "eagle_aux_hidden_state_layer_ids": list(job["aux_layer_ids"])}}},
-            kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                "kv_connector_extra_config": {"shared_storage_path": str(out_dir),
-                                                              "allow_custom_save_path": True}})
-        if job.get("attention_backend"):
-            kwargs["attention_backend"] = job["attention_backend"]
-        llm = LLM(**kwargs)
+        llm = LLM(**_engine_kwargs(job, out_dir))
         result["load_s"] = round(time.perf_counter() - t0, 3)
-
-        def params(g: int):  # the request names its file, so the reader knows it before vLLM finishes it
-            return SamplingParams(max_tokens=1, temperature=0.0,
-                                  extra_args={"kv_transfer_params": {"hidden_states_path": sample_path(out_dir, g)}})
-        # one continuous request stream in shard order (no drain at a shard's end): requests are added
-        # while fewer than a shard's worth are queued in vLLM and the reader has consumed all but
-        # `backlog` shards' files, so the scratch space stays bounded whatever the dataset size
         order = [g for c in chunks for g in c]
-        per_sample = max(1, max(len(c) for c in chunks))
-        bound = max(1, int(job.get("backlog", 2))) * per_sample
-        stop_file = Path(job.get("stop_file", out_dir / "stop"))
-        expected = {sample_path(out_dir, g) for g in order}
-        engine = llm.llm_engine
         t1 = time.perf_counter()
-        written: list[str] = []
-        nxt = 0
-        while len(written) < len(order):
-            queued = nxt - len(written)
-            if nxt < len(order) and queued < per_sample and _pending(out_dir) <= bound:
-                batch = order[nxt:nxt + per_sample - queued]
-                llm.enqueue([{"prompt_token_ids": ids[g]} for g in batch], [params(g) for g in batch],
-                            use_tqdm=False)
-                nxt += len(batch)
-                continue
-            if not engine.has_unfinished_requests():  # the reader is behind: wait for it
-                if stop_file.exists():
-                    raise RuntimeError("the reader asked the worker to stop")
-                time.sleep(0.02)
-                continue
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                path = str((out.kv_transfer_params or {}).get("hidden_states_path") or "")
-                if path not in expected:
-                    raise RuntimeError(f"vLLM wrote a sample to {path or 'no file'}, not to a path a request "
-                                       "named (allow_custom_save_path ignored?)")
-                expected.discard(path)
-                written.append(path)
-        import fcntl
-
-        for path in written:  # every file complete before the worker exits (and the clock stops)
-            try:
-                fh = open(path + ".lock")  # noqa: SIM115 - closed below
-            except FileNotFoundError:
-                continue  # already read and removed by the reader
-            with fh:
-                fcntl.flock(fh, fcntl.LOCK_SH)
+        written = _extract(llm, job, ids, order, max(1, max(len(c) for c in chunks)), out_dir)
+        _wait_complete(written)
         result["extract_s"] = round(time.perf_counter() - t1, 3)
         result["tokens"] = sum(len(ids[g]) for g in order)
         if torch.cuda.is_available():
