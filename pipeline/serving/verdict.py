@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from pipeline.serving.launch import engine_words
-from pipeline.serving.records import Criteria, PairVerdict, ReferenceTau, ServeSummary, pair_key
+from pipeline.serving.records import LOAD_PROBE, Criteria, PairVerdict, ReferenceTau, ServeSummary, pair_key
 from pipeline.serving.speedup import speed_summary
 
 # vLLM's CPU build lists no NVFP4 kernel; weight-only NVFP4 forces Marlin (vLLM 0.32
@@ -410,7 +410,7 @@ def pair_comparison(summary: dict, calibrated_on: dict[str, tuple[str, str]]) ->
     return out
 
 
-def decide(results: list[dict], prompts: dict[str, list], criteria: Criteria, reference: ReferenceTau,
+def decide(results: list[dict], prompts: dict[str, list], criteria: Criteria, reference: ReferenceTau, *,
            ties: dict[str, dict], dflash2: dict[str, dict], speed: bool, speed_tau: float | None,
            pairing_warnings: list[str], calibrated_on: dict[str, tuple[str, str]],
            context: dict[str, Any]) -> ServeSummary:
@@ -418,7 +418,7 @@ def decide(results: list[dict], prompts: dict[str, list], criteria: Criteria, re
     references' `tie_logits`), the DFlash2 loads' verdicts `dflash2` (`dflash2_entry` each), the speed rows where
     `speed` (`speed_summary`), the pairing warnings, each calibrated drafter against its base, and `context`
     (the probe, served layouts and settings, recorded as given)."""
-    engines = [r for r in results if r.get("kind") != "dflash2_load"]
+    engines = [r for r in results if r.get("kind") != LOAD_PROBE]
     summary = summarize(engines, prompts, criteria.min_tau_ratio, criteria.min_tau, reference.target,
                         reference.tau or {}, require_lossless=criteria.require_lossless,
                         ref_matrix=reference.matrix or {}, ties=ties, tie=criteria.lossless_tie)

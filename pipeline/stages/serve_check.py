@@ -43,7 +43,7 @@ from pipeline.core.io import atomic_write_text
 from pipeline.quant import pairing
 from pipeline.serving import jobs as serve_jobs
 from pipeline.serving import launch, layout, references, report, verdict
-from pipeline.serving.records import Criteria, EngineJob, LoadProbeJob, ReferenceTau, ServeSummary
+from pipeline.serving.records import LOAD_PROBE, Criteria, EngineJob, LoadProbeJob, ReferenceTau, ServeSummary
 
 REFERENCE = "bf16"
 KV_CACHE_DTYPES = ("auto", "fp8")  # what serve.kv_cache_dtype may be (vLLM's CacheConfig.cache_dtype values we check)
@@ -69,28 +69,36 @@ def run(cfg) -> dict:
         pairing.warn(sentence, "serve-check")
     prompts, stop = _prompts(cfg)
     jobs = build_jobs(cfg, rd, info, prompts, stop, served)
-    n = parallel(cfg, info)
-    print(f"[specquant] serve-check: {len(jobs)} vLLM engines ({len(targets)} targets, {len(drafters)} drafters, "
-          f"serve.pairs={cfg.serve.pairs}, + each target alone), {n} at a time, {launch.engine(info)}", file=sys.stderr)
-    folder = rd.eval / "serve_check"
-    folder.mkdir(parents=True, exist_ok=True)
-    first = next(p for ps in prompts.values() for p in ps)
+    results, probes = _launch(cfg, rd, info, jobs, prompts, f"{len(targets)} targets, {len(drafters)} drafters")
     loads = [j for j in jobs if isinstance(j, LoadProbeJob)]
-    probes = {j.name: references.dflash2_probe(cfg, j, first, folder, _loaders()) for j in loads}
-    results = launch.run_jobs(str(s.python), jobs, folder, n, launch.worker_env(info))
-    engines = [r for r in results if r.get("kind") != "dflash2_load"]
+    engines = [r for r in results if r.get("kind") != LOAD_PROBE]
     ties = (tie_logits(targets, engines, prompts, int(s.lossless_tie_checks), _load_settings(cfg))
             if float(s.lossless_tie) > 0 and bool(s.require_lossless) else {})
+    loaded = [r for r in results if r.get("kind") == LOAD_PROBE]
     summary = verdict.decide(
         results, prompts, Criteria(float(s.min_tau_ratio), float(s.min_tau), bool(s.require_lossless),
-                                   float(s.lossless_tie)), _reference_tau(rd), ties,
-        references.check_dflash2([r for r in results if r.get("kind") == "dflash2_load"], loads, probes),
-        bool(s.speed), s.speed_tau, pairing_warnings, calibrated_on,
-        {"probe": info, "served_layouts": served, "settings": _settings(s)})
+                                   float(s.lossless_tie)), _reference_tau(rd),
+        ties=ties, dflash2=references.check_dflash2(loaded, loads, probes), speed=bool(s.speed),
+        speed_tau=s.speed_tau, pairing_warnings=pairing_warnings, calibrated_on=calibrated_on,
+        context={"probe": info, "served_layouts": served, "settings": _settings(s)})
     serve_results.write(rd.eval / "serve_check.json", summary)
     update_report(rd, report.render(summary))
     _refuse_failures(rd, summary)
     return _outcome(rd, jobs, info, summary)
+
+
+def _launch(cfg, rd: RunDir, info: dict, jobs: list, prompts: dict, what: str) -> tuple[list, dict[str, dict]]:
+    """The DFlash2 references' inputs written for their load-and-probe jobs, then every job in its worker,
+    `parallel` at once. Returns the results in the jobs' order and the references by job name."""
+    n = parallel(cfg, info)
+    print(f"[specquant] serve-check: {len(jobs)} vLLM engines ({what}, serve.pairs={cfg.serve.pairs}, + each target "
+          f"alone), {n} at a time, {launch.engine(info)}", file=sys.stderr)
+    folder = rd.eval / "serve_check"
+    folder.mkdir(parents=True, exist_ok=True)
+    first = next(p for ps in prompts.values() for p in ps)
+    probes = {j.name: references.dflash2_probe(cfg, j, first, folder, _loaders())
+              for j in jobs if isinstance(j, LoadProbeJob)}
+    return launch.run_jobs(str(cfg.serve.python), jobs, folder, n, launch.worker_env(info)), probes
 
 
 def _validate(s) -> None:
