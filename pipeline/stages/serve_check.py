@@ -43,7 +43,7 @@ from pipeline.core.io import atomic_write_text
 from pipeline.quant import pairing
 from pipeline.serving import jobs as serve_jobs
 from pipeline.serving import launch, layout, references, report, verdict
-from pipeline.serving.records import LOAD_PROBE, Criteria, EngineJob, LoadProbeJob, ReferenceTau, ServeSummary
+from pipeline.serving.records import Criteria, EngineJob, LoadProbeJob, ReferenceTau, ServeSummary
 
 REFERENCE = "bf16"
 KV_CACHE_DTYPES = ("auto", "fp8")  # what serve.kv_cache_dtype may be (vLLM's CacheConfig.cache_dtype values we check)
@@ -71,10 +71,10 @@ def run(cfg) -> dict:
     jobs = build_jobs(cfg, rd, info, prompts, stop, served)
     results, probes = _launch(cfg, rd, info, jobs, prompts, f"{len(targets)} targets, {len(drafters)} drafters")
     loads = [j for j in jobs if isinstance(j, LoadProbeJob)]
-    engines = [r for r in results if r.get("kind") != LOAD_PROBE]
+    engines = [r for r in results if not r.load_probe]
     ties = (tie_logits(targets, engines, prompts, int(s.lossless_tie_checks), _load_settings(cfg))
             if float(s.lossless_tie) > 0 and bool(s.require_lossless) else {})
-    loaded = [r for r in results if r.get("kind") == LOAD_PROBE]
+    loaded = [r for r in results if r.load_probe]
     summary = verdict.decide(
         results, prompts, Criteria(float(s.min_tau_ratio), float(s.min_tau), bool(s.require_lossless),
                                    float(s.lossless_tie)), _reference_tau(rd),
