@@ -40,6 +40,7 @@ from pipeline.artifacts import serve_results
 from pipeline.artifacts.rundir import RunDir
 from pipeline.core.errors import SpecquantError, bad_value
 from pipeline.core.io import atomic_write_text
+from pipeline.models.checkpoint_info import CheckpointInfo
 from pipeline.quant import pairing
 from pipeline.serving import jobs as serve_jobs
 from pipeline.serving import launch, layout, references, report, verdict
@@ -258,7 +259,7 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int],
     max_len = serve_jobs.max_model_len(cfg, prompts)
     settings = serve_jobs.engine_settings(cfg, stop, max_len, parallel(cfg, info), speed_on(cfg, info))
     sm, on_cpu = float(info.get("capability") or 0), info.get("platform") == "cpu"
-    dflash2 = {v: d for v, d in drafters.items() if is_dflash2(d)}
+    dflash2 = {v: d for v, d in drafters.items() if load_and_probe(d)}
     drafters = {v: d for v, d in drafters.items() if v not in dflash2}
     # no engine runs a DFlash2 drafter here: vLLM's model class loads it
     jobs: list = [serve_jobs.load_probe_job(cfg, v, REFERENCE, d, max_len) for v, d in dflash2.items()]
@@ -273,10 +274,10 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int],
     return jobs
 
 
-def is_dflash2(path: Path) -> bool:
-    """Whether a drafter folder holds a DFlash2 drafter (speculators `dflash2` or z-lab `DFlash2DraftModel`)."""
-    conf = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    return conf.get("speculators_model_type") == "dflash2" or "DFlash2DraftModel" in (conf.get("architectures") or [])
+def load_and_probe(path: Path) -> bool:
+    """Whether a drafter's family is served by loading vLLM's model class and probing it, not by an engine (its
+    `serve_mode`: DFlash2 today, `pipeline.models.families`)."""
+    return CheckpointInfo.read(path, "drafter").drafter_family.serve_mode == "load-and-probe"
 
 
 def speed_on(cfg, info: dict) -> bool:
@@ -302,7 +303,7 @@ def refuse_dflash2_contract(cfg, rd: RunDir, drafters: dict[str, Path]) -> None:
     from pipeline.serving import contract
 
     for v, path in drafters.items():
-        if not is_dflash2(path):
+        if not load_and_probe(path):
             continue
         rec = load_record(rd.root, f"quantize-drafter-{v}")
         prof = contract.profile(((rec.result.get("vllm") or {}).get("profile") if rec else None) or None)
