@@ -97,8 +97,13 @@ def platform_name() -> str:
 def cpu_runtime() -> dict:
     """What an engine on the CPU build needs from its environment: the interpreter's libiomp5 to preload
     (without it generation is ~20x slower) and the cores torch may use."""
+    import torch
+
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
-    return {"libiomp5": str(lib) if lib.is_file() else None, "cores": len(os.sched_getaffinity(0))}
+    # vLLM's CPU attention stores an FP8 KV cache only on x86 with AVX-512 or AMX (0.32:
+    # v1/attention/backends/cpu_attn.py:540, "FP8 KV cache on CPU requires x86 with AVX-512 or AMX")
+    fp8_kv = bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+    return {"libiomp5": str(lib) if lib.is_file() else None, "cores": len(os.sched_getaffinity(0)), "fp8_kv_cache": fp8_kv}
 
 
 def _register_cpu_nvfp4_emulation() -> str:

@@ -61,6 +61,7 @@ def run(cfg) -> dict:
     archs = _architectures(targets)
     wrappers = [w for a in archs for w in [layout.WRAPPERS.get(a)] if w and w not in archs]
     info = launch.probe(s.python, archs + wrappers)  # no vLLM: one sentence alone, before any warning, nothing written
+    _check_engine(s, info)
     served = served_layouts(info, targets, rd.eval / "serve_check" / "served")
     unbuilt = unbuildable_targets(info, {t: p for t, p in targets.items() if t not in served})
     if unbuilt:  # e.g. a hybrid target on an engine without its model class: said once, nothing written, exit 0
@@ -114,6 +115,15 @@ def _validate(s) -> None:
     if str(s.kv_cache_dtype) not in KV_CACHE_DTYPES:
         raise bad_value("serve.kv_cache_dtype", s.kv_cache_dtype, "it is not a KV cache dtype serve-check runs",
                         f"use {' or '.join(KV_CACHE_DTYPES)} (auto = the model dtype)")
+
+
+def _check_engine(s, info: dict) -> None:
+    """What the probed engine cannot run at all, refused before any engine starts: an FP8 KV cache on a CPU
+    build whose CPU lacks AVX-512 and AMX (vLLM's CPU attention refuses it at every engine's start)."""
+    if str(s.kv_cache_dtype) == "fp8" and info.get("platform") == "cpu" and info.get("fp8_kv_cache") is False:
+        raise bad_value("serve.kv_cache_dtype", s.kv_cache_dtype, f"vLLM {info.get('vllm')}'s CPU build stores an FP8 "
+                        "KV cache only on x86 with AVX-512 or AMX, which this CPU lacks",
+                        "use serve.kv_cache_dtype=auto here, or run serve-check on a GPU or an AVX-512 machine")
 
 
 def check_checkpoints(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str, Path]) -> tuple[list[str], dict]:
