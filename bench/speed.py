@@ -104,7 +104,7 @@ BATCHES = {"bf16/-/verify-rows": [1, 16, 256]}
 KV_BYTES = {"bf16/-/verify-rows": 48 << 30}
 NVFP4_GROUP = 16
 # configs whose engine is also profiled (`--profile`): one more run per batch under torch's profiler after the
-# timed runs (pipeline.serving.worker.profile_steps), split by bench/steptrace.py
+# timed runs (pipeline.serving.worker_speed.profile_steps), split by bench/steptrace.py
 PROFILED = ("bf16/-", "bf16/bf16/k15", "w4a16-marlin/-", "w4a16-marlin/bf16/k15", "w4a16-marlin/w4a16-head32k/k15")
 HEAD_VOCAB = 32768  # the trimmed draft head's rows
 

@@ -2,7 +2,7 @@
 
     python -m bench.steptrace TRACE.json.gz [...] [--vocab 151936,32768] [--skip 2] [--json OUT.json]
 
-The traces come from `python -m bench.speed run --profile` (pipeline.serving.worker.profile_steps): one greedy
+The traces come from `python -m bench.speed run --profile` (pipeline.serving.worker_speed.profile_steps): one greedy
 run under torch's profiler with vLLM's step scopes on (`gpu_model_runner: preprocess / forward / postprocess /
 sample / draft / bookkeep`, vLLM 0.26 `v1/worker/gpu_model_runner.py:4149-4774`). Every GPU activity (kernel,
 memcpy, memset) is tied to the CPU call that launched it by its correlation id, and that call to the innermost
@@ -20,7 +20,7 @@ Parts of a step:
 - `runner other`: input preparation and the rest of the runner's step;
 - `unscoped`: activity launched outside any scope.
 
-The scopes are those `pipeline.serving.worker.PROFILE_SCOPES` sets on vLLM 0.26's V2 runner (`specquant: ...`)
+The scopes are those `pipeline.serving.worker_speed.PROFILE_SCOPES` sets on vLLM 0.26's V2 runner (`specquant: ...`)
 or vLLM's own V1 runner scopes (`gpu_model_runner: ...`). Steps are cut at each `specquant: step` (or
 `gpu_model_runner: preprocess`) scope; the first `--skip` (the prefill) and the last are left out. Per step:
 the GPU busy time of each part (kernel durations; a part's share is of the busy time), the GPU span (first

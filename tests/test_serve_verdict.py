@@ -96,7 +96,7 @@ def test_publish_refuses_a_variant_whose_serve_check_failed(results, tmp_path):
 def test_serve_check_json_is_versioned_and_read_through_its_one_reader(results, tmp_path):
     """eval/serve_check.json through `pipeline.artifacts.serve_results`: the writer adds format_version, the reader
     gives back the summary verdict built, reads a file written before the field existed the same way, and refuses
-    another version in one sentence naming the file; `verdict.status_for` reads it (None file: not checked)."""
+    another version in one sentence naming the file; `report.status_for` reads it (None file: not checked)."""
     from pipeline.artifacts import serve_results
 
     s = verdict.summarize(results, _prompts(results), 0.99, 1.05, None, {})
