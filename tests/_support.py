@@ -641,13 +641,18 @@ def build_dflash2_world(root: Path) -> Path:
     return root
 
 
+def dflash2_quantized_widths() -> list[int]:
+    """The in/out widths of the fixture drafter's quantized Linears: fc reads the aux layers' concatenated hidden
+    states (n_aux x hidden); o_proj and the MLP read and write hidden, heads x head_dim and intermediate."""
+    g = dflash2_geometry()
+    return [len(g["zlab_target_layer_ids"]) * g["hidden"], g["hidden"], g["intermediate"], g["heads"] * g["head_dim"]]
+
+
 def dflash2_w4a16_group() -> int:
     """A W4A16 group size dividing every quantized width of the fixture drafter (fc's n_aux x hidden included)."""
     import math
 
-    g = dflash2_geometry()
-    return math.gcd(128, g["hidden"], g["intermediate"], g["heads"] * g["head_dim"],
-                    len(g["zlab_target_layer_ids"]) * g["hidden"])
+    return math.gcd(128, *dflash2_quantized_widths())
 
 
 def random_samples(run_dir: Path, vocab: int, n: int = 6, max_len: int = 40) -> list[dict]:

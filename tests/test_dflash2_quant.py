@@ -25,6 +25,7 @@ from tests._support import DFLASH2_DRAFTER as DRAFTER
 from tests._support import DFLASH2_FIXTURES as FIXTURES  # noqa: F401
 from tests._support import build_dflash2_world as build_world
 from tests._support import dflash2_geometry as geometry
+from tests._support import dflash2_quantized_widths as quantized_widths
 from tests._support import dflash2_w4a16_group as w4a16_group
 from tests._support import dflash2_world_cfg as world_cfg
 from tests._support import (
@@ -35,19 +36,12 @@ from tests._support import write_dflash2_blend as write_blend  # noqa: F401
 from tests._support import write_dflash2_target as write_target  # noqa: F401
 
 
-def _block_widths() -> list[int]:
-    """The widths of the fixture drafter's quantized Linears (in and out): fc reads the aux layers' concatenated
-    hidden states; attention, o_proj and the MLP read and write hidden / heads x head_dim / intermediate."""
-    g = geometry()
-    return [g["hidden"] * len(g["zlab_target_layer_ids"]), g["hidden"], g["intermediate"], g["heads"] * g["head_dim"]]
-
-
 def _blocks_tile() -> bool:
     """Whether FP8_BLOCK's weight blocks tile every quantized Linear of the fixture (quantize-drafter refuses
     `fp8-block` otherwise: test_fp8_block_is_refused_where_its_blocks_do_not_tile)."""
     from pipeline.quant import recipes
 
-    return not any(w % b for w in _block_widths() for b in recipes.SCHEMES["fp8-block"].block)
+    return not any(w % b for w in quantized_widths() for b in recipes.SCHEMES["fp8-block"].block)
 
 
 def _variants() -> dict[str, tuple[str, ...]]:
@@ -351,7 +345,7 @@ def test_fp8_block_is_refused_where_its_blocks_do_not_tile(world):
     from pipeline.stages import quantize_drafter
 
     if _blocks_tile():
-        pytest.skip(f"the fixture's widths {_block_widths()} tile 128x128 blocks: fp8-block is tested as a variant")
+        pytest.skip(f"the fixture's widths {quantized_widths()} tile 128x128 blocks: fp8-block is tested as a variant")
     root, _ = world
     cfg = world_cfg(root, "quant=fp8-block")
     with pytest.raises(SpecquantError, match=r"quant\.scheme.*fp8-block.*do not tile"):
