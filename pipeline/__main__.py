@@ -23,7 +23,7 @@ COMMANDS = {
 }
 
 USAGE = (
-    "usage: python -m pipeline <stage> [key=value ...]\n"
+    "usage: python -m pipeline <stage> [-m] [key=value ...]   (-m: key=a,b runs one job per value, one process)\n"
     f"  stages:   {', '.join(STAGES)}\n"
     f"  commands: {', '.join(COMMANDS)} (see `python -m pipeline <command> --help`), "
     "run-dir [key=value ...] (print where outputs land), stages (print the stages in run order)"
@@ -83,6 +83,11 @@ def _compose_or_exit(overrides: list[str]):
                 parts.append(text)
             e = e.__cause__
         msg = "; ".join(parts)
+        if msg.startswith("Ambiguous value for argument"):  # `key=a,b` without -m: say the three readings
+            print(f"error: invalid configuration: {msg}: add -m to run one job per value in one process "
+                  "(`python -m pipeline <stage> -m key=a,b`), write a list as key=[a,b], or quote a string "
+                  "as key='a,b'.", file=sys.stderr)
+            raise SystemExit(2) from None
         print(f"error: invalid configuration: {msg} (check the key and value in your overrides or conf/)",
               file=sys.stderr)
         raise SystemExit(2) from None
@@ -131,24 +136,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown stage {name!r}; choose one of {', '.join([*STAGES, *COMMANDS])}.", file=sys.stderr)
         return 2
 
-    cfg = _compose_or_exit(rest)
+    jobs = _sweep(rest) if {"-m", "--multirun"} & set(rest) else [rest]
+    # every job's configuration is composed and checked before the first one starts
+    runs = [(job, _compose_or_exit(job)) for job in jobs]
     from pipeline.core.secrets import scrub
     from pipeline.stages.runner import run_stage
 
-    try:
-        _check_devices(name, cfg)
-        run_stage(name, STAGES[name], cfg, rest)
-    except KeyboardInterrupt:
-        print(f"error: `{name}` was interrupted (Ctrl-C); nothing half-written is kept: the next run of the "
-              "stage removes its partial files and starts that work again.", file=sys.stderr)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - only the user's errors and file-system errors end here; the rest is re-raised
-        sentence = _stage_error(name, exc, cfg)
-        if sentence is None:
-            raise
-        print(f"error: {scrub(sentence)}", file=sys.stderr)
-        return 2
+    for i, (job, cfg) in enumerate(runs):
+        swept = [a for a in job if a not in rest]  # the values this job took from the sweep
+        which = f" (job {i + 1} of {len(runs)}: {' '.join(swept)})" if len(runs) > 1 else ""
+        try:
+            _check_devices(name, cfg)
+            run_stage(name, STAGES[name], cfg, job)
+        except KeyboardInterrupt:
+            print(f"error: `{name}` was interrupted (Ctrl-C){which}; nothing half-written is kept: the next run of "
+                  "the stage removes its partial files and starts that work again.", file=sys.stderr)
+            return 130
+        except Exception as exc:  # noqa: BLE001 - only the user's errors and file-system errors end here; the rest is re-raised
+            sentence = _stage_error(name, exc, cfg)
+            if sentence is None:
+                raise
+            print(f"error: {scrub(sentence)}{which}", file=sys.stderr)
+            return 2
     return 0
+
+
+def _sweep(rest: list[str]) -> list[list[str]]:
+    """`-m` / `--multirun` (Hydra's flag): one job per combination of the comma-separated values
+    (`quant=nvfp4,w4a16` -> two jobs), in Hydra's order, all run in this one process - a variant costs its own
+    work, not another interpreter, torch and llm-compressor start-up. Each job's stage record holds its own
+    overrides (`command`), as if it had been run alone."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    given = [a for a in rest if a not in {"-m", "--multirun"}]
+    try:
+        parsed = OverridesParser.create().parse_overrides(given)
+    except OverrideParseException as exc:
+        print(f"error: invalid configuration: {_override_sentence(exc)}.", file=sys.stderr)
+        raise SystemExit(2) from None
+    choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+               else [text] for text, o in zip(given, parsed)]
+    return [list(c) for c in itertools.product(*choices)]
 
 
 def _stage_error(name: str, exc: BaseException, cfg) -> str | None:

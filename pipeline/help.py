@@ -193,7 +193,9 @@ def render(stage: str, module: str, overrides: list[str]) -> str:
     cfg, choices = _compose(overrides)
     groups = STAGE_GROUPS.get(stage, ())
     hints = typing.get_type_hints(schema.SpecquantConfig)
-    out = [f"usage: python -m pipeline {stage} [key=value ...] [group=preset ...]", "", purpose(module), ""]
+    out = [f"usage: python -m pipeline {stage} [-m] [key=value ...] [group=preset ...]", "", purpose(module), "",
+           "-m: every comma-separated value is a job of its own, run one after the other in this one process "
+           "(e.g. -m quant=nvfp4,w4a16)", ""]
     if groups:
         out.append("conf groups: " + ", ".join(f"{g} (conf/{g}/, now {choices.get(g, '-')})" for g in groups))
     else:

@@ -489,7 +489,7 @@ def sha256(p: Path) -> str:
 def download(url: str, repo_id: str, revision: str, cache: Path) -> Path:
     from huggingface_hub import snapshot_download
 
-    from pipeline.stages.publish import hub_online
+    from pipeline.provenance.hub_push import hub_online
 
     with hub_online():
         snap = Path(snapshot_download(repo_id, revision=revision, endpoint=url, token=PUBLISH_TOKEN, cache_dir=cache))

@@ -153,12 +153,14 @@ def steps(stages: list[str], quants: list[str], pair_target: str, pair_quants: l
     plain = [q for q in pair_quants if ":" not in q]
     for stage in stages:
         if stage == "quantize-drafter":
-            out += [(stage, [f"quant={q}"]) for q in quants]
-            out += [(stage, [f"quant={q}", f"quant.calibration_target={t}"]) for t in pairs for q in own.get(t, plain)]
+            # one process per sweep (`-m quant=a,b`), as `make all` runs them
+            out += [(stage, ["-m", f"quant={','.join(quants)}"])] if quants else []
+            out += [(stage, ["-m", f"quant={','.join(own.get(t, plain))}", f"quant.calibration_target={t}"])
+                    for t in pairs if own.get(t, plain)]
         elif stage == "quantize-target":
             out += [(stage, [])] + [(stage, [f"target_quant={t}"]) for t in target_quants or []]
         elif stage == "cache-pair":
-            out += [("cache", [f"cache.target={t}"]) for t in pairs]
+            out += [("cache", ["-m", f"cache.target={','.join(pairs)}"])] if pairs else []
         else:
             out.append((stage, []))
     return out

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.core.errors import SpecquantError
+from pipeline.models import families
 from pipeline.serving import contract
 
 # the fixture world's pieces live in tests/_support (the DFlash2 serve-check tests build the same world)
@@ -383,13 +384,15 @@ def test_reference_loop_drafts_the_selector_path_and_is_lossless(world):
 
 
 def test_every_dflash2_rule_cites_a_wheel():
+    fam = families.get("dflash2")
     for prof in contract.PROFILES.values():
-        assert set(prof.dflash2_cites) >= {"dflash2"}
-        if prof.dflash2_first is None:
+        facts = fam.range_facts(prof)  # every range has DFlash2's facts (RANGES in models/families/dflash2.py)
+        assert set(facts.cites) >= {"dflash2"}
+        if facts.first is None:
             continue
-        assert prof.first <= prof.dflash2_first <= prof.last and prof.conv_draft_quant
-        assert set(prof.dflash2_cites) == {"dflash2", "kernel_projection", "hidden_projection"}
-        for rule, cite in prof.dflash2_cites.items():  # a release of the range, a wheel file and its line numbers
+        assert prof.first <= facts.first <= prof.last and facts.conv_draft_quant
+        assert set(facts.cites) == {"dflash2", "kernel_projection", "hidden_projection"}
+        for rule, cite in facts.cites.items():  # a release of the range, a wheel file and its line numbers
             assert prof.first <= cite.split()[0] <= prof.last and ".py:" in cite, (prof.name, rule)
 
 
@@ -415,4 +418,5 @@ def test_profiles_agree_with_the_wheels_dflash2_model(version):
     algos = (VLLM_SRC / version / "vllm" / "transformers_utils" / "configs" / "speculators" / "algos.py").read_text()
     assert ('@register_speculator("dflash2")' in algos) == (version >= "0.29.0")
     prof = next(p for p in contract.PROFILES.values() if p.first <= version <= p.last)
-    assert prof.dflash2_first is not None and prof.dflash2_first <= max(version, "0.29.0")
+    first = families.get("dflash2").range_facts(prof).first
+    assert first is not None and first <= max(version, "0.29.0")

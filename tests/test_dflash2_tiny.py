@@ -13,6 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from pipeline.core.config import compose
+from pipeline.models import families
 from pipeline.models.formats import load_drafter_config
 from pipeline.serving import contract
 from tests._support import REPO, one_thread  # noqa: F401 - autouse: one thread
@@ -87,7 +88,7 @@ def test_dflash2_variants_manifest_and_publish_folder(run):
     prof = contract.profile(run["cfg"].quant.vllm)
     qrm = json.loads((run["root"] / "quant_run_manifest.json").read_text())
     entry = next(c for c in qrm["checkpoints"] if c["kind"] == "drafter" and c["variant"] == "w4a16")
-    assert entry["vllm"]["dflash2_versions"] == prof.dflash2_versions
+    assert entry["vllm"]["dflash2_versions"] == families.get("dflash2").served_versions(prof)
     ckpt = load_drafter_config(run["root"] / "drafter" / "w4a16")
     layers = range(ckpt.num_hidden_layers)
     ignore = set(entry["ignore"])
@@ -97,7 +98,7 @@ def test_dflash2_variants_manifest_and_publish_folder(run):
     assert conf["speculators_model_type"] == "dflash2"
     card = (folder / "README.md").read_text()
     assert "A DFlash2 drafter quantized to **w4a16**" in card
-    assert f"vLLM {prof.dflash2_versions}" in card and "`hidden_projection`" in card
+    assert f"vLLM {families.get('dflash2').served_versions(prof)}" in card and "`hidden_projection`" in card
     assert load_drafter_config(run["root"] / "drafter" / "bf16").is_dflash2  # the reference, not published
 
     from tests._support import run_main

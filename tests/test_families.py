@@ -77,33 +77,51 @@ def test_the_two_families_answer_what_differs():
 
 
 @pytest.mark.parametrize("prof", list(contract.PROFILES))
-def test_vllm_linears_and_range_rules_match_the_serving_contract(prof):
-    """What the families say vLLM builds is what `serving/contract.py` checks today (so serve-check can ask the
-    family instead), and a range without a DFlash2 class is refused in contract's own sentence."""
+def test_vllm_linears_and_range_rules_through_the_family(prof):
+    """What the families say vLLM builds, per range (the serving contract asks them: `contract.family`), by name:
+    DFlash's four fused Linears per layer after `model.fc`; DFlash2's two kernel projections per layer and the
+    selector's hidden projection, built dense except `kernel_projection` where the range builds it with the draft's
+    quant config; a range without a DFlash2 class refused in one sentence, before any work and in the check."""
     p = contract.profile(prof)
     for path in (TINY / "drafter", TINY / "drafter-dflash2"):
         config = _config(path)
-        fam, n = families.family_of(config), config["transformer_layer_config"]["num_hidden_layers"]
-        conv, sel = config.get("conv_kernel_size") is not None, config.get("selector_rank") is not None
-        assert fam.vllm_linears(config, 7) == contract.vllm_linears(n, 7, conv, sel)
+        fam, n = contract.family(config), config["transformer_layer_config"]["num_hidden_layers"]
+        assert fam is families.family_of(config)
+        base = [f"model.layers.{i + 7}.{m}" for i in range(n)
+                for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
         quantized = fam.vllm_quantized_linears(config, 7, p)
-        built_dense = [x for x in contract.vllm_linears(n, 7, conv, sel) if x.endswith(contract.DFLASH2_DENSE)
-                       and not (x.endswith(".kernel_projection") and p.conv_draft_quant)]
-        assert quantized == [x for x in contract.vllm_linears(n, 7, conv, sel) if x not in built_dense]
         if fam.name == "dflash":
+            assert fam.vllm_linears(config, 7) == quantized == ["model.fc"] + base
+            assert fam.vllm_parameters(config, 7) == [] and fam.profile_problems(p) == []
             fam.refuse_profile(p, "quant")
             assert fam.vllm_record(p) == p.record()
             continue
-        assert fam.vllm_record(p) == p.record(dflash2=True)
-        assert fam.recorded_versions(fam.vllm_record(p)) == p.dflash2_versions
-        if p.dflash2_first is None:
+        convs = [f"model.layers.{i + 7}.{c}.kernel_projection" for i in range(n) for c in ("attention_conv", "mlp_conv")]
+        assert sorted(fam.vllm_linears(config, 7)) == sorted(
+            ["model.fc"] + base + convs + ["model.candidate_selector.hidden_projection"])
+        facts = fam.range_facts(p)  # DFlash2's own facts of the range, kept in its family module
+        assert sorted(quantized) == sorted(["model.fc"] + base + (convs if facts.conv_draft_quant else []))
+        assert sorted(contract.hf_shards(x, 7)[0] for x in fam.vllm_linears(config, 7)
+                      if x not in quantized or x.endswith(".kernel_projection")) == sorted(fam.dense_linears(config))
+        record = fam.vllm_record(p)
+        assert record == {**p.record(), "dflash2_versions": fam.served_versions(p),
+                          "rules": {**p.cites, **facts.cites}}
+        assert list(record) == [*p.record(), "dflash2_versions"]  # the keys in the order records were written
+        assert fam.recorded_versions(record) == fam.served_versions(p) == {
+            "0.26": "none", "0.28-0.31": "0.29.0-0.31.0",
+            "0.32+": "0.32.0 and newer (read in 0.32.0-0.34.0)"}[p.name]  # the words records and cards carry
+        if facts.first is None:
             with pytest.raises(SpecquantError) as ours:
                 fam.refuse_profile(p, "quant")
-            with pytest.raises(SpecquantError) as theirs:
-                contract.refuse_dflash2(p, "quant")
-            assert str(ours.value) == str(theirs.value) and "\n" not in str(ours.value)
+            assert str(ours.value) == (
+                f"`quant.vllm` = '{p.name}': vLLM {p.versions} has no DFlash2 model class "
+                f"({facts.cites['dflash2']}), so it cannot serve this DFlash2 drafter; write it for vLLM 0.29 "
+                "and newer with quant.vllm=0.28-0.31 or 0.32+.")
+            assert fam.profile_problems(p) == [f"it is a DFlash2 drafter and vLLM {p.versions} has no DFlash2 model "
+                                               f"class ({facts.cites['dflash2']})"]
         else:
             fam.refuse_profile(p, "quant")
+            assert fam.profile_problems(p) == []
 
 
 def test_checkpoint_info_of_what_quantize_drafter_writes(quantized_world):
@@ -119,7 +137,7 @@ def test_checkpoint_info_of_what_quantize_drafter_writes(quantized_world):
         parsed = light_config(path)
         assert (info.num_layers, info.num_target_layers) == (parsed.num_hidden_layers, parsed.num_target_layers)
         assert info.architectures == tuple(_config(path)["architectures"])
-        vllm_class, vllm_weight_only = contract._scheme_of(info.quantization_config)  # serving's view agrees
+        vllm_class, vllm_weight_only = contract.vllm_scheme(info.quantization_config)  # serving's view agrees
         assert vllm_weight_only in (None, weight_only) and ("Fp4" in vllm_class) == (fmt == "fp4")
     bf16 = CheckpointInfo.read(root / "qw" / "drafter" / "bf16")
     assert (bf16.quantized, bf16.scheme, bf16.weight_only, bf16.fp4_activation) == (False, None, False, False)
@@ -138,6 +156,10 @@ def test_scheme_of_names_every_recipes_preset():
         info = CheckpointInfo.from_config({**_config(TINY / "target"), "quantization_config": qc})
         assert (info.scheme, info.weight_format) == (name, scheme.number_format)
         assert info.weight_only == (not scheme.quantize_activations)
+        vllm_class = {"fp4": "CompressedTensorsW4A4Fp4", "int4": "CompressedTensorsWNA16",
+                      "fp8": "CompressedTensorsW8A8Fp8"}[scheme.number_format]  # what serve-check expects vLLM builds
+        assert contract.vllm_scheme(qc) == (vllm_class, {"fp4": info.weight_only, "fp8": False}.get(
+            scheme.number_format))
     assert scheme_of(None) is None and scheme_of({"config_groups": {}}) is None
 
 

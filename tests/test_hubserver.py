@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.stages.publish import hub_online
+from pipeline.provenance.hub_push import hub_online
 from tests.hubserver import HubServer
 
 TOKEN = "hf_servertest_token_0123456789"

@@ -281,3 +281,41 @@ def test_serve_check_pairs_a_quantized_target_with_the_drafters_made_for_it(worl
     assert named == {t: ["w4a16-imatrix"] for t in targets}
     with pytest.raises(SpecquantError, match=r"^`serve\.pairs` = .some.: .*use calibrated"):
         serve_check.pairs_to_serve(compose([*_base(world), "serve.pairs=some"]), rd, targets, drafters)
+
+
+def test_evaluate_pairs_calibrated_evaluates_what_a_quantized_target_would_serve(world, tmp_path):
+    """eval.pairs=calibrated (serve.pairs' rule): the main table's target evaluates every drafter, the quantized
+    target the drafter calibrated on it, that recipe on bf16 states, bf16 and the eval.pairs_every_target globs;
+    the report says n/a for the rest and the calibrated-vs-bf16 comparison still runs where both were evaluated;
+    a bad eval.pairs is one sentence before any weight loads."""
+    from pipeline.stages import evaluate
+    from tests._support import build_fixture_tokenizer
+
+    base = _base(world)
+    _stage("quantize-drafter", "pipeline.stages.quantize_drafter", [*base, "quant=w4a16", f"quant.group_size={G}"])
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "Say hello to the world."}) + "\n")
+    tok = build_fixture_tokenizer(tmp_path / "tok")
+    base = [*base, f"target.tokenizer={tok}", f"eval.prompt_sets=[{{name:chat,path:'{tmp_path / 'chat.jsonl'}'}}]"]
+    quick = [*base, "eval.limit=1", "eval.max_new_tokens=8", "eval.targets=[bf16,w4a16]", "eval.pairs=calibrated"]
+    rd = run_dir(world)
+    res = read_json(evaluate.run(compose(quick))["output"] + "/results.json", "results")
+    matrix = res["pairs"]["matrix"]
+    assert set(matrix["bf16"]) == set(rd.drafter_variants()) >= {"w4a16", "w4a16-imatrix", "w4a16-imatrix-on-w4a16"}
+    assert set(matrix["w4a16"]) == set(matrix["bf16"]) - {"w4a16"}
+    comp = {(c["variant"], c["served_with"]) for c in res["pairs"]["comparison"]}
+    assert comp == {("w4a16-imatrix-on-w4a16", "bf16"), ("w4a16-imatrix-on-w4a16", "w4a16")}
+    report = (rd.eval / "report.md").read_text()
+    assert "`n/a`: not evaluated" in report and "## The served pair: each target x the drafters paired with it" in report
+    # eval.workers=3: the pairs in three processes, the main table's drafters split across two of them (each
+    # loads its targets and makes their reference outputs itself); not one byte changes
+    first = (rd.eval / "results.json").read_bytes()
+    evaluate.run(compose([*quick, "eval.workers=3"]))
+    assert (rd.eval / "results.json").read_bytes() == first and (rd.eval / "report.md").read_text() == report
+    with pytest.raises(SpecquantError, match=r"^`eval\.workers` = 0: it must be at least 1"):
+        evaluate.run(compose([*quick, "eval.workers=0"]))
+    res = read_json(evaluate.run(compose([*quick, "eval.pairs_every_target=[w4a1?]"]))["output"] + "/results.json", "r")
+    assert set(res["pairs"]["matrix"]["w4a16"]) == set(res["pairs"]["matrix"]["bf16"])
+    every = (rd.eval / "report.md").read_text()
+    assert "`n/a`: not evaluated" not in every and "## The served pair: every target x every drafter" in every
+    with pytest.raises(SpecquantError, match=r"^`eval\.pairs` = .some.: .*use all"):
+        evaluate.run(compose([*base, "eval.pairs=some"]))

@@ -108,8 +108,8 @@ def test_dry_run_assembles_verified_folder_with_card(run_root, tmp_path, capsys)
 def test_push_download_verify_then_no_second_commit(run_root, hub, tmp_path):
     from huggingface_hub import HfApi
 
+    from pipeline.provenance.hub_push import hub_online
     from pipeline.stages import publish
-    from pipeline.stages.publish import hub_online
 
     out = publish.run(push_cfg(run_root, hub.url))["variants"]["nvfp4"]
     assert out["status"] == "pushed" and len(out["commit"]) == 40

@@ -3,7 +3,7 @@
 No vLLM release we can run drives a DFlash2 engine here (vLLM 0.32's V1 runner refuses candidate-head drafts, its V2
 runner needs Triton), so serve-check builds vLLM's `DFlash2Qwen3ForCausalLM` on the CPU build from a real VllmConfig,
 runs the engine's loader over the checkpoint, checks every module against what the checkpoint calls for, and runs
-one draft block through its modules against the reference loop's (`pipeline.serving.worker.run_dflash2_load`).
+one draft block through its modules against the reference loop's (`pipeline.serving.worker.run_load_probe`).
 
 The world: the DFlash2 golden fixture's drafter beside a Qwen3 target of its geometry (tests/_support, the same
 world as tests/test_dflash2_quant.py), every size read from the fixture; quantize-drafter w4a16, nvfp4 and
@@ -110,7 +110,7 @@ def served(world) -> dict:
 @needs_vllm
 def test_every_dflash2_variant_is_loaded_by_vllms_dflash2_class_with_the_intended_schemes(world, served):
     s = served["summary"]
-    entries = s["dflash2"]
+    entries = s["load_probes"]
     assert set(entries) == {"bf16", *QUANTS}
     assert s["pairs"] == {} and s["targets_alone"] == {}  # no engine ran: no lossless count, no tau
     n_target = _support.dflash2_geometry()["target_layers"]
@@ -121,7 +121,7 @@ def test_every_dflash2_variant_is_loaded_by_vllms_dflash2_class_with_the_intende
         assert e["said"].startswith(f"loaded by vLLM {s['versions']['vllm']}'s DFlash2 model class") \
             and "no engine run" in e["said"]
         config, names, _ = contract.read_dir(_drafters(world) / v)
-        expected = contract.dflash2_modules(config, names, n_target)
+        expected = contract.load_probe_modules(config, names, n_target)
         assert set(e["modules"]) == set(expected)  # vLLM's module list is the contract's, name for name
         assert e["checkpoint_tensors"] == len(names)
         assert sorted(e["borrowed_from_target"]) == ["lm_head.weight", "model.embed_tokens.weight"]
@@ -167,7 +167,7 @@ def test_vllms_class_refuses_the_checkpoints_the_contract_refuses(world, served,
     try:
         info = launch.probe(VLLM)
         for name, path in broken.items():
-            job = {"kind": "dflash2_load", "name": name, "target": str(world / "target"), "drafter": str(path),
+            job = {"kind": "load_probe", "name": name, "target": str(world / "target"), "drafter": str(path),
                    "dtype": "bfloat16", "num_speculative_tokens": _support.dflash2_geometry()["block_size"] - 1,
                    "max_model_len": 256}
             (tmp_path / "job.json").write_text(json.dumps(job))
@@ -179,7 +179,7 @@ def test_vllms_class_refuses_the_checkpoints_the_contract_refuses(world, served,
             # own int4 kernel (AVX-512) cannot take a kernel_projection's shape
             assert proc.returncode == 1 and result["ok"] is False and result["failed_at"] in ("build", "load"), \
                 result.get("error")
-            entry = verdict.dflash2_entry(result, [], None)
+            entry = verdict.load_probe_entry(result, [], None)
             assert f"fails at its {result['failed_at']} step" in entry["problems"][0]
     finally:
         for path in broken.values():
@@ -300,7 +300,7 @@ def test_qwen38_27b_dflash2_at_its_real_shapes_passes_the_contract(tmp_path):
     t, n = QWEN38["target_layers"], QWEN38["draft_layers"]
     assert config["speculators_model_type"] == "dflash2" and config["transformer_layer_config"]["is_causal"] is False
     assert contract.checkpoint_problems(config, names, t, "0.32+") == []
-    modules = contract.dflash2_modules(config, names, t)
+    modules = contract.load_probe_modules(config, names, t)
     quantized = sorted(k for k, m in modules.items() if m.get("scheme"))
     assert quantized == sorted(["model.fc"] + [f"model.layers.{i + t}.{p}" for i in range(n)
                                                for p in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")])
@@ -328,7 +328,7 @@ def test_qwen38_27b_dflash2_module_list_equals_what_vllms_class_builds_on_the_me
                 "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16"}
     (tmp_path / "stand-in").mkdir()
     (tmp_path / "stand-in" / "config.json").write_text(json.dumps(stand_in))
-    job = {"kind": "dflash2_load", "name": "qwen3.8-27b", "meta": True, "target": str(tmp_path / "stand-in"),
+    job = {"kind": "load_probe", "name": "qwen3.8-27b", "meta": True, "target": str(tmp_path / "stand-in"),
            "drafter": str(drafter), "dtype": "bfloat16", "num_speculative_tokens": q["block"] - 1,
            "max_model_len": 4096}
     (tmp_path / "job.json").write_text(json.dumps(job))
@@ -339,9 +339,9 @@ def test_qwen38_27b_dflash2_module_list_equals_what_vllms_class_builds_on_the_me
     assert result["ok"] and result["meta"], result.get("error")
     assert result["model_class"].endswith("DFlash2Qwen3ForCausalLM") and result["num_target_layers"] == t
     assert result["dflash_config"]["conv_group_size"] == q["conv_group_size"]
-    expected = contract.dflash2_modules(config, names, t)
+    expected = contract.load_probe_modules(config, names, t)
     assert set(result["modules"]) == set(expected)
-    assert contract.compare_dflash2_modules(expected, result["modules"], "bfloat16") == []
+    assert contract.compare_load_probe_modules(expected, result["modules"], "bfloat16", card_name="DFlash2") == []
 
 
 @needs_vllm

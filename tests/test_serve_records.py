@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.io import dumps_json
-from pipeline.serving import verdict
-from pipeline.serving.records import EngineJob, LoadProbeJob, WorkerResult, job_from_json
+from pipeline.serving import verdict, worker_load_probe
+from pipeline.serving.records import LOAD_PROBE, EngineJob, LoadProbeJob, WorkerResult, job_from_json
 from tests._support import REPO, worker_prompts, worker_results
 
 ARCHIVES = sorted((Path(__file__).parent / "fixtures" / "vllm").glob("*-worker-results.tar.xz"))
@@ -47,7 +47,7 @@ def test_a_failed_worker_result_says_how_it_ended():
                      job={"name": "bf16--w4a16"})
     assert r.to_json() == {"ok": False, "name": "bf16--w4a16", "job": {"name": "bf16--w4a16"},
                            "error": "the worker exited 1 without a result (boom)"}
-    assert not r.load_probe and WorkerResult.from_json({**r.to_json(), "kind": "dflash2_load"}).load_probe
+    assert not r.load_probe and WorkerResult.from_json({**r.to_json(), "kind": "load_probe"}).load_probe
 
 
 def test_the_stage_jobs_round_trip_with_the_recorded_keys(monkeypatch):
@@ -76,4 +76,4 @@ def test_the_stage_jobs_round_trip_with_the_recorded_keys(monkeypatch):
     assert alone["drafter"] is None and alone["variant"] is None and pair["prompts"] == {"s": [[1, 2, 3]]}
     assert set(probe) == {"kind", "name", "variant", "target_variant", "target", "drafter", "dtype", "seed",
                           "num_speculative_tokens", "max_model_len", "cpu_nvfp4_emulation", "cpu_int4_emulation"}
-    assert probe["kind"] == "dflash2_load"
+    assert probe["kind"] == "load_probe" == LOAD_PROBE == worker_load_probe.LOAD_PROBE  # the stage's and the worker's

@@ -95,8 +95,9 @@ def test_publish_refuses_a_variant_whose_serve_check_failed(results, tmp_path):
 
 def test_serve_check_json_is_versioned_and_read_through_its_one_reader(results, tmp_path):
     """eval/serve_check.json through `pipeline.artifacts.serve_results`: the writer adds format_version, the reader
-    gives back the summary verdict built, reads a file written before the field existed the same way, and refuses
-    another version in one sentence naming the file; `report.status_for` reads it (None file: not checked)."""
+    gives back the summary verdict built, reads a file written before the field existed the same way, reads a
+    version-1 file (its load-and-probe verdicts under `dflash2`) as version 2 (`load_probes`), and refuses another
+    version in one sentence naming the file; `report.status_for` reads it (None file: not checked)."""
     from pipeline.artifacts import serve_results
 
     s = verdict.summarize(results, _prompts(results), 0.99, 1.05, None, {})
@@ -104,13 +105,20 @@ def test_serve_check_json_is_versioned_and_read_through_its_one_reader(results, 
     assert report.status_for(tmp_path, "nvfp4")["checked"] is False and serve_results.read(path) is None
     serve_results.write(path, s)
     written = json.loads(path.read_text())
-    assert written["format_version"] == serve_results.FORMAT_VERSION == 1
+    assert written["format_version"] == serve_results.FORMAT_VERSION == 2
     assert serve_results.read(path) == json.loads(json.dumps(s))
     assert report.status_for(tmp_path, "nvfp4") == report.variant_status(serve_results.read(path), "nvfp4")
     assert report.status_for(tmp_path, "nvfp4")["checked"] is True
     path.write_text(json.dumps({k: v for k, v in written.items() if k != "format_version"}))  # before the field
     assert serve_results.read(path) == json.loads(json.dumps(s))
-    path.write_text(json.dumps({**written, "format_version": 2}))
+    entry = {"ok": True, "problems": [], "said": "loaded"}
+    v2 = {**json.loads(json.dumps(s)), "load_probes": {"w4a16": entry}}
+    v1 = {("dflash2" if k == "load_probes" else k): x for k, x in v2.items()}  # version 1's name of the field
+    for old in ({**v1, "format_version": 1}, v1):  # version 1, and before the field existed
+        path.write_text(json.dumps(old))
+        assert serve_results.read(path) == v2
+    path.write_text(json.dumps({**written, "format_version": 3}))
     with pytest.raises(SpecquantError) as exc:
         serve_results.read(path)
-    assert str(exc.value).count(". ") == 0 and str(path) in str(exc.value) and "format_version is 2" in str(exc.value)
+    assert str(exc.value).count(". ") == 0 and str(path) in str(exc.value) and "format_version is 3" in str(exc.value)
+    assert "reads versions 1 and 2 only" in str(exc.value)

@@ -177,7 +177,7 @@ def test_vllms_dflash2_class_drafts_the_same_windowed_block(full, tmp_path):
     save_file({"aux_hidden": aux[0].contiguous(), "block_ids": block[0].contiguous(),
                "context_positions": pos[:n_ctx].contiguous(), "block_positions": pos[n_ctx:].contiguous()},
               tmp_path / "probe.safetensors")
-    job = {"kind": "dflash2_load", "name": "windowed", "target": str(TARGET), "drafter": str(out),
+    job = {"kind": "load_probe", "name": "windowed", "target": str(TARGET), "drafter": str(out),
            "dtype": "float32", "num_speculative_tokens": bs - 1, "max_model_len": 256,
            "probe": str(tmp_path / "probe.safetensors"), "probe_out": str(tmp_path / "vllm.safetensors"),
            "target_head": head_lookup(json.loads((TARGET / "config.json").read_text()))}

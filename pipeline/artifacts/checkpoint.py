@@ -34,7 +34,9 @@ BORROWED = ("embed_tokens", "lm_head")
 
 
 def read_quantization_config(ckpt_dir: str | Path) -> dict | None:
-    """The raw `quantization_config` of a checkpoint's config.json, or None for a dense one."""
+    """The raw `quantization_config` of a checkpoint's config.json, or None for a dense one. Read here, not through
+    `pipeline.models.checkpoint_info.CheckpointInfo`: artifacts/ sits a floor below models/, and `load_into` needs
+    the dict compressed-tensors applies, not a checkpoint's facts."""
     cfg = json.loads((Path(ckpt_dir) / "config.json").read_text(encoding="utf-8"))
     return cfg.get("quantization_config")
 

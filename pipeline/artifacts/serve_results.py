@@ -2,9 +2,11 @@
 
 `pipeline.stages.serve_check` is the one writer (`write`); the manifest, publish and the model card read it
 through `read` (via `pipeline.serving.report.status_for`), never by opening the file themselves. The summary's
-fields are `pipeline.serving.verdict.decide`'s (`pairs`, `dflash2`, `failures`, `versions`, `speed`, ...),
-plus `format_version` (`FORMAT_VERSION`), added here. A file without `format_version` is the same summary
-written before the field existed (serve-check of 2026-12-05 and earlier) and is read as it is; any other
+fields are `pipeline.serving.verdict.decide`'s (`pairs`, `load_probes`, `failures`, `versions`, `speed`, ...),
+plus `format_version` (`FORMAT_VERSION`), added here. Version 1 named the load-and-probe verdicts after the one
+family served that way (`dflash2`); version 2 (issue 46) names them `load_probes`, and a version-1 file is read
+as version 2 (that field renamed, nothing else differs). A file without `format_version` is the version-1 summary
+written before the field existed (serve-check of 2026-12-05 and earlier) and is read the same way; any other
 version is refused in one sentence naming the file. serve-check needs vLLM, so this file is not among the
 outputs pinned by manifests/tiny (tests/repro.py runs every stage but serve-check).
 """
@@ -18,7 +20,9 @@ from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json, read_json
 
 PATH = "eval/serve_check.json"  # inside a run directory
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE = (1, FORMAT_VERSION)  # the versions `read` reads (None, no field: version 1)
+LEGACY_LOAD_PROBES = "dflash2"  # version 1's name of `load_probes` (its one load-and-probe family's)
 
 
 def write(path: str | Path, summary: dict[str, Any]) -> None:
@@ -36,10 +40,13 @@ def read(path: str | Path) -> dict[str, Any] | None:
         raise bad_value("serve-check summary", str(path), "it is not a serve-check summary (no `pairs` object)",
                         "delete it and re-run `make serve-check`")
     version = doc.pop("format_version", None)
-    if version is not None and version != FORMAT_VERSION:
+    if version is not None and version not in READABLE:
         raise bad_value("serve-check summary", str(path), f"its format_version is {version!r}, and this specquant "
-                        f"reads version {FORMAT_VERSION} only", "re-run `make serve-check` with this checkout")
+                        f"reads versions {' and '.join(map(str, READABLE))} only",
+                        "re-run `make serve-check` with this checkout")
+    if version != FORMAT_VERSION and LEGACY_LOAD_PROBES in doc:  # version 1: the field's old name
+        doc = {("load_probes" if k == LEGACY_LOAD_PROBES else k): v for k, v in doc.items()}
     return doc
 
 
-__all__ = ["FORMAT_VERSION", "PATH", "read", "write"]
+__all__ = ["FORMAT_VERSION", "PATH", "READABLE", "read", "write"]

@@ -13,8 +13,8 @@ from pathlib import Path
 from pipeline.artifacts import file_list
 from pipeline.core.errors import SpecquantError, bad_value
 from pipeline.core.secrets import scrub
+from pipeline.provenance import certificates, signing
 from pipeline.provenance import record as prov
-from pipeline.provenance import signing
 from pipeline.provenance.verify import signature_notes, verify_dir
 
 
@@ -53,10 +53,10 @@ def main(argv: list[str]) -> int:
         key, field = _configured("public_key"), "publish.public_key"
         if key is None and _configured("root_certs"):
             roots, field = list(_configured("root_certs")), "publish.root_certs"
-    trust = None  # a public key path, or signing.Roots
+    trust = None  # a public key path, or certificates.Roots
     try:
         if roots is not None:
-            trust = signing.load_roots("--root-certs" if field == "--public-key" else field, roots)
+            trust = certificates.load_roots("--root-certs" if field == "--public-key" else field, roots)
         elif key is not None:
             signing.load_public_key(field, key)  # one sentence now for a bad key file
             trust = key
@@ -78,9 +78,9 @@ def main(argv: list[str]) -> int:
         signed = f" and {' and '.join(sigs)} verif{'ies' if len(sigs) == 1 else 'y'} with " \
                  f"{trust.shown if roots is not None else key}" if sigs else ""
         if sigs and roots is not None:  # who signed: any certificate the roots issued would verify
-            certs = [signing.bundle_certificate(root / s) or {} for s in sigs]
+            certs = [certificates.bundle_certificate(root / s) or {} for s in sigs]
             signed += "".join(f" (signed by {c.get('subject')}, certificate sha256 {str(c.get('sha256'))[:16]}..."
-                              + (f"; {n}" if (n := signing.expiry_note(c)) else "") + ")" for c in certs)
+                              + (f"; {n}" if (n := certificates.expiry_note(c)) else "") + ")" for c in certs)
         print(f"verify: OK, {len(listing.files)} files in {args.path} match their recorded sha256{signed}")
         if trust is None:
             for note in signature_notes(args.path):

@@ -94,7 +94,7 @@ class QuantConfig:
     # the output variant directory's name, e.g. nvfp4; `-on-<calibration_target>` is appended when that is
     # not bf16 (pipeline.core.config.derive_names)
     name: str = MISSING
-    scheme: str = MISSING  # nvfp4 | nvfp4a16 | w4a16
+    scheme: str = MISSING  # nvfp4 | nvfp4a16 | w4a16 | fp8 | fp8-dynamic | fp8-block (pipeline.quant.recipes.SCHEMES)
     observer: str = "minmax"  # llm-compressor weight observer, e.g. minmax | mse | nvfp4_expanded_mse | imatrix_mse
     observer_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments for the observer
     group_size: int | None = None  # None = the scheme's default (16 for NVFP4, 128 for W4A16)
@@ -154,6 +154,15 @@ class EvalConfig:
     target_variant: str = "bf16"  # the target of the main table (and of the calibration comparison)
     # the pair matrix: every listed target x every drafter variant; empty = bf16 + every target variant of the run
     targets: list[str] = field(default_factory=list)
+    # which drafters each target of the matrix evaluates: all = every drafter on every target; calibrated = the
+    # main table's target every drafter, another target the drafters calibrated on it (<quant>-on-<target>), their
+    # bf16-calibrated recipes, bf16 and `pairs_every_target` (serve.pairs' rule); all also when `variants` is set
+    pairs: str = "all"
+    pairs_every_target: list[str] = field(default_factory=list)  # with pairs=calibrated: drafter globs every target evaluates
+    # processes evaluating at once: the drafter x target pairs cut into this many runs of about equal length, the
+    # first here, the rest in spawned processes (each with its share of the cores' threads); the figures do not
+    # depend on it
+    workers: int = 1
     include_source: bool = False  # also evaluate drafter.path as variant "source" (e.g. fp32, before bf16 rounding)
     # another drafter of the same target (a local folder) evaluated as variant "baseline" in the main table, e.g. the
     # DFlash drafter beside a DFlash2 run's variants; null = none

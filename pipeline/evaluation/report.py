@@ -125,15 +125,17 @@ def _paired_section(rows: list[dict]) -> list[str]:
 
 
 def pair_matrix_section(results: dict) -> list[str]:
-    """Every target x every drafter (τ per subset, lossless), the pairing warnings, and the paired result of
-    calibrating on a quantized target's states vs the bf16 target's."""
+    """Each target x the drafters paired with it (`eval.pairs`; τ per subset, lossless), the pairing warnings, and
+    the paired result of calibrating on a quantized target's states vs the bf16 target's."""
     pairs = results.get("pairs") or {}
     matrix = pairs.get("matrix") or {}
     if len(matrix) < 2:
         return []
     targets = list(matrix)
     subsets = [x["name"] for x in results["subsets"]] + ["all"]
-    out = ["## The served pair: every target x every drafter", "",
+    every = all(v in matrix[t] for t in targets for v in matrix[targets[0]])
+    out = [f"## The served pair: {'every target x every drafter' if every else 'each target x the drafters paired with it'}",
+           "",
            "τ of each drafter variant with each target variant of the run (the target greedy-decodes as it is "
            "served: quantized targets dequantized, W4A4 inputs fake-quantized), per subset; `calibrated on` is the "
            "target whose cached hidden states calibrated the drafter (`data-free`: none did; `-`: no record, as for "
@@ -150,6 +152,10 @@ def pair_matrix_section(results: dict) -> list[str]:
         ok = all(n == 0 for t in targets for n in (matrix[t].get(v) or {}).get("lossless_mismatches", {}).values())
         out.append(f"| `{v}` | {matrix[targets[0]][v].get('calibration_target') or '-'} | " + " | ".join(cells)
                    + f" | {'yes' if ok else '**no**'} |")
+    if not every:
+        out += ["", "`n/a`: not evaluated. With `eval.pairs=calibrated` a quantized target is evaluated with the "
+                "drafters calibrated on it, their bf16-calibrated recipes, bf16 and the `eval.pairs_every_target` "
+                "drafters; `eval.pairs=all` evaluates every pair."]
     out.append("")
     comp = pairs.get("comparison") or []
     if comp:

@@ -4,6 +4,7 @@
     info.kind, info.family, info.format      # "drafter" / "target"; "dflash2" / "qwen3_5"; "speculators" / "hf"
     info.scheme, info.weight_only, info.fp4_activation, info.quantized, info.ignore
     info.architectures, info.num_layers, info.num_target_layers
+    info.block_size, info.verifier              # a drafter's block size and the target its config names
     info.drafter_family                      # the registered DrafterFamily (pipeline.models.families)
 
 `scheme` is the name `pipeline.quant.recipes.SCHEMES` gives the checkpoint's quantization (nvfp4, nvfp4a16, w4a16,
@@ -67,6 +68,12 @@ def weight_format(quantization_config: dict | None) -> str | None:
     return f"{'fp' if w['type'] == 'float' else 'int'}{w['num_bits']}" if w else None
 
 
+def weight_only(quantization_config: dict | None) -> bool:
+    """Whether a `quantization_config` quantizes weights alone (some config group, none with input activations)."""
+    groups = groups_of(quantization_config)
+    return bool(groups) and not any(_args(g, "input_activations") for g in groups)
+
+
 def fp4_activations(quantization_config: dict | None) -> bool:
     """Whether some config group quantizes input activations to FP4 (NVFP4 W4A4)."""
     return any((a := _args(g, "input_activations")) is not None and a["type"] == "float" and a["num_bits"] == 4
@@ -96,6 +103,10 @@ class CheckpointInfo:
     weight_only: bool  # quantized weights, dense activations
     fp4_activation: bool  # activations quantized to FP4 (NVFP4 W4A4)
     ignore: tuple[str, ...] = ()
+    # tokens a drafter proposes per step + 1 (speculators: top level; z-lab: `dflash_config`); None for a target
+    block_size: int | None = None
+    # the target a speculators drafter names (`speculators_config.verifier.name_or_path`); None when it names none
+    verifier: str | None = None
     config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the config.json read
 
     @property
@@ -134,14 +145,18 @@ class CheckpointInfo:
             n = config.get("num_hidden_layers", tlc.get("num_hidden_layers"))
             n_target = config.get("num_target_layers", tlc.get("num_target_layers"))
             kind, family, qc = "drafter", fam.name, drafter_quantization(config)
+            block = config.get("block_size") or (config.get("dflash_config") or {}).get("block_size")
+            verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
         else:
             fmt, kind, family, qc = "hf", "target", targets.family_of(config).name, config.get("quantization_config")
             n, n_target = targets.text_config(config).get("num_hidden_layers"), None
+            block = verifier = None
         groups = groups_of(qc)
         return cls(path=path, kind=kind, family=family, format=fmt,
                    architectures=tuple(config.get("architectures") or ()),
                    num_layers=int(n) if n is not None else None,
                    num_target_layers=int(n_target) if n_target is not None else None,
                    quantized=bool(groups), scheme=scheme_of(qc), weight_format=weight_format(qc),
-                   weight_only=bool(groups) and not any(_args(g, "input_activations") for g in groups),
-                   fp4_activation=fp4_activations(qc), ignore=tuple((qc or {}).get("ignore") or ()), config=config)
+                   weight_only=weight_only(qc),
+                   fp4_activation=fp4_activations(qc), ignore=tuple((qc or {}).get("ignore") or ()),
+                   block_size=int(block) if block else None, verifier=verifier, config=config)

@@ -152,7 +152,6 @@ def _pair_caveat(p: dict[str, Any]) -> list[str]:
 
 def render(info: dict[str, Any]) -> str:
     """The whole README.md. `info` keys: see pipeline.stages.publish.card_info."""
-    sig = info.get("signature")
     meta = yaml.safe_dump(front_matter(info), sort_keys=False, allow_unicode=True)
     repo, target, variant = info["repo_id"], info.get("target") or "<target>", info["variant"]
     scheme = info.get("scheme") or variant
@@ -195,8 +194,25 @@ def render(info: dict[str, Any]) -> str:
         out += ["## Calibrated vs data-free", "Paired on the same prompts and held-apart rows (details and the "
                 "verdict rule in `eval/report.md`):", "", *info["calibration_comparison"], ""]
     out += pairing_lines(info.get("pairing") or {})
+    out += _serving_lines(info, target, repo, family)
+    out += ["## What was and was not measured",
+            "- Measured: " + ("acceptance length per subset on the run's prompt sets with specquant's "
+                              "reference greedy loop (details in `eval/report.md`); " if table else "")
+            + "reload and dequantization checks of the checkpoint (`checks/`, when present)"
+            + ("; loading, losslessness and tau in vLLM (`eval/serve_check.json`)."
+               if (info.get("serving") or {}).get("checked") else "."),
+            "- Not measured: " + ("" if _speed_measured(info) else "serving throughput or latency in vLLM, ")
+            + "native FP4 kernels on Blackwell GPUs, "
+            "sampling (non-greedy) acceptance, and quality on tasks other than the listed subsets.", "",
+            *_verify_lines(info, repo)]
+    return "\n".join(out)
+
+
+def _serving_lines(info: dict[str, Any], target: str, repo: str, family: str) -> list[str]:
+    """How to serve it and whether that was checked: the vLLM range it was written for, the one serving
+    command, then what serve-check found, so the command never stands without its evidence."""
     vllm = info.get("vllm") or {}
-    out += ["## Serving with vLLM",
+    return ["## Serving with vLLM",
             (f"Written and checked for **vLLM {info['family_versions']}**, the releases of specquant's contract "
              f"profile `{vllm['profile']}` (`pipeline/serving/contract.py`) that build vLLM's {family} model class."
              if info.get("family_versions") else
@@ -212,17 +228,14 @@ def render(info: dict[str, Any]) -> str:
             *([f"- {info['serving']['speed']}"] if (info.get("serving") or {}).get("speed") else []),
             "- The kernel named is the one vLLM built for the drafter's quantized layers: on Hopper and "
             "Ampere vLLM runs NVFP4 weight-only (Marlin), so a W4A4 figure there is from "
-            "`linear_backend=emulation`; native FP4 needs Blackwell (sm100/sm120).", "",
-            "## What was and was not measured",
-            "- Measured: " + ("acceptance length per subset on the run's prompt sets with specquant's "
-                              "reference greedy loop (details in `eval/report.md`); " if table else "")
-            + "reload and dequantization checks of the checkpoint (`checks/`, when present)"
-            + ("; loading, losslessness and tau in vLLM (`eval/serve_check.json`)."
-               if (info.get("serving") or {}).get("checked") else "."),
-            "- Not measured: " + ("" if _speed_measured(info) else "serving throughput or latency in vLLM, ")
-            + "native FP4 kernels on Blackwell GPUs, "
-            "sampling (non-greedy) acceptance, and quality on tasks other than the listed subsets.", "",
-            "## Verify the files",
+            "`linear_backend=emulation`; native FP4 needs Blackwell (sm100/sm120).", ""]
+
+
+def _verify_lines(info: dict[str, Any], repo: str) -> list[str]:
+    """How a downloader re-checks the files: the file list, the statement, and the verify command with the
+    signature's trust anchor (a root certificate or a public key) when the folder is signed."""
+    sig = info.get("signature")
+    return ["## Verify the files",
             "Every file's sha256 is listed in `provenance/files.sha256.json` (with the run path it came "
             "from); the run's in-toto/SLSA statement is `provenance/attestation.intoto.json`. With specquant:",
             "```bash", f"hf download {repo} --revision <tag> --local-dir {repo.split('/')[-1]}",
@@ -230,7 +243,6 @@ def render(info: dict[str, Any]) -> str:
                 "" if not sig else " --root-certs <publisher's root CA certificate>" if sig.get("certificate")
                 else " --public-key <publisher's key.pub>"),
             "```", "On the Hub, LFS files show their sha256, which must equal the list.", *signature_lines(info), ""]
-    return "\n".join(out)
 
 
 def _speed_measured(info: dict[str, Any]) -> bool:

@@ -102,8 +102,13 @@ def commands_doc(records: dict[str, StageRecord]) -> list[dict[str, Any]]:
 def commands_sh(commands: list[dict[str, Any]]) -> str:
     lines = ["#!/usr/bin/env bash", "# The command lines of every stage of this run, as captured when they ran",
              "# (pipeline/stages/runner.py), in pipeline order. Run from the specquant checkout.", "set -euo pipefail", ""]
+    previous = None
     for c in commands:
         lines.append(f"# {c['stage']} ({c['record']})")
+        if c.get("argv") and c["argv"] == previous:  # a job of the `-m` sweep above: that line ran it too
+            lines += [f"# ran by the command above (one job of its -m sweep): {c.get('command')}", ""]
+            continue
+        previous = c.get("argv")
         launcher = c.get("launcher") or {}
         if launcher.get("torchrun"):
             lines.append(f"# launched with torchrun, world size {launcher.get('world_size')}; same overrides:")

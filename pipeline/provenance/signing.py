@@ -20,7 +20,8 @@ PATH...` or `publish.root_certs`) through model_signing's own verifier, then nam
 sentence. model_signing checks the certificate chain at the signing certificate's start of validity (the
 bundle carries no trusted time, and no revocation is checked), so a certificate that has expired since
 still verifies; publish refuses to sign with one that is expired or not yet valid, and verify says when
-the certificate has expired since.
+the certificate has expired since. The X.509 side (roots, certificate files, the certificate a bundle
+carries, `expiry_note`) is `pipeline.provenance.certificates`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ from pathlib import Path
 from pipeline.core.errors import bad_value
 from pipeline.core.io import HF_LOCAL_DIR_CACHE, TMP_PREFIX, sha256_file
 from pipeline.core.secrets import remember
+from pipeline.provenance.certificates import (
+    Certificate,
+    Roots,
+    bundle_certificate,
+    bundle_is_certificate,
+    describe,
+    load_certificates,
+    load_roots,
+    self_signed,
+)
 
 SIGNATURE = "model.sig"
 # not covered by the signature: the signature itself and the Hub client's local-dir metadata
@@ -64,30 +75,6 @@ def _public_pem(key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-
-
-@dataclass(frozen=True)
-class Roots:
-    """Trusted root CA certificates (PEM files) that a certificate signature must chain to."""
-
-    paths: tuple[Path, ...]
-    shown: str  # how a sentence names them: the paths as given, or "the publisher's root certificates"
-
-
-@dataclass(frozen=True)
-class Certificate:
-    """A configured signing certificate and its chain (paths, and what the card and record show)."""
-
-    path: Path
-    chain: tuple[Path, ...]
-    subject: str
-    issuer: str
-    sha256: str  # of the certificate's DER, the usual certificate fingerprint
-    not_after: str
-    roots: Roots  # what publish checks its own signature against
-
-    def info(self) -> dict[str, str]:
-        return {"subject": self.subject, "issuer": self.issuer, "sha256": self.sha256, "not_after": self.not_after}
 
 
 @dataclass(frozen=True)
@@ -179,61 +166,6 @@ def signer_from_config(cfg) -> Signer | None:
     return signer
 
 
-def _cert_name(name) -> str:
-    return name.rfc4514_string() or "(empty name)"
-
-
-def describe(cert) -> dict[str, str]:
-    """Subject, issuer, sha256 fingerprint and end of validity of an x509 certificate."""
-    from cryptography.hazmat.primitives import hashes
-
-    return {"subject": _cert_name(cert.subject), "issuer": _cert_name(cert.issuer),
-            "sha256": cert.fingerprint(hashes.SHA256()).hex(), "not_after": cert.not_valid_after_utc.isoformat()}
-
-
-def load_certificates(field: str, path: str | os.PathLike, what: str) -> list:
-    """The PEM certificates in a file (one sentence if it cannot be read or holds none)."""
-    from cryptography import x509
-
-    p = Path(str(path)).expanduser()
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise bad_value(field, str(path), f"the certificate file cannot be read ({exc.strerror or exc})",
-                        f"give the path of {what} (PEM)") from None
-    if b"PRIVATE KEY" in data:
-        raise bad_value(field, str(path), "it holds a private key, and only certificates belong here",
-                        f"give a file holding only {what} (PEM)")
-    try:
-        certs = x509.load_pem_x509_certificates(data)
-    except ValueError:
-        certs = []
-    if not certs:
-        raise bad_value(field, str(path), "it holds no PEM certificate (`-----BEGIN CERTIFICATE-----`)",
-                        f"give {what} (PEM)")
-    return certs
-
-
-def load_roots(field: str, paths, shown: str | None = None) -> Roots:
-    """Trusted root certificate files, each checked to hold PEM certificates."""
-    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths or [])
-    if not paths:
-        raise bad_value(field, [], "no root certificate is given", "give the issuing CA's root certificate (PEM)")
-    for p in paths:
-        load_certificates(field, p, "the issuing CA's root certificate")
-    return Roots(tuple(Path(str(p)).expanduser() for p in paths), shown or ", ".join(str(p) for p in paths))
-
-
-def _self_signed(cert) -> bool:
-    if cert.subject != cert.issuer:
-        return False
-    try:
-        cert.verify_directly_issued_by(cert)
-        return True
-    except Exception:  # noqa: BLE001 - not self-signed (a signature or key-type mismatch)
-        return False
-
-
 def certificate_from_config(pc, key, key_path: Path) -> Certificate:
     """`publish.signing_certificate` and `publish.certificate_chain`, checked against the key, the time and
     model signing's rules before any work; then the chain is tried on a one-file folder through model_signing
@@ -275,7 +207,7 @@ def certificate_from_config(pc, key, key_path: Path) -> Certificate:
         roots = load_roots("publish.root_certs", pc.root_certs)
     else:
         anchors = [str(Path(str(p)).expanduser()) for p in chain_paths
-                   if any(_self_signed(c) for c in load_certificates("publish.certificate_chain", p, "a certificate"))]
+                   if any(self_signed(c) for c in load_certificates("publish.certificate_chain", p, "a certificate"))]
         if not anchors:
             raise bad_value("publish.root_certs", None, f"the certificate chain of {d['subject']} holds no root "
                             "(self-signed) certificate, so publish cannot check the signature it writes",
@@ -354,25 +286,6 @@ def _sign(folder: Path, signer: Signer, out: Path) -> None:
     config.sign(folder, out)
 
 
-def bundle_certificate(sig: Path) -> dict[str, str] | None:
-    """The signing certificate inside a bundle (subject, issuer, sha256, not_after), or None: signed with a
-    bare key, or unreadable (model_signing's verifier then says so)."""
-    from cryptography import x509
-
-    try:
-        chain = json.loads(sig.read_text(encoding="utf-8"))["verificationMaterial"]["x509CertificateChain"]
-        return describe(x509.load_der_x509_certificate(base64.b64decode(chain["certificates"][0]["rawBytes"])))
-    except Exception:  # noqa: BLE001 - no certificate, or a bundle too broken to show one
-        return None
-
-
-def _bundle_is_certificate(sig: Path) -> bool:
-    try:
-        return "x509CertificateChain" in json.loads(sig.read_text(encoding="utf-8"))["verificationMaterial"]
-    except Exception:  # noqa: BLE001 - unreadable: the verifier reports it
-        return False
-
-
 def sign_folder(folder: Path, signer: Signer, previous: bytes | None = None) -> str:
     """Write `folder/model.sig`. A previous signature by the same key over the same bytes is kept as it is
     (ECDSA signatures differ on every run, so re-signing would make every re-publish a new commit).
@@ -435,38 +348,28 @@ def _chain_error(exc: Exception) -> str:
     return str(errors[-1]) if errors else (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
+# what model_signing's verifier raises for a bundle it cannot read, a key or certificate it refuses, or (its
+# "Signature mismatch") an authentic signature over other bytes than the folder's
+_BUNDLE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, UnicodeDecodeError,
+                  json.JSONDecodeError)
+
+
 def check(folder: str | os.PathLike, public_key: str | os.PathLike | bytes | Roots | None) -> Result:
     """The signature of a published folder against a public key (a path or its PEM bytes) or, for a
     certificate signature, trusted root certificates (`Roots`)."""
     folder = Path(folder)
     sig = folder / SIGNATURE
     if public_key is None:
-        if sig.is_file() and _bundle_is_certificate(sig):
-            return Result(note=f"{SIGNATURE}: certificate signature present but not checked (no root certificates: "
-                               "pass --root-certs PATH or set publish.root_certs)")
-        if sig.is_file():
-            return Result(note=f"{SIGNATURE}: signature present but not checked (no public key: pass "
-                               "--public-key PATH or set publish.public_key)")
-        return Result(note=f"unsigned: no {SIGNATURE} (the hashes show the files agree with their records, "
-                           "not who published them)")
+        return _unchecked(sig)
     roots = public_key if isinstance(public_key, Roots) else None
     shown = roots.shown if roots else "the publisher's public key" if isinstance(public_key, bytes) else str(public_key)
     if not sig.is_file():
         return Result(problem=f"{SIGNATURE}: missing; the folder is unsigned, so it cannot be verified "
                               f"with {shown}")
     cert = bundle_certificate(sig)
-    if roots is None and _bundle_is_certificate(sig):
-        who = f"the certificate {cert['subject']} (sha256 {cert['sha256'][:16]}...)" if cert else "a certificate"
-        return Result(problem=f"{SIGNATURE}: signed with {who}, not a bare key, so {shown} cannot verify it; "
-                              "verify it with --root-certs <the issuing CA's root certificate (PEM)>")
-    if roots is not None and not _bundle_is_certificate(sig):
-        hint = None
-        with contextlib.suppress(Exception):  # an unreadable bundle: shown without its key hint
-            hint = json.loads(sig.read_text(encoding="utf-8"))["verificationMaterial"]["publicKey"]["hint"]
-        key = f" (public key sha256 {hint[:16]}...)" if isinstance(hint, str) and hint else ""
-        return Result(problem=f"{SIGNATURE}: signed with a bare elliptic-curve key{key}, not a certificate, so "
-                              f"the root certificates {shown} cannot verify it; verify it with --public-key "
-                              "<the publisher's key.pub>")
+    wrong = _wrong_trust(sig, roots, shown, cert)
+    if wrong is not None:
+        return wrong
     pem = None if roots else public_key if isinstance(public_key, bytes) else load_public_key("--public-key", public_key)
     from cryptography.exceptions import InvalidSignature
     from model_signing import verifying
@@ -486,51 +389,91 @@ def check(folder: str | os.PathLike, public_key: str | os.PathLike | bytes | Roo
             with contextlib.redirect_stdout(io.StringIO()):
                 config.verify(folder, sig)
             return Result(certificate=cert)
-        except X509StoreContextError as exc:
-            why = _chain_error(exc)
-            # OpenSSL's wording when no given root issued the chain (another CA, or the wrong roots given)
-            stranger = any(w in why for w in ("issuer certificate", "self-signed certificate"))
-            return Result(problem=f"{SIGNATURE}: its signing certificate {cert['subject'] if cert else ''} (issued by "
-                                  f"{cert['issuer'] if cert else '?'}) does not chain to the root certificates "
-                                  f"{shown} ({why})" + ("; it was issued by another CA, or these are not the "
-                                                        "publisher's roots" if stranger else ""),
-                          chain_error=f"it does not chain to {shown} ({why})")
-        except InvalidSignature:
-            if roots:
-                return Result(problem=f"{SIGNATURE}: its signature is not valid for {signer}: the bundle was altered "
-                                      "or signed by another key than the certificate's")
-            return Result(problem=f"{SIGNATURE}: its signature is not valid for {shown} ({signer}): it was made by "
-                                  "another key or altered")
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError, UnicodeDecodeError,
-                json.JSONDecodeError) as exc:
+        except (X509StoreContextError, InvalidSignature, *_BUNDLE_ERRORS) as exc:
+            failed = _failure(exc, roots, shown, signer, cert)
+            if failed is not None:
+                return failed
             text = str(exc)
-            if text.startswith("Key mismatch"):
-                return Result(problem=f"{SIGNATURE}: signed by another key, not by {shown} ({signer})")
-            if text.startswith("Signing certificate cannot be used for signing"):
-                return Result(problem=f"{SIGNATURE}: {signer} allows neither digital signatures nor code signing, "
-                                      "so model signing refuses it", chain_error="it allows neither digital "
-                                      "signatures nor code signing")
-            if not text.startswith("Signature mismatch"):
-                return Result(problem=f"{SIGNATURE}: not a readable OMS signature bundle "
-                                      f"({type(exc).__name__}: {text.splitlines()[0][:120] if text else ''}); "
-                                      "it was altered or truncated")
-    # authentic signature, different content: which files
+    return _altered(folder, sig, text)
+
+
+def _unchecked(sig: Path) -> Result:
+    """With no public key or roots nothing is verified: a note (not a problem) saying whether the folder is
+    signed and what `verify` would need, so an unsigned or unchecked folder is never reported as verified."""
+    if sig.is_file() and bundle_is_certificate(sig):
+        return Result(note=f"{SIGNATURE}: certificate signature present but not checked (no root certificates: "
+                           "pass --root-certs PATH or set publish.root_certs)")
+    if sig.is_file():
+        return Result(note=f"{SIGNATURE}: signature present but not checked (no public key: pass "
+                           "--public-key PATH or set publish.public_key)")
+    return Result(note=f"unsigned: no {SIGNATURE} (the hashes show the files agree with their records, "
+                       "not who published them)")
+
+
+def _wrong_trust(sig: Path, roots: Roots | None, shown: str, cert: dict[str, str] | None) -> Result | None:
+    """A bare-key signature checked against root certificates, or a certificate signature against a public
+    key, cannot verify either way: say which trust it needs before model_signing gives a vaguer error.
+    None when the kind of trust given fits the bundle."""
+    if roots is None and bundle_is_certificate(sig):
+        who = f"the certificate {cert['subject']} (sha256 {cert['sha256'][:16]}...)" if cert else "a certificate"
+        return Result(problem=f"{SIGNATURE}: signed with {who}, not a bare key, so {shown} cannot verify it; "
+                              "verify it with --root-certs <the issuing CA's root certificate (PEM)>")
+    if roots is not None and not bundle_is_certificate(sig):
+        hint = None
+        with contextlib.suppress(Exception):  # an unreadable bundle: shown without its key hint
+            hint = json.loads(sig.read_text(encoding="utf-8"))["verificationMaterial"]["publicKey"]["hint"]
+        key = f" (public key sha256 {hint[:16]}...)" if isinstance(hint, str) and hint else ""
+        return Result(problem=f"{SIGNATURE}: signed with a bare elliptic-curve key{key}, not a certificate, so "
+                              f"the root certificates {shown} cannot verify it; verify it with --public-key "
+                              "<the publisher's key.pub>")
+    return None
+
+
+def _failure(exc: Exception, roots: Roots | None, shown: str, signer: str,
+             cert: dict[str, str] | None) -> Result | None:
+    """model_signing's verification error as one sentence (and, for a certificate, the chain's reason that
+    publish's own probe repeats). None for its "Signature mismatch": the signature is authentic and the
+    folder changed since, which `_altered` names file by file."""
+    from cryptography.exceptions import InvalidSignature
+    from OpenSSL.crypto import X509StoreContextError
+
+    if isinstance(exc, X509StoreContextError):
+        why = _chain_error(exc)
+        # OpenSSL's wording when no given root issued the chain (another CA, or the wrong roots given)
+        stranger = any(w in why for w in ("issuer certificate", "self-signed certificate"))
+        return Result(problem=f"{SIGNATURE}: its signing certificate {cert['subject'] if cert else ''} (issued by "
+                              f"{cert['issuer'] if cert else '?'}) does not chain to the root certificates "
+                              f"{shown} ({why})" + ("; it was issued by another CA, or these are not the "
+                                                    "publisher's roots" if stranger else ""),
+                      chain_error=f"it does not chain to {shown} ({why})")
+    if isinstance(exc, InvalidSignature):
+        if roots:
+            return Result(problem=f"{SIGNATURE}: its signature is not valid for {signer}: the bundle was altered "
+                                  "or signed by another key than the certificate's")
+        return Result(problem=f"{SIGNATURE}: its signature is not valid for {shown} ({signer}): it was made by "
+                              "another key or altered")
+    text = str(exc)
+    if text.startswith("Key mismatch"):
+        return Result(problem=f"{SIGNATURE}: signed by another key, not by {shown} ({signer})")
+    if text.startswith("Signing certificate cannot be used for signing"):
+        return Result(problem=f"{SIGNATURE}: {signer} allows neither digital signatures nor code signing, "
+                              "so model signing refuses it", chain_error="it allows neither digital "
+                              "signatures nor code signing")
+    if not text.startswith("Signature mismatch"):
+        return Result(problem=f"{SIGNATURE}: not a readable OMS signature bundle "
+                              f"({type(exc).__name__}: {text.splitlines()[0][:120] if text else ''}); "
+                              "it was altered or truncated")
+    return None
+
+
+def _altered(folder: Path, sig: Path, text: str) -> Result:
+    """An authentic signature over other content: which files changed, went missing or were added, read from
+    the statement model_signing has just authenticated (`text`: its own words, shown if no file differs)."""
     signed, present = _signed_resources(sig), _present(folder)
     altered = sorted(r for r in set(signed) | set(present) if signed.get(r) != present.get(r))
     return Result(problem=altered_sentence(altered, signed, present) if altered else
                   f"{SIGNATURE}: the folder no longer matches its signature ({text[:200]})",
                   altered=altered, signed=signed, present=present)
-
-
-def expiry_note(cert: dict[str, str] | None) -> str | None:
-    """One clause when a verified certificate signature's certificate has expired since (see the docstring)."""
-    if not cert:
-        return None
-    end = _dt.datetime.fromisoformat(cert["not_after"])
-    if end >= _dt.datetime.now(_dt.UTC):
-        return None
-    return (f"its certificate {cert['subject']} expired on {end:%Y-%m-%d}; model signing checks the chain at the "
-            "certificate's start of validity, as the bundle carries no trusted time")
 
 
 def altered_sentence(altered: list[str], signed: dict[str, str], present: dict[str, str]) -> str:

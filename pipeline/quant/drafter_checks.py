@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.artifacts import check_report
-from pipeline.quant import act_scale, cache_batches, checks, paired, recipes
+from pipeline.quant import act_scale, act_scale_report, cache_batches, checks, paired, recipes
 
 
 def _rows_mask(batch: dict, block_size: int) -> torch.Tensor:
@@ -154,7 +154,7 @@ class LayerOutputErrors:
     """Per quantized Linear, on the held-apart batches: ||x W_q^T - x W^T|| / ||x W^T||, x = the layer's real
     input in the bf16 drafter's forward (for `fc`, the target's concatenated hidden states). This is the
     error GPTQ minimizes on its calibration inputs, measured on rows it never saw; weights only (the
-    activation-QDQ error is `act_scale.HeldoutErrors`'). An observer for `compare`."""
+    activation-QDQ error is `act_scale_report.HeldoutErrors`'). An observer for `compare`."""
 
     def __init__(self, reference, quantized):
         self.qmods = checks.quantized_modules(quantized)
@@ -181,16 +181,16 @@ class LayerOutputErrors:
 
 def activation_error_report(heldout: dict | None, search: dict | None) -> dict:
     """Per-layer activation-QDQ error: the search's calibration-data record and, on the held-apart
-    batches (`heldout`: `act_scale.HeldoutErrors.result()`), the checkpoint's scale against the
+    batches (`heldout`: `act_scale_report.HeldoutErrors.result()`), the checkpoint's scale against the
     calibration-free fixed one."""
     if not heldout:
         return {}
     out = {"activation_error_heldout": heldout,
-           "activation_error_summary": {"heldout": act_scale.summarize(heldout, ("calibrated", "fixed"))}}
+           "activation_error_summary": {"heldout": act_scale_report.summarize(heldout, ("calibrated", "fixed"))}}
     if search is not None:
         out["activation_scale_search"] = search
-        out["activation_error_summary"]["calibration"] = act_scale.summarize(search["layers"],
-                                                                             ("minmax", "fixed", "chosen"))
+        out["activation_error_summary"]["calibration"] = act_scale_report.summarize(
+            search["layers"], ("minmax", "fixed", "chosen"))
     return out
 
 
@@ -223,8 +223,8 @@ def _check(cfg, rd, q, reader, held_idx, reference, quantized, errors, held, dco
     # bf16 drafter's forward by the observers
     # (a weight-only checkpoint has no activation-quantized layer: act_obs then hooks none, reports {})
     out_obs = LayerOutputErrors(reference, quantized)
-    act_obs = act_scale.HeldoutErrors(reference, quantized,
-                                      act_scale.fixed_input_global_scale(float(q.fixed_activation_amax)))
+    act_obs = act_scale_report.HeldoutErrors(reference, quantized,
+                                             act_scale.fixed_input_global_scale(float(q.fixed_activation_amax)))
     metrics = compare(reference, quantized, held, dconf.block_size, q.rounding_band_factors,
                       [act_obs, out_obs]) if len(held) else {}
     act = activation_error_report(act_obs.result() if len(held) else None, search)
@@ -246,7 +246,7 @@ def _check(cfg, rd, q, reader, held_idx, reference, quantized, errors, held, dco
         activation_scale_search=act.get("activation_scale_search"))
     checks.write_report(rd.checks, report)
     if act:
-        act_scale.plot(search, act["activation_error_heldout"],
-                       f"drafter {q.name}: per-layer activation-QDQ error vs the calibration-free scale",
-                       rd.checks / f"drafter-{q.name}-activation-error.png")
+        act_scale_report.plot(search, act["activation_error_heldout"],
+                              f"drafter {q.name}: per-layer activation-QDQ error vs the calibration-free scale",
+                              rd.checks / f"drafter-{q.name}-activation-error.png")
     return report

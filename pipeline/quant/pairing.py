@@ -125,3 +125,29 @@ def base_variant(variant: str, record: dict | None) -> str | None:
     if not t or t == REFERENCE or not variant.endswith(suffix):
         return None
     return variant[: -len(suffix)]
+
+
+PAIRINGS = ("calibrated", "all")
+
+
+def pairs_for(rd, targets: list[str], drafters: list[str], mode: str, primary: str = REFERENCE,
+              every_target: list[str] | tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """{target: the drafters paired with it}, in `drafters`' order. `all`: every drafter on every target.
+    `calibrated`: the primary target pairs every drafter; another target pairs the drafters calibrated on its
+    hidden states (`<quant>-on-<target>`), the bf16-calibrated recipe of each (the mismatched pair beside it),
+    the bf16 drafter and the drafters matching an `every_target` glob, or every drafter when none was
+    calibrated on it. One rule for evaluate (`eval.pairs`) and serve-check (`serve.pairs`)."""
+    from fnmatch import fnmatchcase
+
+    if mode == "all":
+        return {t: list(drafters) for t in targets}
+    others = [t for t in targets if t not in (primary, REFERENCE)]
+    # each stage record read once, not once per target; none when every target is the primary
+    recs = {v: drafter_record(rd, v) for v in drafters} if others and rd is not None else {}
+    everywhere = {v for v in drafters if any(fnmatchcase(v, str(p)) for p in every_target)} | {REFERENCE}
+    out = {}
+    for t in targets:
+        mine = [v for v, r in recs.items() if t in others and r is not None and r.get("variant") == t]
+        keep = set(mine) | {base_variant(v, recs[v]) for v in mine} | everywhere
+        out[t] = [v for v in drafters if v in keep] if mine else list(drafters)
+    return out

@@ -11,7 +11,8 @@ The command: `vllm serve <target> --attention-backend FLASH_ATTN --speculative-c
 [--revision <rev>]`, the JSON `{"method": "dflash", "model": <drafter>, "num_speculative_tokens": <block
 size - 1>}` plus `"quantization": "compressed-tensors"` for a quantized drafter (the draft's own
 `quantization_config`, named so no reader has to know vLLM's default), compact separators. DFlash drafts
-non-causally, so the attention backend is named (FLASH_ATTN supports it). Standard library only.
+non-causally, so the attention backend is named (FLASH_ATTN supports it). Standard library only, but for
+`drafter_settings`, which reads the checkpoint through `pipeline.models.checkpoint_info` (no torch either).
 """
 
 from __future__ import annotations
@@ -63,14 +64,17 @@ def serve_command(target: str, drafter: str, num_speculative_tokens: int | str, 
 
 
 def drafter_settings(ckpt: str | Path) -> tuple[int | None, bool]:
-    """(num_speculative_tokens, quantized) of a drafter checkpoint, from its config.json alone: block size - 1
-    (top level in speculators format, `dflash_config` in z-lab's), and whether it carries a
-    `quantization_config` (top level or in `transformer_layer_config`). (None, False) without a config."""
-    try:
-        cfg = json.loads((Path(ckpt) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    """(num_speculative_tokens, quantized) of a drafter checkpoint, from its config.json alone through
+    `CheckpointInfo` (the one reader of a checkpoint's facts): block size - 1 (top level in speculators format,
+    `dflash_config` in z-lab's), and whether it carries a `quantization_config` (top level or in
+    `transformer_layer_config`). (None, False) without a readable config, as before a checkpoint is written."""
+    from pipeline.core.errors import SpecquantError
+    from pipeline.models.checkpoint_info import CheckpointInfo
+
+    if not (Path(ckpt) / "config.json").is_file():
         return None, False
-    block = cfg.get("block_size") or (cfg.get("dflash_config") or {}).get("block_size")
-    quantized = bool(cfg.get("quantization_config")
-                     or (cfg.get("transformer_layer_config") or {}).get("quantization_config"))
-    return (int(block) - 1 if block else None), quantized
+    try:
+        info = CheckpointInfo.read(ckpt, "drafter")
+    except SpecquantError:
+        return None, False
+    return (info.block_size - 1 if info.block_size else None), bool(info.quantization_config)

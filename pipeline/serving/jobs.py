@@ -1,7 +1,9 @@
 """serve-check's jobs from a run's checkpoints: one engine per target alone and per pair (a W4A4 drafter a second
-time with `linear_backend=emulation` where the GPU has no FP4 tensor cores), one load-and-probe per DFlash2
-drafter, every engine with the same settings (`engine_settings`, from `serve.*`). Which drafters each target
-serves is the stage's (`pipeline.stages.serve_check.pairs_to_serve`); the records are `pipeline.serving.records`'."""
+time with `linear_backend=emulation` where the GPU has no FP4 tensor cores), one load-and-probe per drafter of a
+load-and-probe family (DFlash2), every engine with the same settings (`engine_settings`, from `serve.*`). Which
+drafters each target serves is the stage's (`pipeline.stages.serve_check.pairs_to_serve`); the records are
+`pipeline.serving.records`'. What a drafter is (its family, whether its activations are FP4) is
+`CheckpointInfo`'s, read from its config.json."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import bad_value
+from pipeline.models.checkpoint_info import CheckpointInfo
 from pipeline.models.formats import load_drafter_config
 from pipeline.serving.records import EngineJob, LoadProbeJob
 
@@ -17,15 +20,6 @@ from pipeline.serving.records import EngineJob, LoadProbeJob
 def _resolved(path: Path) -> str:
     """A local folder's absolute path, a Hub id as it is."""
     return str(path.resolve()) if path.exists() else str(path)
-
-
-def is_w4a4(path: Path) -> bool:
-    """Whether a drafter quantizes activations to FP4 (NVFP4 W4A4): those get the emulation run too."""
-    conf = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    q = ((conf.get("transformer_layer_config") or {}).get("quantization_config") or {})
-    return any(((g.get("input_activations") or {}).get("type") == "float"
-                and (g.get("input_activations") or {}).get("num_bits") == 4)
-               for g in (q.get("config_groups") or {}).values())
 
 
 def is_quantized(target: Path) -> bool:
@@ -66,9 +60,10 @@ def engine_settings(cfg, stop: list[int], max_len: int, parallel: int, timed: bo
 
 
 def load_probe_job(cfg, variant: str, target_variant: str, drafter: Path, max_len: int) -> LoadProbeJob:
-    """A DFlash2 drafter beside the configured target: no engine runs it here, vLLM's model class loads it."""
+    """A drafter of a load-and-probe family (DFlash2) beside the configured target: no engine runs it here, vLLM's
+    model class loads it; the job is named after its family (`dflash2--<variant>`)."""
     s = cfg.serve
-    return LoadProbeJob(name=f"dflash2--{variant}", variant=variant, target_variant=target_variant,
+    return LoadProbeJob(name=f"{CheckpointInfo.read(drafter).family}--{variant}", variant=variant, target_variant=target_variant,
                         target=_resolved(Path(str(cfg.target.path))), drafter=str(drafter.resolve()), dtype=s.dtype,
                         seed=int(cfg.seed), num_speculative_tokens=int(load_drafter_config(drafter).block_size) - 1,
                         max_model_len=max_len, cpu_nvfp4_emulation=bool(s.cpu_nvfp4_emulation),
@@ -77,7 +72,8 @@ def load_probe_job(cfg, variant: str, target_variant: str, drafter: Path, max_le
 
 def target_jobs(settings: dict[str, Any], target_variant: str, target: Path, drafters: dict[str, Path],
                 prompts: dict[str, list[list[int]]], served: dict[str, Any] | None, emulate: bool) -> list[EngineJob]:
-    """The target alone, then each drafter beside it (`emulate`: a W4A4 drafter again on the emulation kernel);
+    """The target alone, then each drafter beside it (`emulate`: a drafter whose activations are FP4, NVFP4 W4A4 as
+    `CheckpointInfo.fp4_activation` reads it, again on the emulation kernel);
     `served`: the target is served from a copy in its wrapper's layout (`serve_check.served_layouts`)."""
     path = served["path"] if served else _resolved(target)
     as_served = {"served_as": served, "language_model_only": True} if served else {}
@@ -85,7 +81,7 @@ def target_jobs(settings: dict[str, Any], target_variant: str, target: Path, dra
                       drafter=None, variant=None, linear_backend="auto", prompts=prompts, **as_served)]
     for v, dpath in drafters.items():
         k = int(load_drafter_config(dpath).block_size) - 1
-        for b in ["auto"] + (["emulation"] if emulate and is_w4a4(dpath) else []):
+        for b in ["auto"] + (["emulation"] if emulate and CheckpointInfo.read(dpath).fp4_activation else []):
             jobs.append(EngineJob(**settings, name=f"{target_variant}--{v}" + ("" if b == "auto" else f"--{b}"),
                                   target_variant=target_variant, target=path, drafter=str(dpath.resolve()),
                                   variant=v, linear_backend=b, num_speculative_tokens=k, prompts=prompts,

@@ -17,7 +17,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypedDict
 
-LOAD_PROBE = "dflash2_load"  # the `kind` of a load-and-probe job (no engine: vLLM's model class loaded and probed)
+# the `kind` of a load-and-probe job (no engine: vLLM's model class loaded and probed); the worker's side names it
+# `worker_load_probe.LOAD_PROBE` (it imports nothing from here)
+LOAD_PROBE = "load_probe"
 
 
 class _JsonRecord(Mapping):
@@ -91,9 +93,9 @@ class EngineJob(_JsonRecord):
 
 @dataclass
 class LoadProbeJob(_JsonRecord):
-    """One DFlash2 drafter loaded by vLLM's own model class and probed, no engine
-    (`pipeline.serving.worker_load_probe.run_dflash2_load`); `probe`, `probe_out` and `target_head` are set
-    once the reference's inputs are written (`pipeline.serving.references.dflash2_probe`)."""
+    """One drafter of a load-and-probe family (DFlash2) loaded by vLLM's own model class and probed, no engine
+    (`pipeline.serving.worker_load_probe.run_load_probe`); `probe`, `probe_out` and `target_head` are set
+    once the reference's inputs are written (`pipeline.serving.references.load_probe_inputs`)."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"probe", "probe_out", "target_head"})
     name: str
@@ -192,8 +194,8 @@ class PairVerdict(TypedDict, total=False):
 
 
 class ServeSummary(TypedDict, total=False):
-    """`eval/serve_check.json` (less its `format_version`): every pair's verdict, the targets alone, the DFlash2
-    loads, the failures, the engine's versions, the speed rows, and what the check ran with."""
+    """`eval/serve_check.json` (less its `format_version`): every pair's verdict, the targets alone, the
+    load-and-probe verdicts (DFlash2), the failures, the engine's versions, the speed rows, and what the check ran with."""
     schema: str
     versions: dict[str, Any]
     engine: str
@@ -207,7 +209,7 @@ class ServeSummary(TypedDict, total=False):
     targets_alone: dict[str, dict[str, Any]]
     failures: list[str]
     tie_logits: dict[str, dict]
-    dflash2: dict[str, dict]
+    load_probes: dict[str, dict]
     speed: dict[str, Any]
     pairing_warnings: list[str]
     pair_comparison: list[dict]

@@ -2,8 +2,9 @@
 
 - Near-ties (`tie_logits`): where a pair's output parts from the same target alone's, the reference target (fp32,
   transformers) run teacher-forced over the prompt and that output; `pipeline.serving.verdict.near_tie` judges.
-- DFlash2 (`dflash2_probe`, `compare_probe`, `check_dflash2`): the reference loop's own drafter run on one draft
-  block, the probe's inputs written for the load-and-probe worker, and its output held against the reference's.
+- Load-and-probe drafters (DFlash2: `load_probe_inputs`, `compare_probe`, `check_load_probes`): the reference loop's
+  own drafter run on one draft block, the probe's inputs written for the load-and-probe worker, and its output held
+  against the reference's.
 
 The loaders are the reference loop's (`pipeline.evaluation.fakequant`), passed in (`Loaders`) by the stage: this
 floor does not import the evaluation package.
@@ -18,6 +19,7 @@ from typing import Any
 
 from pipeline.core.io import read_json
 from pipeline.models import targets as target_families
+from pipeline.models.checkpoint_info import CheckpointInfo
 from pipeline.serving import contract, verdict
 from pipeline.serving.jobs import is_quantized
 from pipeline.serving.records import LoadProbeJob
@@ -111,7 +113,7 @@ def tie_logits(targets: dict[str, Path], results: list, prompts: dict, limit: in
 PROBE_TOKENS = 48  # context rows of the probe block: the first evaluate prompt, cut to this many tokens
 
 
-def dflash2_probe(cfg, job: LoadProbeJob, prompt: list[int], folder: Path, loaders: Loaders) -> dict:
+def load_probe_inputs(cfg, job: LoadProbeJob, prompt: list[int], folder: Path, loaders: Loaders) -> dict:
     """Write the probe's inputs for the worker (`job["probe"]`: the target's aux hidden states over the prompt,
     the block [bonus, mask, ...], positions) and return the reference loop's own drafter output on them
     (`pipeline.models.dflash` through `loaders.load_drafter_variant`, the drafter as evaluate runs it, in the
@@ -147,9 +149,9 @@ def dflash2_probe(cfg, job: LoadProbeJob, prompt: list[int], folder: Path, loade
             "path_scores": chosen[0, :, 0].float(), "candidates": path.candidates[0]}
 
 
-def check_dflash2(results: list, jobs: list, references: dict[str, dict]) -> dict[str, dict]:
-    """{variant: verdict} of every DFlash2 load: what vLLM's class built against what the checkpoint calls for
-    (`contract.dflash2_modules`), every tensor consumed, and the draft block against the reference loop's."""
+def check_load_probes(results: list, jobs: list, references: dict[str, dict]) -> dict[str, dict]:
+    """{variant: verdict} of every load-and-probe drafter (DFlash2): what vLLM's class built against what the checkpoint calls for
+    (`contract.load_probe_modules`), every tensor consumed, and the draft block against the reference loop's."""
     by_name = {j["name"]: j for j in jobs}
     out = {}
     for r in results:
@@ -157,13 +159,15 @@ def check_dflash2(results: list, jobs: list, references: dict[str, dict]) -> dic
         modules, probe = [], None
         if r.get("ok"):
             config, names, _ = contract.read_dir(job["drafter"])
-            expected = contract.dflash2_modules(config, names, int(r["num_target_layers"]))
-            modules = contract.compare_dflash2_modules(expected, r["modules"], r.get("dtype"))
+            expected = contract.load_probe_modules(config, names, int(r["num_target_layers"]))
+            modules = contract.compare_load_probe_modules(expected, r["modules"], r.get("dtype"),
+                                                          card_name=contract.family(config).card_name)
             if r.get("probe_out"):
                 probe = compare_probe(references[r["name"]], job)
         for key in ("probe", "probe_out"):  # a failed worker leaves the probe's inputs behind
             Path(job.get(key) or "/nonexistent").unlink(missing_ok=True)
-        out[job["variant"]] = verdict.dflash2_entry(r, modules, probe)
+        out[job["variant"]] = verdict.load_probe_entry(r, modules, probe,
+                                                       CheckpointInfo.read(job["drafter"]).fp4_activation)
     return out
 
 

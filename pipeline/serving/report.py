@@ -9,7 +9,7 @@ from typing import Any
 from pipeline.serving.launch import engine_words
 from pipeline.serving.records import ServeSummary
 from pipeline.serving.speedup import speed_advice
-from pipeline.serving.verdict import DFLASH2_SCOPE
+from pipeline.serving.verdict import LOAD_PROBE_SCOPE
 
 REPORT_BEGIN = "<!-- serve-check: begin -->"
 REPORT_END = "<!-- serve-check: end -->"
@@ -49,7 +49,7 @@ def _kv_words(summary: dict) -> str:
 def render(summary: ServeSummary) -> str:
     """The report's serve-check section (`splice` puts it in eval/report.md)."""
     lines = _intro(summary) + _pair_table(summary) + _notes(summary) + _conclusion(summary)
-    lines += render_dflash2(summary.get("dflash2") or {})
+    lines += render_load_probes(summary.get("load_probes") or {})
     speed = render_speed(summary.get("speed"))
     return "\n".join(lines) + "\n" + ("\n" + speed if speed else "")
 
@@ -156,7 +156,7 @@ def _conclusion(summary: ServeSummary) -> list[str]:
             f"and >= {summary['min_tau']}."]
 
 
-def render_dflash2(entries: dict[str, dict]) -> list[str]:
+def render_load_probes(entries: dict[str, dict]) -> list[str]:
     """The report's DFlash2 lines: loaded by vLLM's class, no engine run (no lossless count, no tau)."""
     if not entries:
         return []
@@ -190,7 +190,7 @@ def variant_status(summary: dict, variant: str) -> dict[str, Any]:
     """One drafter variant across the checked targets, in one sentence plus the figures."""
     v = summary.get("versions") or {}
     mine = {k: p for k, p in summary["pairs"].items() if p["variant"] == variant}
-    d2 = (summary.get("dflash2") or {}).get(variant)
+    d2 = (summary.get("load_probes") or {}).get(variant)
     if d2 is not None:
         fwd = d2.get("forward")
         words = (f"{d2['said']}; " + ("every tensor consumed, every module built as the checkpoint calls for"
@@ -204,7 +204,7 @@ def variant_status(summary: dict, variant: str) -> dict[str, Any]:
             words += f" ({d2['emulated']})"
         if not d2["ok"]:
             words += " - FAILED: " + "; ".join(d2["problems"])
-        return {"checked": True, "ok": d2["ok"], "scope": DFLASH2_SCOPE, "pairs": [],
+        return {"checked": True, "ok": d2["ok"], "scope": LOAD_PROBE_SCOPE, "pairs": [],
                 "engine": engine_words(d2.get("versions") or v), "summary": words}
     if not mine:
         return {"checked": False, "ok": None, "summary": "not checked in vLLM (not in this run's serve check)"}

@@ -318,20 +318,23 @@ def _tau_floors(pairs: dict[str, PairVerdict], min_ratio: float, min_tau: float)
 
 
 
-# what a DFlash2 check is, in words: no engine runs a DFlash2 drafter here (vLLM 0.32's V1 runner refuses
+# what a load-and-probe check is, in words: no engine runs a DFlash2 drafter here (vLLM 0.32's V1 runner refuses
 # candidate-head drafts, config/vllm.py:2990-2991; its V2 runner needs Triton, which has no CPU backend)
-DFLASH2_SCOPE = "no engine run"
+LOAD_PROBE_SCOPE = "no engine run"
 # the draft block through vLLM's modules vs the reference loop's: hidden states and logits within this share of
 # the largest magnitude (bf16 rounding of two orders of the same sums) and the selector path equal
 PROBE_TOLERANCE = 0.05
 PROBE_TIE = 0.01  # two selector scores this close (of the row's largest) are a tie numerics may break either way
 
 
-def dflash2_entry(result: dict, module_problems: list[str], probe: dict | None) -> dict[str, Any]:
-    """One DFlash2 variant loaded by vLLM's own DFlash2 model class (no engine run): the verdict and its figures.
-    Not a lossless count nor a tau: no engine generated anything."""
+def load_probe_entry(result: dict, module_problems: list[str], probe: dict | None,
+                     fp4_activation: bool = False) -> dict[str, Any]:
+    """One variant of a load-and-probe family (DFlash2) loaded by vLLM's own model class (no engine run): the
+    verdict and its figures. Not a lossless count nor a tau: no engine generated anything. `fp4_activation`: the
+    checkpoint quantizes activations to FP4 (`CheckpointInfo.fp4_activation`), whose probe numerics are reported,
+    not judged."""
     v = result.get("versions") or {}
-    e: dict[str, Any] = {"ok": False, "scope": DFLASH2_SCOPE, "model_class": result.get("model_class"),
+    e: dict[str, Any] = {"ok": False, "scope": LOAD_PROBE_SCOPE, "model_class": result.get("model_class"),
                          "said": result.get("no_engine") or f"loaded by vLLM {v.get('vllm')}'s DFlash2 model class, "
                          "no engine run", "versions": v, "load_s": result.get("load_s"),
                          "checkpoint_tensors": result.get("checkpoint_tensors"),
@@ -359,8 +362,6 @@ def dflash2_entry(result: dict, module_problems: list[str], probe: dict | None) 
                        f"({result['kernels_error']})"
     elif probe is not None:
         e["forward"] = probe
-        w4a4 = any(m.get("scheme") == "CompressedTensorsW4A4Fp4" and not m.get("weight_only")
-                   for m in (result.get("modules") or {}).values())
         # the selector's path is what the engine drafts; the head's argmax and the top-K sets are reported (in bf16 a
         # near-tie flips them: the tiny DFlash2 drafter's bf16 block, argmax 6/7 with the path and logits equal)
         # a path that parts on a near-tie (vLLM scores both tokens within PROBE_TIE of its row's scale; later slots
@@ -375,7 +376,7 @@ def dflash2_entry(result: dict, module_problems: list[str], probe: dict | None) 
                              f"{first['score_gap']} of the row's largest value apart; hidden "
                              f"{probe['hidden_max_rel_diff']}, logits {probe['logits_max_rel_diff']} of the largest "
                              "magnitude)"]
-        if w4a4 and not same:  # activations quantized: two emulations of FP4 inputs, reported (docs/serving.md)
+        if fp4_activation and not same:  # activations quantized: two emulations of FP4 inputs, reported (docs/serving.md)
             e["warnings"] = [f"its draft block through vLLM's EmulationNvFp4LinearKernel differs from the reference "
                              f"loop's compressed-tensors QDQ (path {probe['path_vllm']} vs {probe['path_reference']}, "
                              f"hidden {probe['hidden_max_rel_diff']} of the largest magnitude): W4A4 activation "
@@ -411,11 +412,11 @@ def pair_comparison(summary: dict, calibrated_on: dict[str, tuple[str, str]]) ->
 
 
 def decide(results: list[dict], prompts: dict[str, list], criteria: Criteria, reference: ReferenceTau, *,
-           ties: dict[str, dict], dflash2: dict[str, dict], speed: bool, speed_tau: float | None,
+           ties: dict[str, dict], load_probes: dict[str, dict], speed: bool, speed_tau: float | None,
            pairing_warnings: list[str], calibrated_on: dict[str, tuple[str, str]],
            context: dict[str, Any]) -> ServeSummary:
     """The whole summary of one serve check: the engines' verdicts (`summarize`), the near-tie check `ties` (the
-    references' `tie_logits`), the DFlash2 loads' verdicts `dflash2` (`dflash2_entry` each), the speed rows where
+    references' `tie_logits`), the load-and-probe verdicts `load_probes` (DFlash2; `load_probe_entry` each), the speed rows where
     `speed` (`speed_summary`), the pairing warnings, each calibrated drafter against its base, and `context`
     (the probe, served layouts and settings, recorded as given)."""
     engines = [r for r in results if r.get("kind") != LOAD_PROBE]
@@ -423,10 +424,10 @@ def decide(results: list[dict], prompts: dict[str, list], criteria: Criteria, re
                         reference.tau or {}, require_lossless=criteria.require_lossless,
                         ref_matrix=reference.matrix or {}, ties=ties, tie=criteria.lossless_tie)
     summary["tie_logits"] = ties
-    summary["dflash2"] = dflash2
-    summary["failures"] += [f"DFlash2 drafter {v}: {x}" for v, e in dflash2.items() for x in e["problems"]]
-    if dflash2 and not summary["versions"]:  # no engine ran: the versions the DFlash2 loads ran under
-        summary["versions"] = next(iter(dflash2.values()))["versions"]
+    summary["load_probes"] = load_probes
+    summary["failures"] += [f"DFlash2 drafter {v}: {x}" for v, e in load_probes.items() for x in e["problems"]]
+    if load_probes and not summary["versions"]:  # no engine ran: the versions the load-and-probes ran under
+        summary["versions"] = next(iter(load_probes.values()))["versions"]
         summary["engine"] = engine_words(summary["versions"])
     if speed:
         summary["speed"] = speed_summary(results, summary, speed_tau)

@@ -22,7 +22,7 @@ the result says so (`nvfp4_emulation`); weight-only NVFP4 forces Marlin there (`
 
 The work is in the modules beside this one: `worker_engine` (one engine per job: outputs, counters, kernels),
 `worker_speed` (its timing and profiling, `job["speed"]`, GPU only), `worker_load_probe` (DFlash2,
-`job["kind"] == "dflash2_load"`: vLLM's own model class loaded and one draft block run through it, no engine)
+`job["kind"] == "load_probe"`: vLLM's own model class loaded and one draft block run through it, no engine)
 and `worker_common` (log capture, versions, the CPU build's emulation kernels, the result's end). This module
 is the entry point: `--probe`, the job file in and the result file out.
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pipeline.serving.worker_common import cpu_runtime, platform_name, write_result
 from pipeline.serving.worker_engine import run_job
-from pipeline.serving.worker_load_probe import run_dflash2_load
+from pipeline.serving.worker_load_probe import LOAD_PROBE, run_load_probe
 
 
 def probe() -> dict:
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pipeline.serving.worker JOB.json RESULT.json | --probe", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    result = run_dflash2_load(job) if job.get("kind") == "dflash2_load" else run_job(job)
+    result = run_load_probe(job) if job.get("kind") == LOAD_PROBE else run_job(job)
     write_result(Path(argv[1]), result)
     return 0 if result["ok"] else 1
 

@@ -10,9 +10,11 @@ peak memory; with `job["speed"]` on a GPU, the timings of `worker_speed.measure_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 
 from pipeline.serving.worker_common import (
     LogLines,
@@ -193,7 +195,35 @@ def _speed(llm, job: dict, result: dict, platform: str) -> None:
     except Exception as exc:  # noqa: BLE001 - a report, not the check
         result["weight_bytes_error"] = f"{type(exc).__name__}: {exc}"
     prompts = job["speed"].get("prompts") or [p for ps in job["prompts"].values() for p in ps]
-    result["speed"] = measure_speed(llm, prompts, job["speed"], bool(job.get("drafter")))
+    with speed_gate(result):
+        result["speed"] = measure_speed(llm, prompts, job["speed"], bool(job.get("drafter")))
+
+
+@contextlib.contextmanager
+def speed_gate(result: dict):
+    """With `SPECQUANT_SPEED_GATE=<dir>` (bench/speed.py --parallel: engines of one wave load at once), say
+    this engine is loaded (`ready-<pid>`), wait for the launcher's `go` (every engine of the wave loaded or
+    gone), then time under an exclusive lock: no other engine loads or runs while one is timed."""
+    import fcntl
+
+    gate = os.environ.get("SPECQUANT_SPEED_GATE")
+    if not gate:
+        yield
+        return
+    d = Path(gate)
+    (d / f"ready-{os.getpid()}").write_text("")
+    t0 = time.perf_counter()
+    while not (d / "go").exists():
+        if time.perf_counter() - t0 > 1800:
+            raise TimeoutError(f"speed gate {d}: no 'go' from the launcher within 1800 s")
+        time.sleep(0.2)
+    with open(d / "lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result["speed_gate_wait_s"] = round(time.perf_counter() - t0, 3)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _memory(result: dict) -> None:
@@ -203,7 +233,11 @@ def _memory(result: dict) -> None:
     if torch.cuda.is_available():
         result["peak_gpu_bytes"] = int(torch.cuda.max_memory_allocated())
         free, total = torch.cuda.mem_get_info()
-        result["gpu_used_bytes"] = int(total - free)  # the whole device: KV cache, graphs, context too
+        if os.environ.get("SPECQUANT_SPEED_GATE"):  # other engines hold the device too: not this engine's use
+            result["gpu_used_bytes"] = None
+            result["gpu_used_note"] = "not measured: the device was shared by the engines of a --parallel wave"
+        else:
+            result["gpu_used_bytes"] = int(total - free)  # the whole device: KV cache, graphs, context too
     else:  # the engine runs in this process on the CPU build: its peak resident set
         import resource
 

@@ -1,4 +1,4 @@
-"""serve-check worker, load-and-probe mode (DFlash2, `job["kind"] == "dflash2_load"`, `run_dflash2_load`), run
+"""serve-check worker, load-and-probe mode (DFlash2, `job["kind"] == LOAD_PROBE`, `run_load_probe`), run
 inside vLLM's interpreter (standard library, vLLM and torch only; see `pipeline.serving.worker`).
 
 No engine (vLLM 0.32's V1 runner refuses DFlash2, its V2 runner needs Triton): vLLM's own DFlash2 model class built
@@ -24,6 +24,7 @@ from pipeline.serving.worker_common import (
     register_cpu_emulation,
 )
 
+LOAD_PROBE = "load_probe"  # the job kind this mode runs (`pipeline.serving.records.LOAD_PROBE`, the stage's side)
 DFLASH2_NO_ENGINE = ("loaded by vLLM {vllm}'s DFlash2 model class ({cls}), no engine run: weights read by its own "
                      "load_weights, one draft block run through its modules with the attention computed in torch")
 _SENTINEL = 0xA5  # every parameter byte is set to this before loading: a row still all 0xA5 was never written
@@ -300,7 +301,7 @@ def _kernels_and_probe(job: dict, model, draft, result: dict, at: list[str]) -> 
         result["probe_out"] = job["probe_out"]
 
 
-def run_dflash2_load(job: dict) -> dict:
+def run_load_probe(job: dict) -> dict:
     """Build vLLM's own DFlash2 model class for `job["drafter"]` beside `job["target"]` (a real VllmConfig, a
     world of one on gloo, CPU), run its `load_weights` over every tensor of the checkpoint, and report: tensors
     it refused, parameters it never wrote, each module's quant scheme, then (`job["probe"]`, a safetensors file
@@ -311,7 +312,7 @@ def run_dflash2_load(job: dict) -> dict:
     lines = LogLines()
     logging.getLogger("vllm").addHandler(lines)
     # the job as given, less the head's lookup (the project's own family facts, not a setting of the load)
-    result: dict = {"ok": False, "kind": "dflash2_load", "name": job["name"],
+    result: dict = {"ok": False, "kind": LOAD_PROBE, "name": job["name"],
                     "job": {k: v for k, v in job.items() if k != "target_head"}}
     t0 = time.perf_counter()
     at = ["config"]  # the step running: config, build, load, kernels or forward

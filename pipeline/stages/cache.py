@@ -298,21 +298,7 @@ def run(cfg) -> dict:
     samples = samples_file.load_samples(rd.data, data_meta)
     if not samples:
         raise bad_value("data", str(rd.data), "it holds no samples", "re-run `make data` with a non-empty blend")
-    from pipeline.models import validation
-    from pipeline.models.targets import text_config
-
-    # every field of the target's and the drafter's families, against their tensors' headers (issue 47)
-    validation.check_target(tcfg.path, tcfg.revision)
-    if not cfg.cache.get("aux_layer_ids"):
-        validation.check_drafter(cfg.drafter.path, cfg.drafter.format)
-    tconf = text_config(target_config(tcfg))
-    field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
-    from pipeline.models.targets import describe, family_of
-
-    mix = describe(tconf) if family_of(tconf).hybrid else ""  # a dense target's sentence is unchanged
-    aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field, mix)
-    if not cfg.cache.get("aux_layer_ids"):
-        _check_drafter(cfg, tconf)
+    tconf, aux = _checked_models(cfg, tcfg)
     check_safetensors_dir(tcfg.path, "target.path" if variant == "bf16" else "cache.target")  # refuse pickles / truncated files before any work
     engine = str(cfg.cache.get("engine", "hf"))
     if engine == "vllm":  # an interpreter with vLLM and a GPU, and layer ids it can extract: before any work
@@ -321,13 +307,7 @@ def run(cfg) -> dict:
         check_vllm_engine(cfg, aux, int(tconf.num_hidden_layers))
     layout = Layout(tuple(aux), int(tconf.hidden_size), cfg.cache.storage_dtype)
     files_sha = target_files_sha256(cfg, tcfg)
-    # what the cached values depend on (paths are not: a moved target or run dir reuses the cache)
-    inputs = {"format_version": 1, "aux_layer_ids": aux, "storage_dtype": layout.storage_dtype,
-              "target": {"files_sha256": files_sha, "dtype": cfg.target.dtype,
-                         "attn_implementation": cfg.target.attn_implementation},
-              "data": {"samples_sha256": data_meta.samples_sha256, "num_samples": len(samples)}}
-    if engine != "hf":  # other kernels, other values (the HF engine's inputs, and so its caches, are unchanged)
-        inputs["engine"] = engine
+    inputs = _cache_inputs(cfg, aux, layout, files_sha, data_meta.samples_sha256, len(samples), engine)
     inputs_hash = sha256_text(dumps_json(inputs))
     done = finished_index(out, inputs_hash)
     if done is not None:
@@ -361,16 +341,7 @@ def run(cfg) -> dict:
         dist.barrier()
         index = None
         if dist.rank == 0:
-            # a quantized target is named by its place in the run (`target/<variant>`), so the index does not
-            # depend on where the run directory lives
-            extra = {"target_variant": variant, "target_revision": tcfg.revision,
-                     "target_path": str(cfg.target.path) if variant == "bf16" else f"target/{variant}",
-                     "target_shape": {k: int(getattr(tconf, k)) for k in ("vocab_size", "hidden_size",
-                                                                           "num_hidden_layers")},
-                     "device_type": device.type if engine == "hf" else "cuda", "batch_tokens": int(cfg.cache.batch_tokens)}
-            if engine != "hf":
-                extra["engine"] = {"name": engine, **{k: engine_report[k] for k in ("versions", "gpu")
-                                                      if k in engine_report}}
+            extra = _index_extra(cfg, variant, tcfg, tconf, device, engine, engine_report)
             index = build_index(out, plans, layout, inputs, inputs_hash, resume_key, extra)
         dist.barrier()
         index = index or read_json(out / "index.json", "cache/index.json")
@@ -381,6 +352,56 @@ def run(cfg) -> dict:
     if engine != "hf":
         summary["engine"] = {"name": engine, **{k: engine_report.get(k) for k in ("load_s", "extract_s", "stop_s", "versions")}}
     return summary
+
+
+def _checked_models(cfg, tcfg) -> tuple:
+    """(the target's text config, the aux layer ids), checked from configs and tensor headers before any
+    weight loads: every field of the target's and the drafter's families (issue 47; the drafter's only when
+    its config supplies the ids), the ids against the target's depth (a hybrid target's layer mix named in
+    the sentence), then the drafter's shape against the target."""
+    from pipeline.models import validation
+    from pipeline.models.targets import text_config
+
+    # every field of the target's and the drafter's families, against their tensors' headers (issue 47)
+    validation.check_target(tcfg.path, tcfg.revision)
+    if not cfg.cache.get("aux_layer_ids"):
+        validation.check_drafter(cfg.drafter.path, cfg.drafter.format)
+    tconf = text_config(target_config(tcfg))
+    field = "cache.aux_layer_ids" if cfg.cache.get("aux_layer_ids") else "drafter aux_layer_ids"
+    from pipeline.models.targets import describe, family_of
+
+    mix = describe(tconf) if family_of(tconf).hybrid else ""  # a dense target's sentence is unchanged
+    aux = check_aux_layer_ids(resolve_aux_layer_ids(cfg), int(tconf.num_hidden_layers), field, mix)
+    if not cfg.cache.get("aux_layer_ids"):
+        _check_drafter(cfg, tconf)
+    return tconf, aux
+
+
+def _cache_inputs(cfg, aux: list[int], layout: Layout, files_sha: str, samples_sha: str, num_samples: int,
+                  engine: str) -> dict:
+    """What the cached values depend on, hashed into `inputs_hash` to reuse a finished cache: paths are not
+    (a moved target or run dir reuses the cache), and the keys and their order are the index's format."""
+    inputs = {"format_version": 1, "aux_layer_ids": aux, "storage_dtype": layout.storage_dtype,
+              "target": {"files_sha256": files_sha, "dtype": cfg.target.dtype,
+                         "attn_implementation": cfg.target.attn_implementation},
+              "data": {"samples_sha256": samples_sha, "num_samples": num_samples}}
+    if engine != "hf":  # other kernels, other values (the HF engine's inputs, and so its caches, are unchanged)
+        inputs["engine"] = engine
+    return inputs
+
+
+def _index_extra(cfg, variant: str, tcfg, tconf, device: torch.device, engine: str, engine_report: dict) -> dict:
+    """The index's record of which target made the cache and how (beyond what `inputs` hashes). A quantized
+    target is named by its place in the run (`target/<variant>`), so the index does not depend on where the
+    run directory lives."""
+    extra = {"target_variant": variant, "target_revision": tcfg.revision,
+             "target_path": str(cfg.target.path) if variant == "bf16" else f"target/{variant}",
+             "target_shape": {k: int(getattr(tconf, k)) for k in ("vocab_size", "hidden_size", "num_hidden_layers")},
+             "device_type": device.type if engine == "hf" else "cuda", "batch_tokens": int(cfg.cache.batch_tokens)}
+    if engine != "hf":
+        extra["engine"] = {"name": engine, **{k: engine_report[k] for k in ("versions", "gpu")
+                                              if k in engine_report}}
+    return extra
 
 
 def _summary(out: Path, index: dict, written: int, seconds: float, reused: bool, tokens: int = 0) -> dict:

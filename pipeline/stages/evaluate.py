@@ -10,14 +10,19 @@ prompts the vLLM benchmark commands read. Quantized drafters run as their checkp
 from __future__ import annotations
 
 import json
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import check_report, eval_results
 from pipeline.artifacts.rundir import RunDir
+from pipeline.core import pool
 from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, hash_tree, sha256_text
+from pipeline.evaluation.loop import evaluate_variant as _evaluate_variant
+from pipeline.evaluation.loop import greedy_reference as _greedy_reference
+from pipeline.evaluation.loop import merge as _merge
+from pipeline.evaluation.loop import subset_stats
 from pipeline.quant import pairing
 
 REFERENCE = "bf16"
@@ -100,27 +105,6 @@ def _stop_ids(tokenizer, target) -> list[int]:
     eos = getattr(gen, "eos_token_id", None)
     ids |= set(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if i is not None)
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def subset_stats(results: list, block_size: int) -> dict[str, Any]:
-    """Aggregate `SpecResult`s: tau over all steps, drafted/accepted tokens, per-position acceptance."""
-    taus = [t for r in results for t in r.acceptance_lengths]
-    drafted = [sum(r.drafted[k] for r in results) for k in range(block_size - 1)]
-    accepted = [sum(r.accepted[k] for r in results) for k in range(block_size - 1)]
-    steps = len(taus)
-    return {"steps": steps, "tau": round(sum(taus) / steps, 6) if steps else 0.0,
-            "drafted_tokens": sum(drafted), "accepted_tokens": sum(accepted),
-            "acceptance_rate": round(sum(accepted) / sum(drafted), 6) if sum(drafted) else 0.0,
-            "position_acceptance": [round(a / d, 6) if d else 0.0 for a, d in zip(accepted, drafted)],
-            "tau_histogram": {str(k): taus.count(k) for k in range(1, block_size + 1)},
-            "generated_tokens": sum(len(r.output_ids) for r in results)}
 
 
 def tau_table(results: dict) -> list[dict]:
@@ -241,7 +225,7 @@ def pair_comparison(rd: RunDir, matrix: dict, per_prompt: dict, seed: int) -> li
         base = pairing.base_variant(v, rec)
         if base is None or base not in drafters:
             continue
-        for t in matrix:
+        for t in [t for t in matrix if v in matrix[t] and base in matrix[t]]:  # eval.pairs=calibrated: both served
             b = paired.bootstrap_ratio_difference(per_prompt[t][v], per_prompt[t][base], seed)
             lo, hi = b["ci95"]
             out.append({"variant": v, "calibrated_on": rec["variant"], "base": base, "served_with": t,
@@ -251,59 +235,13 @@ def pair_comparison(rd: RunDir, matrix: dict, per_prompt: dict, seed: int) -> li
     return out
 
 
-def _merge(per_subset: dict[str, list], block_size: int) -> dict:
-    return subset_stats([r for rs in per_subset.values() for r in rs], block_size)
-
-
-def _evaluate_variant(target, drafter, subsets, max_new_tokens, stop, device, greedy, desc):
-    from tqdm import tqdm
-
-    from pipeline.models.spec_decode import spec_generate
-
-    runs, seconds, mismatches = {}, {}, {}
-    bar = tqdm(total=sum(len(s.prompts) for s in subsets), desc=desc, unit="prompt")
-    for s in subsets:
-        runs[s.name], seconds[s.name], mismatches[s.name] = [], 0.0, 0
-        for i, ids in enumerate(s.prompts):
-            _sync(device)
-            t0 = time.perf_counter()
-            r = spec_generate(target, drafter, ids, max_new_tokens, stop)
-            _sync(device)
-            seconds[s.name] += time.perf_counter() - t0
-            mismatches[s.name] += int(r.output_ids != greedy[s.name][i])
-            runs[s.name].append(r)
-            bar.update(1)
-    bar.close()
-    return runs, seconds, mismatches
-
-
-def _greedy_reference(target, subsets, max_new_tokens, stop, device):
-    """Plain target greedy outputs (the lossless reference) and their wall time per subset."""
-    from tqdm import tqdm
-
-    from pipeline.models.spec_decode import greedy_generate
-
-    outs, seconds = {}, {}
-    bar = tqdm(total=sum(len(s.prompts) for s in subsets), desc="target only", unit="prompt")
-    for s in subsets:
-        outs[s.name], seconds[s.name] = [], 0.0
-        for ids in s.prompts:
-            _sync(device)
-            t0 = time.perf_counter()
-            outs[s.name].append(greedy_generate(target, ids, max_new_tokens, stop))
-            _sync(device)
-            seconds[s.name] += time.perf_counter() - t0
-            bar.update(1)
-    bar.close()
-    return outs, seconds
-
-
 def _config_record(cfg) -> dict:
     from omegaconf import OmegaConf
 
     from pipeline.core.secrets import scrub_obj
 
     full = OmegaConf.to_container(cfg, resolve=True)
+    full["eval"].pop("workers", None)  # how the work was spread, not what was computed: results.json is the same
     return scrub_obj({k: full[k] for k in ("run_name", "seed", "target", "drafter", "eval")})
 
 
@@ -362,25 +300,52 @@ def _write_outputs(out: Path, doc: eval_results.EvalResults, timings: dict, subs
     return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
 
 
-def run(cfg) -> dict:
-    from transformers import AutoConfig, AutoTokenizer
-
+def _check_knobs(cfg) -> None:
+    """The evaluate knobs a typo would turn into a traceback, each one sentence before any work."""
     from pipeline.core.dtypes import TORCH_DTYPES
-    from pipeline.core.seeding import seed_everything
-    from pipeline.evaluation.fakequant import load_drafter_variant, load_target
-    from pipeline.evaluation.prompts import load_prompt_sets
-    from pipeline.models.compat import check_compatible
-    from pipeline.models.formats import load_drafter_config
 
-    rd = RunDir.from_cfg(cfg)
     if cfg.target.dtype not in TORCH_DTYPES:
         raise bad_value("target.dtype", cfg.target.dtype, "unknown dtype", f"use one of {', '.join(TORCH_DTYPES)}")
     if int(cfg.eval.max_new_tokens) < 1:
         raise bad_value("eval.max_new_tokens", cfg.eval.max_new_tokens, "it must be positive", "use a value >= 1")
+    if int(cfg.eval.workers) < 1:
+        raise bad_value("eval.workers", cfg.eval.workers, "it must be at least 1",
+                        "use 1 (everything in this process) or the number of cores to spread the pairs over")
+    if str(cfg.eval.pairs) not in pairing.PAIRINGS:
+        raise bad_value("eval.pairs", cfg.eval.pairs, "it is not a pairing evaluate knows",
+                        "use all (every drafter on every target) or calibrated (a quantized target evaluates the "
+                        "drafters made for it)")
+
+
+@dataclass
+class _Plan:
+    """What evaluate will run, every input checked (no weight loaded yet)."""
+    drafters: dict[str, Path]
+    target_path: str
+    revision: str | None
+    subsets: list
+    block_size: int
+    primary: str
+    pair_targets: dict[str, str]
+    paired: dict[str, list[str]]
+    served: dict[str, dict]
+    warnings: dict[str, dict]
+    stop: list[int] = field(default_factory=list)
+
+
+def _plan(cfg, rd: RunDir) -> tuple[_Plan, Any]:
+    """Every drafter and target checked against its tensors, each other and the pairing, before any weight
+    is loaded; returns the plan and the tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipeline.evaluation.prompts import load_prompt_sets
+    from pipeline.models import validation
+    from pipeline.models.compat import check_compatible
+    from pipeline.models.formats import load_drafter_config
+
+    _check_knobs(cfg)
     drafters = _drafter_dirs(cfg, rd)
     target_path = _target_path(cfg, rd)
-    from pipeline.models import validation
-
     # every field of the target's and each drafter's family against their tensors' headers (issue 47)
     validation.check_target(target_path, cfg.target.revision if cfg.eval.target_variant == REFERENCE else None)
     for p in drafters.values():
@@ -392,89 +357,142 @@ def run(cfg) -> dict:
     if len(set(block_sizes.values())) != 1:
         raise bad_value("eval.variants", list(drafters), f"the drafters have different block sizes {block_sizes}",
                         "evaluate variants of one drafter together")
-    block_size = next(iter(block_sizes.values()))
 
     revision = cfg.target.revision if cfg.eval.target_variant == REFERENCE else None
-    target_config = AutoConfig.from_pretrained(target_path, revision=revision,
-                                               trust_remote_code=bool(cfg.target.trust_remote_code))
+    trust = bool(cfg.target.trust_remote_code)
+    target_config = AutoConfig.from_pretrained(target_path, revision=revision, trust_remote_code=trust)
     for p in drafters.values():  # before any weights are loaded
         check_compatible(load_drafter_config(p), target_config, tokenizer, cfg.drafter.mask_token)
     primary = str(cfg.eval.target_variant)
     pair_targets = _matrix_targets(cfg, rd, primary)
-    served = {t: pairing.target_identity(path, t, cfg.target.revision if t == REFERENCE else None,
-                                         bool(cfg.target.trust_remote_code)) for t, path in pair_targets.items()}
+    paired = pairing.pairs_for(rd, list(pair_targets), _matrix_drafters(drafters),
+                               "all" if list(cfg.eval.variants or []) else str(cfg.eval.pairs), primary,
+                               [str(x) for x in cfg.eval.pairs_every_target or []])
+    served = {t: pairing.target_identity(path, t, cfg.target.revision if t == REFERENCE else None, trust)
+              for t, path in pair_targets.items()}
     for t, path in pair_targets.items():  # every pair is checked before any weight is loaded
         if t != primary:
             validation.check_target(path, cfg.target.revision if t == REFERENCE else None)
             tc = AutoConfig.from_pretrained(path, revision=cfg.target.revision if t == REFERENCE else None,
-                                            trust_remote_code=bool(cfg.target.trust_remote_code))
-            for v in _matrix_drafters(drafters):
+                                            trust_remote_code=trust)
+            for v in paired[t]:
                 check_compatible(load_drafter_config(drafters[v]), tc, tokenizer, cfg.drafter.mask_token)
-    warnings = {t: pairing.check_pairs(rd, _matrix_drafters(drafters), served[t], "evaluate") for t in pair_targets}
+    warnings = {t: pairing.check_pairs(rd, paired[t], served[t], "evaluate") for t in pair_targets}
+    return _Plan(drafters, target_path, revision, subsets, next(iter(block_sizes.values())), primary, pair_targets,
+                 paired, served, warnings), tokenizer
+
+
+def _per_prompt(runs: dict) -> list[tuple[float, int]]:
+    return [(float(sum(r.acceptance_lengths)), len(r.acceptance_lengths)) for rs in runs.values() for r in rs]
+
+
+def _pairs_job(cfg, plan: _Plan, chunk: list[tuple[str, list[str]]], max_new: int, greedy=None, target=None) -> dict:
+    """The pairs of `chunk` ([(target, [drafters])], in order): {(target, drafter): outcome}. `greedy`, `target`:
+    the primary target's outputs and model where this process has them, else each target is loaded and run alone
+    here. A worker runs this when eval.workers > 1 (pipeline.core.pool), so it seeds itself."""
+    from pipeline.core.dtypes import TORCH_DTYPES
+    from pipeline.core.seeding import seed_everything
+    from pipeline.evaluation.fakequant import load_drafter_variant, load_target
 
     seed_everything(int(cfg.seed))
-    dtype, device = TORCH_DTYPES[cfg.target.dtype], str(cfg.target.device)
-    target = load_target(target_path, dtype, device, revision, bool(cfg.target.trust_remote_code),
-                         cfg.target.attn_implementation)
-    stop, max_new = _stop_ids(tokenizer, target), int(cfg.eval.max_new_tokens)
-    greedy, target_s = _greedy_reference(target, subsets, max_new, stop, device)
-
-    per_prompt: dict[str, list[tuple[float, int]]] = {}
-    variants, timings = {}, {"device": device, "target_only_s": {k: round(v, 4) for k, v in target_s.items()},
-                             "speculative_s": {}, "speedup": {}}
-    for v, path in drafters.items():
-        drafter, summary = load_drafter_variant(path, target, dtype, device)
-        runs, spec_s, mismatches = _evaluate_variant(target, drafter, subsets, max_new, stop, device, greedy,
-                                                     f"evaluate {v}")
-        del drafter
-        per_prompt[v] = [(float(sum(r.acceptance_lengths)), len(r.acceptance_lengths))
-                         for rs in runs.values() for r in rs]
-        variants[v] = {"path": str(path), "files": _tree(path), **summary, **_variant_meta(rd, v, summary),
-                       "subsets": {s: subset_stats(rs, block_size) for s, rs in runs.items()},
-                       "overall": _merge(runs, block_size), "lossless_mismatches": mismatches}
-        timings["speculative_s"][v] = {k: round(x, 4) for k, x in spec_s.items()}
-        timings["speedup"][v] = {k: round(target_s[k] / x, 4) if x else None for k, x in spec_s.items()}
-
-    matrix = {primary: {v: _pair_entry(variants[v], rd, v) for v in _matrix_drafters(drafters)}}
-    pair_prompts = {primary: per_prompt}
-    for t, path in pair_targets.items():
-        if t == primary:
-            continue
-        del target
-        target = load_target(path, dtype, device, cfg.target.revision if t == REFERENCE else None,
-                             bool(cfg.target.trust_remote_code), cfg.target.attn_implementation)
-        greedy_t, _ = _greedy_reference(target, subsets, max_new, stop, device)
-        matrix[t], pair_prompts[t] = {}, {}
-        for v in _matrix_drafters(drafters):
-            drafter, summary = load_drafter_variant(drafters[v], target, dtype, device)
-            runs, _, mismatches = _evaluate_variant(target, drafter, subsets, max_new, stop, device, greedy_t,
-                                                    f"evaluate {v} with target {t}")
+    rd, dtype, device = RunDir.from_cfg(cfg), TORCH_DTYPES[cfg.target.dtype], str(cfg.target.device)
+    out = {}
+    for t, drafters in chunk:
+        mine = t == plan.primary and target is not None
+        model = target if mine else load_target(
+            plan.pair_targets[t], dtype, device, plan.revision if t == plan.primary else
+            cfg.target.revision if t == REFERENCE else None, bool(cfg.target.trust_remote_code),
+            cfg.target.attn_implementation)
+        ref = greedy if mine and greedy is not None else _greedy_reference(model, plan.subsets, max_new, plan.stop,
+                                                                            device)[0]
+        for v in drafters:
+            path = plan.drafters[v]
+            drafter, summary = load_drafter_variant(path, model, dtype, device)
+            runs, spec_s, mismatches = _evaluate_variant(model, drafter, plan.subsets, max_new, plan.stop, device, ref,
+                                                         f"evaluate {v}" + ("" if t == plan.primary else f" with target {t}"))
             del drafter
-            pair_prompts[t][v] = [(float(sum(r.acceptance_lengths)), len(r.acceptance_lengths))
-                                  for rs in runs.values() for r in rs]
-            matrix[t][v] = _pair_entry({"subsets": {s: subset_stats(rs, block_size) for s, rs in runs.items()},
-                                        "overall": _merge(runs, block_size), "lossless_mismatches": mismatches},
-                                       rd, v)
+            stats = {"subsets": {s: subset_stats(rs, plan.block_size) for s, rs in runs.items()},
+                     "overall": _merge(runs, plan.block_size), "lossless_mismatches": mismatches}
+            entry = ({"path": str(path), "files": _tree(path), **summary, **_variant_meta(rd, v, summary), **stats}
+                     if t == plan.primary else stats)
+            out[(t, v)] = {"entry": entry, "per_prompt": _per_prompt(runs), "spec_s": spec_s}
+        del model
+    return out
 
+
+def _spread(cfg, plan: _Plan, target, device: str, max_new: int) -> tuple[dict, dict]:
+    """Every pair of the matrix (the main table's first), cut into eval.workers runs of about equal length: the
+    first here, beside the primary target alone (its wall time is the speedups' reference), the others in
+    worker processes. Returns (the primary target's wall times, {(target, drafter): outcome})."""
+    others = [t for t in plan.pair_targets if t != plan.primary]
+    units = [(plan.primary, v) for v in plan.drafters] + [(t, v) for t in others for v in plan.paired[t]]
+    chunks = [[(t, [v for u, v in part if u == t]) for t in dict.fromkeys(u for u, _ in part)]
+              for part in pool.split(units, int(cfg.eval.workers))] or [[]]
+
+    def here():
+        greedy, target_s = _greedy_reference(target, plan.subsets, max_new, plan.stop, device)
+        return target_s, _pairs_job(cfg, plan, chunks[0], max_new, greedy, target)
+
+    (target_s, done), theirs = pool.alongside(here, _pairs_job, [(cfg, plan, c, max_new) for c in chunks[1:]],
+                                              int(cfg.eval.workers))
+    for d in theirs:
+        done.update(d)
+    return target_s, done
+
+
+def run(cfg) -> dict:
+    from pipeline.core.dtypes import TORCH_DTYPES
+    from pipeline.core.seeding import seed_everything
+    from pipeline.evaluation.fakequant import load_target
+
+    rd = RunDir.from_cfg(cfg)
+    plan, tokenizer = _plan(cfg, rd)
+    seed_everything(int(cfg.seed))
+    dtype, device = TORCH_DTYPES[cfg.target.dtype], str(cfg.target.device)
+    target = load_target(plan.target_path, dtype, device, plan.revision, bool(cfg.target.trust_remote_code),
+                         cfg.target.attn_implementation)
+    plan.stop, max_new = _stop_ids(tokenizer, target), int(cfg.eval.max_new_tokens)
+    target_s, done = _spread(cfg, plan, target, device, max_new)
+    del target
+    variants, per_prompt = {}, {}
+    timings = {"device": device, "target_only_s": {k: round(v, 4) for k, v in target_s.items()},
+               "speculative_s": {}, "speedup": {}}
+    for v in plan.drafters:
+        o = done[(plan.primary, v)]
+        variants[v], per_prompt[v] = o["entry"], o["per_prompt"]
+        timings["speculative_s"][v] = {k: round(x, 4) for k, x in o["spec_s"].items()}
+        timings["speedup"][v] = {k: round(target_s[k] / x, 4) if x else None for k, x in o["spec_s"].items()}
+    matrix = {plan.primary: {v: _pair_entry(variants[v], rd, v) for v in _matrix_drafters(plan.drafters)}}
+    pair_prompts = {plan.primary: per_prompt}
+    for t in [t for t in plan.pair_targets if t != plan.primary]:
+        matrix[t] = {v: _pair_entry(done[(t, v)]["entry"], rd, v) for v in plan.paired[t]}
+        pair_prompts[t] = {v: done[(t, v)]["per_prompt"] for v in plan.paired[t]}
+    return _finish(cfg, rd, plan, variants, per_prompt, matrix, pair_prompts, timings)
+
+
+def _finish(cfg, rd: RunDir, plan: _Plan, variants: dict, per_prompt: dict, matrix: dict, pair_prompts: dict,
+            timings: dict) -> dict:
+    """results.json, the report, plots and commands from the passes; the stage's result."""
     results = {
-        "stage": "evaluate", "config": _config_record(cfg), "block_size": block_size, "max_new_tokens": max_new,
-        "stop_token_ids": stop, "reference_variant": REFERENCE if REFERENCE in variants else None,
+        "stage": "evaluate", "config": _config_record(cfg), "block_size": plan.block_size,
+        "max_new_tokens": int(cfg.eval.max_new_tokens), "stop_token_ids": plan.stop,
+        "reference_variant": REFERENCE if REFERENCE in variants else None,
         "variant_order": list(variants), "variants": variants,
         "drafter": {"name": cfg.drafter.name, "path": str(cfg.drafter.path)},
-        "target": {"name": cfg.target.name, "variant": cfg.eval.target_variant, "path": target_path,
-                   "serve_path": target_path, "files": _tree(target_path), "revision": cfg.target.revision},
+        "target": {"name": cfg.target.name, "variant": cfg.eval.target_variant, "path": plan.target_path,
+                   "serve_path": plan.target_path, "files": _tree(plan.target_path), "revision": cfg.target.revision},
         "subsets": [{"name": s.name, "source": s.source, "num_prompts": len(s.prompts),
-                     "prompt_tokens": sum(len(p) for p in s.prompts)} for s in subsets],
+                     "prompt_tokens": sum(len(p) for p in s.prompts)} for s in plan.subsets],
     }
     doc = eval_results.EvalResults(
         **results, table=[eval_results.TauRow(**r) for r in tau_table(results)],
         calibration_comparison=[eval_results.CalibrationComparison(**c)
                                 for c in calibration_comparison(rd, results, per_prompt, int(cfg.seed))],
-        pairs={"targets": list(matrix), "served": served, "matrix": matrix,
-               "warnings": {t: w for t, w in warnings.items() if w},
+        pairs={"targets": list(matrix), "served": plan.served, "matrix": matrix,
+               "warnings": {t: w for t, w in plan.warnings.items() if w},
                "comparison": pair_comparison(rd, matrix, pair_prompts, int(cfg.seed))})
     results = doc.to_json()
-    written = _write_outputs(rd.eval, doc, timings, subsets, _vllm_ranges(rd, results["variant_order"]))
+    written = _write_outputs(rd.eval, doc, timings, plan.subsets, _vllm_ranges(rd, results["variant_order"]))
     lossless = all(n == 0 for row in matrix.values() for d in row.values() for n in d["lossless_mismatches"].values())
     return {"output": str(rd.eval), "files": written, "lossless": lossless,
             "tau": {v: {s: d["subsets"][s]["tau"] for s in d["subsets"]} | {"all": d["overall"]["tau"]}

@@ -9,7 +9,6 @@ attestation's `runDetails.metadata`, so same config + seed gives byte-identical 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +20,12 @@ from pipeline.artifacts.stage_record import StageRecord
 from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json, atomic_write_text, dumps_json, sha256_bytes, sha256_file
 from pipeline.core.secrets import scrub, scrub_obj
+from pipeline.models.checkpoint_info import CheckpointInfo
 from pipeline.provenance import record as prov
 from pipeline.serving import command, report
 from pipeline.stages import ORDER
 
 OWN_OUTPUTS = (manifests.CALIBRATION, manifests.QUANT_RUN, "provenance/")
-
-
-def _read(path: Path) -> Any:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _local(path: str | None) -> Path | None:
@@ -207,8 +203,8 @@ def _checkpoint_entry(rd: RunDir, kind: str, variant: str, records: dict, tree: 
                           .rstrip("/").endswith(f"{kind}/{variant}")), (name, None))
     cfg = rec.resolved_config if rec else {}
     rel = f"{kind}/{variant}"
-    conf = _read(rd.root / rel / "config.json") or {}
-    qconf = conf.get("quantization_config")
+    # the quantization_config the checkpoint is served with, read as every stage reads a checkpoint's facts
+    qconf = CheckpointInfo.read(rd.root / rel, rel).quantization_config
     recipe = None
     if (rd.root / rel / "recipe.yaml").is_file():
         import yaml

@@ -17,9 +17,7 @@ folder is then verified against the signature too. Without one, the card says th
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
+import copy
 import os
 import re
 import shutil
@@ -33,12 +31,12 @@ from tqdm import tqdm
 from pipeline.artifacts import check_report, eval_results, file_list, manifests
 from pipeline.artifacts.rundir import RunDir
 from pipeline.artifacts.stage_record import load_record
-from pipeline.core.errors import SpecquantError, bad_value
+from pipeline.core.errors import bad_value
 from pipeline.core.hub import REPO_ID, hub_id
 from pipeline.core.io import TMP_PREFIX, atomic_dir, atomic_write_json, confine, sha256_file
 from pipeline.core.secrets import remember, scrub, scrub_obj
 from pipeline.models.checkpoint_info import CheckpointInfo
-from pipeline.provenance import modelcard, signing
+from pipeline.provenance import hub_push, modelcard, signing
 from pipeline.provenance import record as prov
 from pipeline.serving import command, report
 
@@ -147,8 +145,7 @@ def _refuse_unserved(cfg, rd: RunDir, variant: str) -> None:
         raise bad_value("publish.variants", variant, f"its vLLM serve check failed ({status['summary']})",
                         "fix the variant and re-run `make serve-check`, or leave it out of publish.variants")
     if not cfg.publish.dry_run:
-        conf = _read_json(rd.drafter(variant) / "config.json") or {}
-        verifier = ((conf.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        verifier = CheckpointInfo.read(rd.drafter(variant), f"drafter/{variant}").verifier
         cal = _calibration_target(rd, variant)
         name = _published_target(cfg, rd, variant)
         if name is not None and not hub_id(name):
@@ -179,14 +176,6 @@ def _refuse_unless_verified(path: Path, field: str, ignore_prefix: str | None = 
 
 
 # ---------------------------------------------------------------- the folder
-def _read_json(path: Path) -> Any:
-    """A checkpoint's config.json (the drafter's own file, not a stage's artifact), or None."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
               signer: signing.Signer | None = None) -> dict[str, Any]:
     info = CheckpointInfo.read(folder, f"drafter/{variant}")
@@ -200,13 +189,12 @@ def card_info(cfg, rd: RunDir, variant: str, repo_id: str, folder: Path,
     results = eval_results.read_results(folder / "eval")
     q = (entry.quant_config if entry else None) or (record.config("quant") if record else {})
     sources = [s.name for s in cal.sources or []] if cal else []
-    verifier = (ckpt.get("speculators_config") or {}).get("verifier") or {}
     pc = cfg.publish
     # a drafter calibrated on a quantized target is published for that target (_published_target)
     published_for = _published_target(cfg, rd, variant)
     vllm = (entry.vllm if entry else None) or (record.result.get("vllm") if record else None)
     target = (published_for or pc.target_model or hub_id(cfg.target.path)
-              or verifier.get("name_or_path") or cfg.target.path)
+              or info.verifier or cfg.target.path)
     return {
         "repo_id": repo_id, "variant": variant, "run_name": cfg.run_name,
         "scheme": (entry.scheme if entry else None) or q.get("scheme") or variant,
@@ -262,12 +250,14 @@ def _published_target(cfg, rd: RunDir, variant: str) -> str | None:
     return pairing.calibration_target_name(cfg, _calibration_target(rd, variant))
 
 
-def _name_target(folder: Path, name: str) -> None:
+def _name_target(folder: Path, name: str, field: str) -> None:
     """The published config.json names `name` as its verifier (the run's copy names the configured target:
-    quantize-drafter writes one verifier for every variant); canonical JSON, as the run's file is written."""
-    conf = _read_json(folder / "config.json")
-    verifier = ((conf or {}).get("speculators_config") or {}).get("verifier")
-    if isinstance(verifier, dict) and verifier.get("name_or_path") != name:
+    quantize-drafter writes one verifier for every variant); canonical JSON, as the run's file is written. The
+    file is read through CheckpointInfo; only the rewrite touches its dict, a copy of what was read."""
+    info = CheckpointInfo.read(folder, field)
+    conf = copy.deepcopy(info.config)
+    verifier = (conf.get("speculators_config") or {}).get("verifier")
+    if isinstance(verifier, dict) and info.verifier != name:
         verifier["name_or_path"] = name
         atomic_write_json(folder / "config.json", conf)
 
@@ -324,7 +314,7 @@ def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Pat
             bar.update(src.stat().st_size)
         target = _published_target(cfg, rd, variant)
         if target is not None:  # calibrated for a quantized target: published naming that target
-            _name_target(tmp, target)
+            _name_target(tmp, target, f"drafter/{variant}")
         card = modelcard.render(card_info(cfg, rd, variant, repo_id, tmp, signer))
         (tmp / "README.md").write_text(scrub(card), encoding="utf-8")
         # the statement cannot name itself, so its copy carries no origin
@@ -335,107 +325,6 @@ def assemble(cfg, rd: RunDir, variant: str, repo_id: str, sources: dict[str, Pat
     if signer:
         signing.sign_folder(dest, signer, previous)
     return dest
-
-
-def git_blob_oid(path: Path) -> str:
-    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-# ---------------------------------------------------------------- the push
-@contextlib.contextmanager
-def hub_online():
-    """Talk to the configured endpoint even under HF_HUB_OFFLINE=1 (the Makefile's default), over plain LFS."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils import close_session
-
-    saved = constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_XET
-    constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_XET = False, True
-    close_session()  # no pooled keep-alive connection to a server that has since died or restarted
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_XET = saved
-
-
-def remote_files(api, repo_id: str, revision: str, token: str) -> dict[str, Any]:
-    from huggingface_hub.hf_api import RepoFile
-
-    return {f.path: f for f in api.list_repo_tree(repo_id, recursive=True, revision=revision, token=token)
-            if isinstance(f, RepoFile)}
-
-
-def same_as_remote(path: Path, sha256: str, remote) -> bool:
-    if remote is None:
-        return False
-    if remote.lfs is not None:
-        return remote.lfs.sha256 == sha256
-    return remote.blob_id == git_blob_oid(path)
-
-
-def compare_remote(folder: Path, files: dict[str, dict], remote: dict[str, Any]) -> list[str]:
-    problems = [f"{rel}: {'missing on the Hub' if rel not in remote else 'remote hash differs from the local one'}"
-                for rel, e in sorted(files.items()) if not same_as_remote(folder / rel, e["sha256"], remote.get(rel))]
-    return problems + [f"{rel}: on the Hub but not in the local folder" for rel in sorted(set(remote) - set(files))
-                       if rel != ".gitattributes"]
-
-
-def push(cfg, folder: Path, files: dict[str, dict], repo_id: str, tag: str, token: str) -> dict[str, Any]:
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
-
-    api = HfApi(endpoint=str(cfg.publish.endpoint), token=token, library_name="specquant")
-    api.create_repo(repo_id, token=token, private=bool(cfg.publish.private), exist_ok=True)
-    head = api.repo_info(repo_id, revision="main", token=token).sha
-    remote = remote_files(api, repo_id, head, token)
-    changed = [rel for rel, e in files.items() if not same_as_remote(folder / rel, e["sha256"], remote.get(rel))]
-    stale = sorted(set(remote) - set(files) - {".gitattributes"})
-    tags = {t.name: t.target_commit for t in api.list_repo_refs(repo_id, token=token).tags}
-    if tag in tags and (changed or stale or tags[tag] != head):  # checked before committing anything
-        raise bad_value("publish.tag", tag, f"the tag already points to commit {tags[tag][:12]} of {repo_id}, "
-                        "which is not this folder's content", "choose another publish.tag (or leave it unset)")
-    commit, status = head, "no changes"
-    if changed or stale:
-        ops = [CommitOperationAdd(rel, str(folder / rel)) for rel in changed] + [
-            CommitOperationDelete(rel) for rel in stale]
-        info = api.create_commit(repo_id, ops, commit_message=f"specquant: {cfg.run_name} / {folder.name}",
-                                 commit_description=f"Published by `python -m pipeline publish` (tag {tag}).",
-                                 token=token, revision="main", parent_commit=head)
-        commit, status = info.oid, "pushed"
-    if tag not in tags:
-        api.create_tag(repo_id, tag=tag, revision=commit, token=token, tag_message=f"specquant run {cfg.run_name}")
-    problems = compare_remote(folder, files, remote_files(api, repo_id, commit, token))
-    if problems:
-        raise SpecquantError(f"after the push, the Hub tree of {repo_id} at {commit[:12]} does not match the local "
-                             f"folder: {'; '.join(problems[:3])}; re-run publish to repair it.")
-    return {"status": status, "commit": commit, "tag": tag, "url": f"{cfg.publish.endpoint}/{repo_id}",
-            "uploaded": sorted(changed), "deleted": stale, "unchanged": sorted(set(files) - set(changed)),
-            "remote_verified": True}
-
-
-def _push_or_explain(cfg, folder, files, repo_id, tag, token) -> dict[str, Any]:
-    import httpx
-    from huggingface_hub.errors import HfHubHTTPError
-
-    where = f"{repo_id} at {cfg.publish.endpoint}"
-    try:
-        with hub_online():
-            return push(cfg, folder, files, repo_id, tag, token)
-    except HfHubHTTPError as exc:
-        code = exc.response.status_code if exc.response is not None else None
-        if code in (401, 403):
-            raise bad_value("publish.token_env", cfg.publish.token_env, f"the Hub refused the token for {where} "
-                            f"(HTTP {code})", "use a token with write access to that namespace") from None
-        reason = scrub(str(exc).splitlines()[0])
-    except ValueError as exc:  # e.g. the Hub's validate-yaml refused the card's front matter
-        raise SpecquantError(scrub(f"the Hub refused {where}: {str(exc).splitlines()[0]} "
-                                   f"{' '.join(str(exc).splitlines()[1:3])}".rstrip() + "; fix it and re-run publish.")) from None
-    except (httpx.HTTPError, RuntimeError, OSError) as exc:
-        reason = scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    raise SpecquantError(f"publishing {where} was interrupted ({reason}); nothing partial is visible on the Hub, "
-                         "and re-running `python -m pipeline publish` with the same settings completes it.")
 
 
 # ---------------------------------------------------------------- the stage
@@ -516,7 +405,7 @@ def run(cfg) -> dict:
             print(f"  provenance/source/  {len(src)} files, {sum(src)} B (the code that ran)")
             print(f"  {_signature_line(signer)}")
         else:
-            record.update(_push_or_explain(cfg, folder, files, repos[v], tag, token))
+            record.update(hub_push.push_or_explain(cfg, folder, files, repos[v], tag, token))
             print(scrub(f"[publish] {repos[v]}: {record['status']}; commit {record['commit']}, tag {tag}; "
                         f"{len(record['uploaded'])} uploaded, {len(record['unchanged'])} unchanged; "
                         "remote tree verified against the local file list; " + _signature_line(signer)))

@@ -304,13 +304,7 @@ def run(cfg) -> dict:
         # the vLLM range the checkpoint is written and checked for
         "vllm": families.family_of(dconf).vllm_record(contract_profile(q)),
         "recipe": (out / "recipe.yaml").read_text(encoding="utf-8"),
-        "seeds": {"seed": seed, "split_permutation": seed, "torch_manual_seed": seed,
-                  "anchors": f"{seed} * {cache_batches.SAMPLE_SEED_STRIDE} + cache index",
-                  "heldout_anchors": f"{seed + cache_batches.HELDOUT_SEED_OFFSET} * "
-                                     f"{cache_batches.SAMPLE_SEED_STRIDE} + cache index"},
-        "num_calibration_samples": len(batches or []),
-        "num_calibration_anchors": cache_batches.count_anchors(batches or []),
-        "num_calibration_tokens": cache_batches.count_tokens(batches or []),
+        "seeds": _seeds(seed), **_calibration_counts(batches),
         "heldout_sample_ids": [reader.index["samples"][i]["id"] for i in held_idx],
         "calibration_free": baseline, "input_global_scales": scales,
         "activation_scale": q.activation_scale if minmax_scales else None, "minmax_input_global_scales": minmax_scales,
@@ -319,14 +313,35 @@ def run(cfg) -> dict:
         "inputs": {"drafter": hashed["drafter"], "cache_content_hash": index.get("content_hash"),
                    "target_head": hashed["target_head"]},
         "outputs": export.output_hashes(out),
-        "check": {**{k: v for k, v in report.to_json().items()
-                     if k in ("weight_error_summary", "layer_output_error_summary", "served", "weights_only",
-                              "served_rounding_band", "activation_error_summary")},
-                  # what the top-1 numbers compare where the family says (a DFlash record is left as it was)
-                  **families.family_of(dconf).check_notes(dconf)},
+        "check": _check_summary(report, dconf),
         "timings": clock.finish(),
         "device": str(recipes.resolve_device(q.device)),
     }
+
+
+def _seeds(seed: int) -> dict:
+    """Every seed the stage used and how each sample's anchors derive from it, so a reader can redraw the
+    calibration split and anchors without reading the code."""
+    return {"seed": seed, "split_permutation": seed, "torch_manual_seed": seed,
+            "anchors": f"{seed} * {cache_batches.SAMPLE_SEED_STRIDE} + cache index",
+            "heldout_anchors": f"{seed + cache_batches.HELDOUT_SEED_OFFSET} * "
+                               f"{cache_batches.SAMPLE_SEED_STRIDE} + cache index"}
+
+
+def _calibration_counts(batches) -> dict:
+    """How much calibration data oneshot saw (zeros for a calibration-free scheme, whose batches are None)."""
+    return {"num_calibration_samples": len(batches or []),
+            "num_calibration_anchors": cache_batches.count_anchors(batches or []),
+            "num_calibration_tokens": cache_batches.count_tokens(batches or [])}
+
+
+def _check_summary(report, dconf) -> dict:
+    """The check report's summaries the record keeps (the per-row detail stays in checks/), with the family's
+    note on what its top-1 numbers compare (a DFlash record is left as it was)."""
+    return {**{k: v for k, v in report.to_json().items()
+               if k in ("weight_error_summary", "layer_output_error_summary", "served", "weights_only",
+                        "served_rounding_band", "activation_error_summary")},
+            **families.family_of(dconf).check_notes(dconf)}
 
 
 def contract_profile(q):

@@ -97,18 +97,7 @@ def run(cfg) -> dict:
     from pipeline.quant import variants
 
     variants.refuse_overwrite(rd.stages / f"quantize-target-{q.name}.json", rd.target(q.name), FIELD, q, cfg.seed)
-    samples_sha = None
-    batches = None
-    if recipes.needs_data(q):
-        from pipeline.artifacts import samples as samples_file
-
-        meta = samples_file.load_meta(rd.data)
-        samples = samples_file.load_samples(rd.data, meta)
-        samples_sha = meta.samples_sha256  # load_samples checked the file against it
-        batches = calibration_batches(samples, int(q.num_samples), int(q.max_seq_len), int(cfg.seed))
-        if len(batches) < world:
-            raise bad_value(f"{FIELD}.num_samples", len(batches), f"{world} processes need at least one sample each",
-                            f"use at least {world} calibration samples or fewer processes")
+    batches, samples_sha = _calibration_data(cfg, q, rd, world)
 
     seed_everything(int(cfg.seed))
     started = time.perf_counter()
@@ -121,15 +110,7 @@ def run(cfg) -> dict:
     share = [batches[i] for i in distributed.partition(len(batches), group.rank, world)] if batches else None
     calibrate.run_oneshot(model, q, ignore, share, int(cfg.seed))
     timings["oneshot_s"] = round(time.perf_counter() - started - sum(timings.values()), 3)
-    baseline = None
-    if not recipes.SCHEMES[q.scheme].grouped:  # FP8: fused groups at one scale, as vLLM serves them
-        from pipeline.quant import act_scale
-
-        act_scale.fp8_share_weight_scales(model)
-        if recipes.SCHEMES[q.scheme].static_activations:
-            act_scale.fp8_share_fused(model)  # the target's FP8 input scales are plain minmax
-    elif calibrate.quantizes_activations(q) and q.calibration == "none":
-        baseline = calibrate.set_fixed_activation_scales(model, float(q.fixed_activation_amax))
+    baseline = _served_scales(model, q)
     scales = calibrate.stored_activation_scales(model)
 
     out = rd.target(q.name)
@@ -160,6 +141,41 @@ def run(cfg) -> dict:
         "check": {"weight_error": checks.summarize(report.weight_error)},
         "timings": timings, "device": str(device),
     }
+
+
+def _calibration_data(cfg, q, rd: RunDir, world: int) -> tuple[list[dict] | None, str | None]:
+    """(batches, the samples file's sha256) for a recipe with a calibration forward, else (None, None).
+    Read and checked before any weight loads, so a missing or short `data/` fails in one sentence; the
+    seeded choice is the same for any number of processes, each of which needs one sample at least."""
+    if not recipes.needs_data(q):
+        return None, None
+    from pipeline.artifacts import samples as samples_file
+
+    meta = samples_file.load_meta(rd.data)
+    samples = samples_file.load_samples(rd.data, meta)
+    samples_sha = meta.samples_sha256  # load_samples checked the file against it
+    batches = calibration_batches(samples, int(q.num_samples), int(q.max_seq_len), int(cfg.seed))
+    if len(batches) < world:
+        raise bad_value(f"{FIELD}.num_samples", len(batches), f"{world} processes need at least one sample each",
+                        f"use at least {world} calibration samples or fewer processes")
+    return batches, samples_sha
+
+
+def _served_scales(model, q) -> dict | None:
+    """After oneshot, the scales set as vLLM serves them: FP8 fused groups (q/k/v, gate/up) share one weight
+    scale (and, for static activations, one input scale); a calibration-free activation scheme gets the
+    fixed input scales. Returns what `set_fixed_activation_scales` reports (the record's
+    `calibration_free`), None otherwise."""
+    baseline = None
+    if not recipes.SCHEMES[q.scheme].grouped:  # FP8: fused groups at one scale, as vLLM serves them
+        from pipeline.quant import act_scale
+
+        act_scale.fp8_share_weight_scales(model)
+        if recipes.SCHEMES[q.scheme].static_activations:
+            act_scale.fp8_share_fused(model)  # the target's FP8 input scales are plain minmax
+    elif calibrate.quantizes_activations(q) and q.calibration == "none":
+        baseline = calibrate.set_fixed_activation_scales(model, float(q.fixed_activation_amax))
+    return baseline
 
 
 def _write(cfg, model, tmp: Path, main: bool = True) -> None:

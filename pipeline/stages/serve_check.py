@@ -80,7 +80,7 @@ def run(cfg) -> dict:
     summary = verdict.decide(
         results, prompts, Criteria(float(s.min_tau_ratio), float(s.min_tau), bool(s.require_lossless),
                                    float(s.lossless_tie)), _reference_tau(rd),
-        ties=ties, dflash2=references.check_dflash2(loaded, loads, probes), speed=bool(s.speed),
+        ties=ties, load_probes=references.check_load_probes(loaded, loads, probes), speed=bool(s.speed),
         speed_tau=s.speed_tau, pairing_warnings=pairing_warnings, calibrated_on=calibrated_on,
         context={"probe": info, "served_layouts": served, "settings": _settings(s)})
     serve_results.write(rd.eval / "serve_check.json", summary)
@@ -98,7 +98,7 @@ def _launch(cfg, rd: RunDir, info: dict, jobs: list, prompts: dict, what: str) -
     folder = rd.eval / "serve_check"
     folder.mkdir(parents=True, exist_ok=True)
     first = next(p for ps in prompts.values() for p in ps)
-    probes = {j.name: references.dflash2_probe(cfg, j, first, folder, _loaders())
+    probes = {j.name: references.load_probe_inputs(cfg, j, first, folder, _loaders())
               for j in jobs if isinstance(j, LoadProbeJob)}
     return launch.run_jobs(str(cfg.serve.python), jobs, folder, n, launch.worker_env(info)), probes
 
@@ -128,7 +128,8 @@ def _check_engine(s, info: dict) -> None:
 
 def check_checkpoints(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str, Path]) -> tuple[list[str], dict]:
     """Before the probe, nothing written on a refusal: every field of each checkpoint's family against its tensors,
-    then every pair (issue 47), the pairing (`check_pairing`) and the DFlash2 drafters against their vLLM range.
+    then every pair (issue 47), the pairing (`check_pairing`) and the load-and-probe drafters (DFlash2) against their
+    vLLM range (`refuse_load_probe_contract`).
     Returns `check_pairing`'s warnings and calibrated drafters."""
     from pipeline.models import validation
     from pipeline.models.compat import check_compatible
@@ -139,7 +140,7 @@ def check_checkpoints(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[
         for dconf in drafter_configs if tconf is not None else ():
             check_compatible(dconf, tconf)
     found = check_pairing(cfg, rd, targets, drafters)  # an unservable pair: refused
-    refuse_dflash2_contract(cfg, rd, drafters)
+    refuse_load_probe_contract(cfg, rd, drafters)
     return found
 
 
@@ -176,7 +177,7 @@ def _refuse_failures(rd: RunDir, summary: ServeSummary) -> None:
     """Exit non-zero naming the first failures (the summary and report are written already)."""
     failed = summary["failures"]
     if failed:
-        raise SpecquantError(f"serve-check failed for {len(failed)} of {len(summary['pairs']) + len(summary['dflash2'])} "
+        raise SpecquantError(f"serve-check failed for {len(failed)} of {len(summary['pairs']) + len(summary['load_probes'])} "
                              "pairs or DFlash2 loads: "
                              + "; ".join(failed[:4]) + (" ..." if len(failed) > 4 else "")
                              + f" (details: {rd.eval / 'serve_check.json'})")
@@ -217,7 +218,7 @@ def _drafters(cfg, rd: RunDir) -> dict[str, Path]:
     return {v: found[v] for v in chosen}
 
 
-PAIRS = ("calibrated", "all")
+PAIRS = pairing.PAIRINGS
 
 
 def pairs_to_serve(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str, Path]) -> dict[str, list[str]]:
@@ -228,16 +229,8 @@ def pairs_to_serve(cfg, rd: RunDir, targets: dict[str, Path], drafters: dict[str
     if str(cfg.serve.pairs) not in PAIRS:
         raise bad_value("serve.pairs", cfg.serve.pairs, "it is not a pairing serve-check knows",
                         "use calibrated (a quantized target serves the drafters made for it) or all")
-    order = list(drafters)
-    if str(cfg.serve.pairs) == "all" or list(cfg.serve.variants or []):
-        return {t: order for t in targets}
-    out = {}
-    for t in targets:
-        mine = [v for v in order if t != REFERENCE and pairing.drafter_record(rd, v) is not None
-                and (pairing.drafter_record(rd, v) or {}).get("variant") == t]
-        keep = set(mine) | {pairing.base_variant(v, pairing.drafter_record(rd, v)) for v in mine} | {REFERENCE}
-        out[t] = order if t == REFERENCE or not mine else [v for v in order if v in keep]
-    return out
+    mode = "all" if list(cfg.serve.variants or []) else str(cfg.serve.pairs)
+    return pairing.pairs_for(rd, list(targets), list(drafters), mode)
 
 
 def _prompts(cfg) -> tuple[dict[str, list[list[int]]], list[int]]:
@@ -269,12 +262,12 @@ def build_jobs(cfg, rd: RunDir, info: dict, prompts: dict, stop: list[int],
     max_len = serve_jobs.max_model_len(cfg, prompts)
     settings = serve_jobs.engine_settings(cfg, stop, max_len, parallel(cfg, info), speed_on(cfg, info))
     sm, on_cpu = float(info.get("capability") or 0), info.get("platform") == "cpu"
-    dflash2 = {v: d for v, d in drafters.items() if load_and_probe(d)}
-    drafters = {v: d for v, d in drafters.items() if v not in dflash2}
-    # no engine runs a DFlash2 drafter here: vLLM's model class loads it
-    jobs: list = [serve_jobs.load_probe_job(cfg, v, REFERENCE, d, max_len) for v, d in dflash2.items()]
+    probed = {v: d for v, d in drafters.items() if load_and_probe(d)}
+    drafters = {v: d for v, d in drafters.items() if v not in probed}
+    # no engine runs a load-and-probe drafter (DFlash2) here: vLLM's model class loads it
+    jobs: list = [serve_jobs.load_probe_job(cfg, v, REFERENCE, d, max_len) for v, d in probed.items()]
     serve_with = pairs_to_serve(cfg, rd, targets, drafters)
-    for t, tpath in targets.items() if drafters or not dflash2 else ():
+    for t, tpath in targets.items() if drafters or not probed else ():
         # linear_backend is engine-wide and vLLM 0.26 has no emulation kernel for int4 (W4A16) layers, so a
         # quantized target is paired with the drafters' default kernel only
         # (on the CPU build every NVFP4 layer is emulated already: serve.cpu_nvfp4_emulation)
@@ -305,22 +298,24 @@ def parallel(cfg, info: dict) -> int:
 
 
 # ---------------------------------------------------------------- before the engines: checks that write nothing
-def refuse_dflash2_contract(cfg, rd: RunDir, drafters: dict[str, Path]) -> None:
-    """Every DFlash2 drafter against the rules of the vLLM range it was written for (its quantize-drafter record's
-    `vllm.profile`, else the newest; `pipeline.serving.contract`): a checkpoint that range would read otherwise
-    than it stores is refused in one sentence, before anything is written."""
+def refuse_load_probe_contract(cfg, rd: RunDir, drafters: dict[str, Path]) -> None:
+    """Every drafter of a load-and-probe family (its family's `serve_mode`: DFlash2 today) against the rules of the
+    vLLM range it was written for (its quantize-drafter record's `vllm.profile`, else the newest;
+    `pipeline.serving.contract`, which asks the family): a checkpoint that range would read otherwise than it stores
+    is refused in one sentence naming the family, before anything is written."""
     from pipeline.artifacts.stage_record import load_record
     from pipeline.serving import contract
 
     for v, path in drafters.items():
-        if not load_and_probe(path):
+        fam = CheckpointInfo.read(path, "drafter").drafter_family
+        if fam.serve_mode != "load-and-probe":
             continue
         rec = load_record(rd.root, f"quantize-drafter-{v}")
         prof = contract.profile(((rec.result.get("vllm") or {}).get("profile") if rec else None) or None)
         problems = contract.check_dir(path, _target_layers(cfg), prof)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise bad_value(f"drafter/{v}", str(path), f"vLLM {prof.versions} would not read this DFlash2 "
+            raise bad_value(f"drafter/{v}", str(path), f"vLLM {prof.versions} would not read this {fam.card_name} "
                             f"checkpoint as stored: {problems[0]}{more}",
                             "re-run quantize-drafter for it (its ignore list and dense layers follow quant.vllm), "
                             "or drop it with serve.variants")

@@ -25,6 +25,13 @@ def field(config: Any, key: str, default=None):
     return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
 
 
+def num_draft_layers(config: Any) -> int:
+    """The draft layer count of a config (a parsed config's, or a speculators config.json's, which keeps it in
+    `transformer_layer_config`)."""
+    tlc = field(config, "transformer_layer_config") or {}
+    return int(field(config, "num_hidden_layers") or field(tlc, "num_hidden_layers") or 0)
+
+
 class DrafterFamily:
     """What a drafter family answers; each registered family is one instance of a subclass.
 
@@ -41,6 +48,13 @@ class DrafterFamily:
     # why `convert --draft-vocab` cannot trim this family's head (None: it can), a clause after "it is a <card_name>
     # drafter, "
     head_trim_refusal: ClassVar[str | None] = None
+    # the Linears vLLM builds outside the draft layers, by HF name (vLLM's adds `model.`): `contract.serving_ignore`
+    # writes an exact one under both names, `contract.hf_shards` maps it back
+    outer_linears: ClassVar[tuple[str, ...]] = ("fc",)
+    # vLLM's class of this family serves each draft layer with its own sliding window, non-causally as written,
+    # where the range lets `transformer_layer_config.is_causal: false` decide (else one causality flag for every
+    # layer: `contract.checkpoint_problems` refuses sliding-window layers)
+    own_windows: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- reading a checkpoint
     def detects(self, config: Any) -> bool:
@@ -99,6 +113,16 @@ class DrafterFamily:
         """A vLLM range (a `pipeline.serving.contract.Profile`) that cannot serve this family, refused in one
         sentence before any work."""
 
+    def profile_problems(self, prof) -> list[str]:
+        """Why the range `prof` cannot build this family's drafters, as `contract.checkpoint_problems` words it
+        (empty: it can); `refuse_profile` is the same fact as a settings refusal."""
+        return []
+
+    def range_cites(self, prof) -> dict[str, str]:
+        """The wheel file:line of this family's own rules in the range `prof`, by the module name each pins
+        (`kernel_projection`, ...): what `contract` cites beside `prof.cites`."""
+        return {}
+
     def vllm_record(self, prof) -> dict[str, Any]:
         """The stage record's `vllm` entry of a checkpoint of this family written for the range `prof`."""
         return prof.record()
@@ -112,10 +136,8 @@ class DrafterFamily:
         """Every Linear vLLM builds for a drafter `config` (a speculators config.json dict or a parsed config),
         under vLLM's names: `model.fc`, each draft layer's (`vllm_layer_linears`; draft layer i is
         `model.layers.{i + num_target_layers}`), then the family's others (`vllm_extra_linears`)."""
-        tlc = field(config, "transformer_layer_config") or {}
-        n = int(field(config, "num_hidden_layers") or field(tlc, "num_hidden_layers") or 0)
         names = ["model.fc"]
-        for i in range(n):
+        for i in range(num_draft_layers(config)):
             names += self.vllm_layer_linears(config, f"model.layers.{i + num_target_layers}")
         return names + self.vllm_extra_linears(config)
 
@@ -132,6 +154,11 @@ class DrafterFamily:
         """The Linears of `vllm_linears` that the range `prof` builds with the draft's quant config (each one
         quantized unless the checkpoint's `ignore` names it); the others it builds dense whatever is stored."""
         return self.vllm_linears(config, num_target_layers)
+
+    def vllm_parameters(self, config: Any, num_target_layers: int) -> list[str]:
+        """The bare Parameters (no Linear, no quant method) vLLM's class holds beside `vllm_linears`, by runtime
+        name: what a load-and-probe expects untouched (`contract.load_probe_modules`)."""
+        return []
 
     # ---------------------------------------------------------------- publishing it
     def card_lines(self) -> list[str]:

@@ -10,11 +10,12 @@ here runs a DFlash2 drafter: docs/serving.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.core.errors import bad_value
 from pipeline.models import layout
-from pipeline.models.families.base import Shapes, field, register
+from pipeline.models.families.base import Shapes, field, num_draft_layers, register
 from pipeline.models.families.dflash import DFlash, validate_dflash_config
 from pipeline.models.fields import get as _get
 from pipeline.models.fields import is_int as _is_int
@@ -23,6 +24,41 @@ from pipeline.models.targets import text_config
 
 CONVS = ("attention_conv", "mlp_conv")
 SELECTOR_PROJECTION = "candidate_selector.hidden_projection"  # vLLM's name adds `model.`
+
+
+@dataclass(frozen=True)
+class Range:
+    """DFlash2's facts in one vLLM range (a `pipeline.serving.profiles.Profile`, keyed by its name in `RANGES`)."""
+
+    # the first release of the range that builds vLLM's DFlash2 model from a speculators `dflash2` checkpoint (None:
+    # no release of the range has a DFlash2 model class)
+    first: str | None
+    # `kernel_projection`: some release of the range builds it with the draft's quant config (so it is dense only
+    # where `ignore` names it); the releases before build it dense whatever the checkpoint says
+    conv_draft_quant: bool
+    # the wheel file:line of each DFlash2 rule of the range (the class, `kernel_projection`, `hidden_projection`)
+    cites: dict[str, str]
+
+
+RANGES: dict[str, Range] = {
+    "0.26": Range(None, False, {"dflash2": "no model_executor/models/qwen3_dflash2.py in 0.26.0; 0.28.0 adds it"}),
+    "0.28-0.31": Range("0.29.0", True, {
+        "dflash2": "0.29.0 transformers_utils/configs/speculators/algos.py:133-154, base.py:137-138 "
+                   "(speculators `dflash2` read; 0.28.0 has no such reader)",
+        "kernel_projection": "0.28.0-0.30.0 model_executor/models/qwen3_dflash2.py:69-77 (quant_config=None: "
+                             "always dense); 0.31.0 :194-202, :258 (the draft's quant config, "
+                             "qwen3_dflash.py:428, :470: dense only where ignored)",
+        "hidden_projection": "0.28.0 model_executor/models/qwen3_dflash2.py:206-214, 0.31.0 :332-340 "
+                             "(quant_config=None: always dense)"}),
+    "0.32+": Range("0.32.0", True, {
+        "dflash2": "0.32.0 transformers_utils/configs/speculators/algos.py:129-130, base.py:135; 0.34.0 "
+                   "algos.py:97-98, base.py:135 (speculators `dflash2` read)",
+        "kernel_projection": "0.32.0 model_executor/models/qwen3_dflash2.py:194-202, :258; 0.34.0 :195-203, "
+                             ":259 (the draft's quant config, qwen3_dflash.py:464, :512: dense only where "
+                             "ignored)",
+        "hidden_projection": "0.32.0 model_executor/models/qwen3_dflash2.py:332-340, 0.34.0 :481-489 "
+                             "(quant_config=None: always dense)"}),
+}
 
 
 def validate_dflash2_config(cfg, tensors: Shapes | None = None) -> None:
@@ -80,6 +116,11 @@ class DFlash2(DFlash):
     vllm_method = "dflash"  # vLLM picks its DFlash2 class from the checkpoint's config
     serve_mode = "load-and-probe"
     head_trim_refusal = "whose candidate selector reads the target's whole head"
+    outer_linears = ("fc", SELECTOR_PROJECTION)
+    # a range where `is_causal: false` decides keeps every layer's own window, served non-causally as written
+    # (0.32.0 model_executor/models/qwen3_dflash.py:86-97, :120-180; a mix of sliding and full layers needs the V2
+    # runner, :153-161, which DFlash2 forces); z-lab's Qwen3.8-27B-DFlash2
+    own_windows = True
 
     def detects(self, config: Any) -> bool:
         """speculators `dflash2`, z-lab `DFlash2DraftModel`, or any DFlash2 field set (top level or z-lab's
@@ -113,7 +154,7 @@ class DFlash2(DFlash):
         kernels and codebooks are Parameters, never touched by a recipe (it targets Linear)."""
         names = []
         if field(config, "conv_kernel_size") is not None:
-            names += [f"layers.{i}.{conv}.kernel_projection" for i in range(int(field(config, "num_hidden_layers")))
+            names += [f"layers.{i}.{conv}.kernel_projection" for i in range(num_draft_layers(config))
                       for conv in CONVS]
         if field(config, "selector_rank") is not None:
             names.append(SELECTOR_PROJECTION)
@@ -132,20 +173,54 @@ class DFlash2(DFlash):
         """With a candidate selector the drafter drafts the selector's path: the check's top-1 compares it."""
         return {"top1_of": "candidate_selector path"} if field(config, "selector_rank") is not None else {}
 
+    def range_facts(self, prof) -> Range:
+        """DFlash2's facts in the vLLM range `prof` (`RANGES[prof.name]`); a range without them is a programming
+        error named here (a new `Profile` adds its DFlash2 facts to `RANGES`)."""
+        if prof.name not in RANGES:
+            raise KeyError(f"vLLM range {prof.name!r} has no DFlash2 facts: add them to RANGES in "
+                           "pipeline/models/families/dflash2.py")
+        return RANGES[prof.name]
+
+    def served_versions(self, prof) -> str:
+        """The releases of the range `prof` that serve a speculators DFlash2 checkpoint, in words."""
+        first = self.range_facts(prof).first
+        if first is None:
+            return "none"
+        if prof.open_ended:
+            return f"{first} and newer (read in {first}-{prof.last})"
+        return f"{first}-{prof.last}"
+
     def refuse_profile(self, prof, field_name: str) -> None:
-        """A range without a DFlash2 model class (`Profile.dflash2_first` None: 0.26)."""
-        if prof.dflash2_first is None:
+        """A range without a DFlash2 model class (`RANGES[...].first` None: 0.26)."""
+        if self.range_facts(prof).first is None:
             raise bad_value(f"{field_name}.vllm", prof.name, f"vLLM {prof.versions} has no DFlash2 model class "
-                            f"({prof.dflash2_cites['dflash2']}), so it cannot serve this DFlash2 drafter",
+                            f"({self.range_cites(prof)['dflash2']}), so it cannot serve this DFlash2 drafter",
                             f"write it for vLLM 0.29 and newer with {field_name}.vllm=0.28-0.31 or 0.32+")
 
+    def profile_problems(self, prof) -> list[str]:
+        """A range without a DFlash2 model class, in `contract.checkpoint_problems`' words."""
+        if self.range_facts(prof).first is None:
+            return [f"it is a DFlash2 drafter and vLLM {prof.versions} has no DFlash2 model class "
+                    f"({self.range_cites(prof)['dflash2']})"]
+        return []
+
+    def range_cites(self, prof) -> dict[str, str]:
+        """The range's DFlash2 citations (`RANGES[...].cites`: the class, `kernel_projection`,
+        `hidden_projection`)."""
+        return self.range_facts(prof).cites
+
     def vllm_record(self, prof) -> dict[str, Any]:
-        """The range's record with the releases that build vLLM's DFlash2 class and the DFlash2 rules."""
-        return prof.record(dflash2=True)
+        """The range's record with the releases that build vLLM's DFlash2 class (`<name>_versions`) and the DFlash2
+        rules beside the range's own."""
+        out = prof.record()
+        out.update({f"{self.name}_versions": self.served_versions(prof),
+                    "rules": {**prof.cites, **self.range_cites(prof)}})
+        return out
 
     def recorded_versions(self, record: dict[str, Any]) -> str | None:
-        """The releases of the range that build vLLM's DFlash2 class (`Profile.dflash2_versions`)."""
-        return record.get("dflash2_versions")
+        """The releases of the range that build vLLM's DFlash2 class (`served_versions`, as `vllm_record` wrote
+        them)."""
+        return record.get(f"{self.name}_versions")
 
     def vllm_layer_linears(self, config: Any, prefix: str) -> list[str]:
         """DFlash's, then the layer's two convolution kernel projections (vLLM's `qwen3_dflash2.py` names)."""
@@ -159,10 +234,19 @@ class DFlash2(DFlash):
 
     def vllm_quantized_linears(self, config: Any, num_target_layers: int, prof) -> list[str]:
         """`hidden_projection` is built without a quant config in every release; `kernel_projection` with the
-        draft's from 0.31 (`Profile.conv_draft_quant`: some release of the range does)."""
+        draft's from 0.31 (`RANGES[...].conv_draft_quant`: some release of the range does)."""
+        conv_quant = self.range_facts(prof).conv_draft_quant
         return [n for n in self.vllm_linears(config, num_target_layers)
                 if not n.endswith(".hidden_projection")
-                and (prof.conv_draft_quant or not n.endswith(".kernel_projection"))]
+                and (conv_quant or not n.endswith(".kernel_projection"))]
+
+    def vllm_parameters(self, config: Any, num_target_layers: int) -> list[str]:
+        """Each convolution's `base_kernel`, then the selector's two codebooks."""
+        names = [f"model.layers.{i + num_target_layers}.{side}.base_kernel" for i in range(num_draft_layers(config))
+                 for side in CONVS] if field(config, "conv_kernel_size") is not None else []
+        if field(config, "selector_rank") is not None:
+            names += [f"model.candidate_selector.{book}_codebook" for book in ("predecessor", "successor")]
+        return names
 
     def card_lines(self) -> list[str]:
         return ["- DFlash2: every convolution's `kernel_projection` and the candidate selector's `hidden_projection` "
