@@ -505,18 +505,18 @@ def report(inputs: list[Path], out_json: Path, issue: int = 34) -> str:
                    "load_s": r.get("load_s"), "drafter_kernels": r.get("drafter_kernels"),
                    "target_kernels": r.get("target_kernels")}
             if drafter is None:
-                alone.setdefault((row["target"] + ("-marlin" if env else ""), row["batch"]), row)
+                alone.setdefault((served_target(row), row["batch"]), row)
             pairs.append(row)
     for row in pairs:
-        a = alone.get((row["target"] + ("-marlin" if row["env"] else ""), row["batch"]))
+        a = alone.get((served_target(row), row["batch"]))
         if row["drafter"] and a:
             row["overhead_ms"] = round(row["ms_per_step"] - a["ms_per_step"], 3)
             row["overhead_ratio_to_target_step"] = round(row["overhead_ms"] / a["ms_per_step"], 3)
     # each drafter's overhead against the bf16 drafter's (full head) beside the same target, kernel, batch and k
-    bf16 = {(r["target"], bool(r["env"]), r["batch"], r["num_speculative_tokens"]): r for r in pairs
+    bf16 = {(served_target(r), r["batch"], r["num_speculative_tokens"]): r for r in pairs
             if r["drafter"] == "bf16" and "overhead_ms" in r}
     for row in pairs:
-        ref = bf16.get((row["target"], bool(row["env"]), row["batch"], row["num_speculative_tokens"]))
+        ref = bf16.get((served_target(row), row["batch"], row["num_speculative_tokens"]))
         if ref is not None and "overhead_ms" in row and ref["overhead_ms"] > 0:
             row["overhead_vs_bf16_drafter"] = round(row["overhead_ms"] / ref["overhead_ms"], 3)
     first = next(iter(engines.values()), {})
@@ -537,6 +537,13 @@ def report(inputs: list[Path], out_json: Path, issue: int = 34) -> str:
     return "\n".join(lines) + "\n"
 
 
+def served_target(row: dict) -> str:
+    """The target as served: `w4a16-marlin` where Machete is disabled for a W4A16 target. The setting moves
+    only int4 GEMMs, so an FP8 or bf16 target beside a Marlin W4A16 drafter is the same target as alone."""
+    marlin = bool((row.get("env") or {}).get("VLLM_DISABLED_KERNELS"))
+    return row["target"] + ("-marlin" if marlin and row["target"] == "w4a16" else "")
+
+
 # the plot's rows (target as served) and bars (drafter beside it), k = 15
 PLOT_TARGETS = {"bf16": "bf16", "w4a16": "W4A16 (Machete)", "w4a16-marlin": "W4A16 (Marlin)", "fp8": "FP8 (W8A8)",
                 "nvfp4a16": "NVFP4A16 (Marlin FP4)"}
@@ -550,6 +557,7 @@ def plot_cells(results: list[Path]) -> dict[tuple[str, str | None, int], dict]:
     cells: dict[tuple[str, str | None, int], dict] = {}
     for f in results:
         for row in json.loads(Path(f).read_text())["pairs"]:
+            # a Marlin row of any target: the drafter's int4 GEMMs moved too, so it is not the default cell
             marlin = bool((row.get("env") or {}).get("VLLM_DISABLED_KERNELS"))
             target = row["target"] + ("-marlin" if marlin else "")
             if target not in PLOT_TARGETS or row["drafter"] not in PLOT_DRAFTERS:

@@ -35,3 +35,25 @@ def test_the_png_is_written_and_byte_stable(tmp_path):
     a = speed.plot(RUNS, tmp_path / "a.png", "t")
     b = speed.plot(RUNS, tmp_path / "b.png", "t")
     assert a.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and a.read_bytes() == b.read_bytes()
+
+
+def test_report_measures_a_drafter_against_its_target_as_served(tmp_path):
+    """`bench.speed report` on the seventh run's raw speed.json (as `run` wrote it on the H100): a Marlin W4A16
+    drafter beside the FP8 target is measured against the FP8 target alone (disabling Machete moves no FP8 GEMM),
+    and the report is the committed bench/results file."""
+    import gzip
+
+    raw = tmp_path / "speed.json"
+    raw.write_bytes(gzip.decompress((RESULTS / "2026-12-07-h100-speed-fp8.raw.json.gz").read_bytes()))
+    out = tmp_path / "report.json"
+    speed.report([raw], out, issue=45)
+    assert out.read_bytes() == (RESULTS / "2026-12-07-h100-speed-fp8.json").read_bytes()
+    rows = {(r["config"], r["batch"]): r for r in json.loads(out.read_text())["pairs"]}
+    for b in (1, 16):
+        row, alone = rows[("fp8/w4a16-marlin/k15", b)], rows[("fp8/-", b)]
+        assert row["env"] and not alone["env"] and row["target_kernels"] == alone["target_kernels"]
+        assert row["overhead_ms"] == round(row["ms_per_step"] - alone["ms_per_step"], 3)
+        bf16 = rows[("fp8/bf16/k15", b)]
+        assert row["overhead_vs_bf16_drafter"] == round(row["overhead_ms"] / bf16["overhead_ms"], 3)
+    assert speed.served_target({"target": "w4a16", "env": speed.MARLIN}) == "w4a16-marlin"
+    assert speed.served_target({"target": "fp8", "env": speed.MARLIN}) == "fp8"
