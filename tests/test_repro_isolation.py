@@ -58,9 +58,6 @@ def test_a_program_writing_to_the_temp_dir_meanwhile_cannot_fail_the_check(tmp_p
         assert "files left in the stages' private HOME and TMPDIR" in out and "): 0 (not counted" in out, out[-3000:]
         assert str(spot) not in out
         assert "[repro] OK:" in out
-        if (os.cpu_count() or 1) >= 2:  # both runs at once, each step's output whole
-            assert "[repro] runs a and b at the same time" in out, out[:2000]
-            assert out.count("[repro] pipeline data ") == 2 and out.count("[specquant] data done in") == 2, out[-3000:]
     finally:
         for p in written:
             p.unlink()
@@ -87,31 +84,3 @@ def test_a_file_a_stage_leaves_in_its_temp_dir_is_still_named(tmp_path):
     sentence = next(ln for ln in out.splitlines() if "were left in the stages' private HOME or TMPDIR" in ln)
     assert "FAILED: 2 file(s)" in sentence and all(str(p.resolve()) in sentence for p in left), sentence
     assert "[repro] OK:" in out  # the outputs themselves still compare equal
-
-
-def test_when_one_run_fails_the_other_stops_at_its_next_step_and_the_failure_is_named(tmp_path):
-    """Two runs at once (`repro.both_runs`): run a fails in its second step; run b, which has more steps, starts
-    none after that, and the check ends with a's sentence, not b's "stopped before"; the warnings of both are
-    merged."""
-    from tests import repro
-
-    started: dict[str, list[int]] = {"a": [], "b": []}
-
-    def run(side, seen, stop):
-        for step in range(40):
-            if stop.is_set():
-                raise SystemExit(f"repro-check: {side} stopped before step {step}: the other run failed")
-            started[side].append(step)
-            seen.setdefault("explained", {})["why"] = seen.get("explained", {}).get("why", 0) + 1
-            if side == "a" and step == 1:
-                raise SystemExit("repro-check: stage cache failed in a")
-            time.sleep(0.05)
-        return 2.0
-
-    runs = {s: (tmp_path / s / "tiny", tmp_path / s) for s in ("a", "b")}
-    with pytest.raises(SystemExit, match="stage cache failed in a"):
-        repro.both_runs(run, runs, at_once=True)
-    assert started["a"] == [0, 1]
-    assert 1 <= len(started["b"]) < 40, started["b"]  # b ran alongside and stopped early
-    seen = repro.both_runs(lambda side, seen, stop: run("b", seen, stop), runs, at_once=True)
-    assert seen["explained"]["why"] == 80 and seen["unexplained"] == []  # 40 steps of each run, merged
