@@ -9,7 +9,22 @@ build: every drafter x target pair that the build has kernels for loads and is l
 served alone, its tau measured against the bf16 drafter's on the same engine; W4A4 NVFP4 runs through vLLM's own
 emulation kernel and says so; weight-only NVFP4 is reported "not loadable on the CPU build", neither passed nor
 failed. Two checkpoints vLLM must not serve as they are (HF-named ignore entries; a causal flag on a DFlash
-drafter) make the check fail, each naming the variant and the reason. Timing is never asserted.
+drafter) make the check fail, each naming the variant and the reason. The engines of a run share one worker
+process on the CPU build (serve.engines_per_process); an engine in a process of its own serves the same tokens.
+
+The same world, its target served alone once, also serves:
+- FP8 drafters (issue 45): quantize-drafter's `fp8-dynamic` (per-channel weights, dynamic per-token activations)
+  and `fp8` (per-tensor weights, static activation scales). vLLM 0.32's CPU build builds every quantized draft
+  Linear as CompressedTensorsW8A8Fp8 and serves fp8-dynamic losslessly; `fp8` does not load there (the build's
+  `_C::static_scaled_fp8_quant` is a stub, which loading a fused per-tensor FP8 layer calls), and the verdict says
+  so, naming the op, instead of failing the checkpoint. With serve.kv_cache_dtype=fp8 the fp8-dynamic pair is
+  lossless against the target alone under the same E4M3 KV cache, where the CPU has AVX-512 or AMX (vLLM's CPU
+  attention needs one for an FP8 KV cache); elsewhere the stage refuses serve.kv_cache_dtype=fp8 in one sentence
+  before any engine starts.
+- vocabulary-trimmed drafters (`python -m pipeline convert --draft-vocab N`): the bf16 drafter and the W4A16
+  checkpoint trimmed to 1/32 of the vocabulary, counted from the run's data; vLLM loads the N-row head and d2t,
+  and the outputs are the target's.
+Timing is never asserted.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ pytestmark = pytest.mark.skipif(not VLLM, reason="needs vLLM's CPU build: `make 
 # a short evaluation: 3 prompts per subset, 48 new tokens (the full 60 x 120 is `make serve-check`, docs/serving.md)
 EVAL = ["eval.limit=3", "eval.max_new_tokens=48"]
 DRAFTERS = ("w4a16", "nvfp4", "nvfp4a16")
+FP8 = ("fp8-dynamic", "fp8")
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -46,16 +62,17 @@ def tiny_world_run(tmp_path_factory) -> Path:
     _stage(root, "data", "data.num_samples=48")
     _stage(root, "cache")
     _stage(root, "quantize-target", "target_quant=w4a16")
-    _stage(root, "quantize-drafter", "-m", f"quant={','.join(DRAFTERS)}", "quant.num_samples=16",
+    _stage(root, "quantize-drafter", "-m", f"quant={','.join(DRAFTERS + FP8)}", "quant.num_samples=16",
            "quant.heldout_samples=8")  # one process, as make all runs them
     return root
 
 
 @pytest.fixture(scope="module")
 def served(tiny_world_run) -> dict:
-    proc = _stage(tiny_world_run, "serve-check", f"serve.python={VLLM}", *EVAL)
+    proc = _stage(tiny_world_run, "serve-check", f"serve.python={VLLM}", *EVAL,
+                  f"serve.variants=[bf16,{','.join(DRAFTERS)}]")  # the FP8 and trimmed drafters: further down
     summary = json.loads((tiny_world_run / "tiny" / "eval" / "serve_check.json").read_text())
-    return {"summary": summary, "stderr": proc.stderr,
+    return {"summary": summary, "stderr": proc.stderr, "run": tiny_world_run / "tiny",
             "report": (tiny_world_run / "tiny" / "eval" / "report.md").read_text()}
 
 
@@ -81,6 +98,14 @@ def test_every_pair_the_cpu_build_can_load_is_lossless_with_its_tau_against_bf16
     assert {"o_proj", "gate_up_proj", "down_proj", "fc"} <= set(w4), w4
     assert all("WNA16" in k for kinds in w4.values() for k in kinds), w4
     assert pairs["bf16/w4a16"]["lossless"]["equal_to_bf16_drafter"] >= 0
+    # every engine ran in one worker process (serve.engines_per_process=null on the CPU build), and each still
+    # heard vLLM's own kernel lines for its layers (its log handler survives vLLM's logging set-up, and vLLM's
+    # once-only lines are said again for each engine)
+    assert s["settings"]["engines_per_process"] is None
+    assert (served["run"] / "eval" / "serve_check" / "worker.log").is_file()
+    for t in ("bf16", "w4a16"):
+        assert any("EmulationNvFp4LinearKernel" in line for line in pairs[f"{t}/nvfp4"]["kernel_log"]), t
+        assert any("WNA16" in line for line in pairs[f"{t}/w4a16"]["kernel_log"]), pairs[f"{t}/w4a16"]["kernel_log"]
 
 
 def test_nvfp4_is_emulated_and_says_so_and_weight_only_nvfp4_is_not_loadable(served):
@@ -134,6 +159,7 @@ def test_the_check_fails_on_checkpoints_vllm_cannot_serve_as_written(tiny_world_
     _broken(run, "bf16", "bf16-causal", _causal)
     proc = _support.run_cli("serve-check", f"runs_root={root}", "run_name=tiny", f"serve.python={VLLM}", *EVAL,
                             "serve.targets=[bf16]", "serve.variants=[bf16,w4a16-hfignore,bf16-causal]",
+                            "serve.engines_per_process=1",  # each engine in its own process, as on a GPU
                             # reaches every engine (the CPU platform ignores this key) and the summary's settings
                             "+serve.additional_config.gdn_prefill_backend=triton", env=ENV, timeout=1200)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -148,3 +174,93 @@ def test_the_check_fails_on_checkpoints_vllm_cannot_serve_as_written(tiny_world_
     assert s["settings"]["additional_config"] == {"gdn_prefill_backend": "triton"}
     # the same drafter served as written is built non-causal
     assert served["summary"]["pairs"]["bf16/bf16"]["ok"]
+    # an engine in its own process serves what the same engine served after others in one process (`served`:
+    # the CPU build's default, serve.engines_per_process=null), token for token and counter for counter
+    assert not (run / "eval" / "serve_check" / "worker.log").exists()
+    for job in ("bf16--target-only", "bf16--bf16"):
+        alone = json.loads((run / "eval" / "serve_check" / f"{job}.json").read_text())
+        batched = json.loads((tiny_world_run / "tiny" / "eval" / "serve_check" / f"{job}.json").read_text())
+        assert alone["subsets"] == batched["subsets"], job
+
+
+# ---------------------------------------------------------------- more drafters beside the same target alone
+def _serve_beside(world: Path, drafters: dict[str, Path], folder: Path, monkeypatch, *extra: str) -> tuple:
+    """serve-check's own jobs and worker for `drafters` beside the bf16 target, as the stage builds them with the
+    served run's settings; returns (the target alone as `served` ran it, the results in order, probe info)."""
+    from pipeline.core.config import compose
+    from pipeline.serving import launch
+    from pipeline.stages import serve_check as sc
+
+    cfg = compose([f"runs_root={world}", "run_name=tiny", f"serve.python={VLLM}", *EVAL, *extra])
+    info = launch.probe(VLLM)
+    prompts, stop = sc._prompts(cfg)
+    monkeypatch.setattr(sc, "_targets", lambda cfg, rd: {"bf16": Path(str(cfg.target.path))})
+    monkeypatch.setattr(sc, "_drafters", lambda cfg, rd: drafters)
+    jobs = sc.build_jobs(cfg, None, info, prompts, stop)
+    assert [j["name"] for j in jobs] == ["bf16--target-only", *(f"bf16--{v}" for v in drafters)]
+    alone = json.loads((world / "tiny" / "eval" / "serve_check" / "bf16--target-only.json").read_text())
+    assert alone["job"] == {k: v for k, v in jobs[0].to_json().items() if k != "prompts"}  # the same engine
+    results = launch.run_jobs(VLLM, jobs[1:], folder, 1, launch.worker_env(info), None)
+    return alone, results, info
+
+
+def _lossless_and_drafting(result: dict, alone: dict) -> None:
+    assert alone["ok"] and result["ok"], (result["name"], alone.get("error"), result.get("error"))
+    assert set(result["subsets"]) == set(alone["subsets"])
+    for name, sub in result["subsets"].items():
+        assert sub["outputs"] == alone["subsets"][name]["outputs"], (result["name"], name)
+    assert sum(s["accepted"] for s in result["subsets"].values()) > 0, result["name"]  # it drafts
+
+
+def test_cpu_build_serves_fp8_dynamic_losslessly_and_names_why_static_fp8_cannot_load(tiny_world_run, served,
+                                                                                       tmp_path, monkeypatch):
+    from pipeline.serving import verdict
+
+    run = tiny_world_run / "tiny"
+    alone, (dynamic, static), info = _serve_beside(tiny_world_run, {q: run / "drafter" / q for q in FP8},
+                                                   tmp_path / "jobs", monkeypatch)
+    _lossless_and_drafting(dynamic, alone)
+    # every quantized draft Linear (o_proj, gate_up_proj, down_proj, fc) is vLLM's FP8 W8A8 scheme
+    drafter = [x for x in dynamic["layers"] if x["root"] != "model"]
+    assert drafter and {x["scheme"] for x in drafter} == {"CompressedTensorsW8A8Fp8"}, dynamic["layers"]
+    assert all(x["kernel"] for x in drafter), drafter  # the FP8 kernel vLLM picked for the CPU platform
+    assert not static["ok"]
+    why = verdict.unsupported_on(static)
+    assert why and "static_scaled_fp8_quant" in why and "not loadable on the CPU build" in why, static.get("error")
+    # serve.kv_cache_dtype=fp8: vLLM's CPU build keeps an FP8 KV cache only on x86 with AVX-512 or AMX
+    if info["fp8_kv_cache"]:  # the target alone and the fp8-dynamic pair, both with an E4M3 KV cache
+        from pipeline.core.config import compose
+        from pipeline.serving import launch
+        from pipeline.stages import serve_check as sc
+
+        cfg = compose([f"runs_root={tiny_world_run}", "run_name=tiny", *EVAL, "serve.kv_cache_dtype=fp8"])
+        prompts, stop = sc._prompts(cfg)
+        monkeypatch.setattr(sc, "_drafters", lambda cfg, rd: {"fp8-dynamic": run / "drafter" / "fp8-dynamic"})
+        kv = sc.build_jobs(cfg, None, info, prompts, stop)
+        assert {j["kv_cache_dtype"] for j in kv} == {"fp8"}
+        kv_alone, kv_dynamic = launch.run_jobs(VLLM, kv, tmp_path / "kv", 1, launch.worker_env(info), None)
+        _lossless_and_drafting(kv_dynamic, kv_alone)
+    else:  # the stage's sentence, exit 2, before any engine: no serve_check output is written
+        root = tmp_path / "runs"
+        shutil.copytree(run, root / "tiny", ignore=shutil.ignore_patterns("eval"))
+        rc, out, err = _support.run_main("serve-check", f"runs_root={root}", "run_name=tiny", *EVAL,
+                                         f"serve.python={VLLM}", "serve.kv_cache_dtype=fp8")
+        assert rc == 2 and "Traceback" not in err, err[-2000:]
+        assert "serve.kv_cache_dtype" in err and "AVX-512 or AMX" in err and "serve.kv_cache_dtype=auto" in err, err
+        assert not (root / "tiny" / "eval" / "serve_check.json").exists()
+        assert not (root / "tiny" / "eval" / "serve_check").exists()
+
+
+def test_vllm_serves_the_trimmed_head_losslessly(tiny_world_run, served, tmp_path, monkeypatch):
+    from pipeline.commands.convert import convert
+
+    run = tiny_world_run / "tiny"
+    target = _support.REPO / "assets" / "tiny" / "target"
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    # the bf16 drafter and quantize-drafter's W4A16 checkpoint (compressed-tensors config kept, head added dense)
+    trimmed = {f"trimmed-{name}": Path(convert(src, tmp_path / f"trimmed-{name}", "speculators",
+                                               draft_vocab=vocab // 32, target=target, counts_from=run))
+               for name, src in (("bf16", target.parent / "drafter"), ("w4a16", run / "drafter" / "w4a16"))}
+    alone, results, _ = _serve_beside(tiny_world_run, trimmed, tmp_path / "jobs", monkeypatch)
+    for r in results:
+        _lossless_and_drafting(r, alone)

@@ -156,9 +156,7 @@ def test_every_dflash2_variant_is_loaded_by_vllms_dflash2_class_with_the_intende
 @needs_vllm
 def test_vllms_class_refuses_the_checkpoints_the_contract_refuses(world, served, tmp_path):
     """What the static check refuses, vLLM's own class confirms: loaded as written (the worker directly, past the
-    stage's refusal), it fails at its load step."""
-    import subprocess
-
+    stage's refusal, both jobs in one worker process), it fails at its load step."""
     from pipeline.serving import launch
 
     config, tensors = _hf_named_fc(world)
@@ -166,19 +164,15 @@ def test_vllms_class_refuses_the_checkpoints_the_contract_refuses(world, served,
               "w4a16-kp": _copy_variant(world, "w4a16", "w4a16-kp", _kernel_projection_not_ignored)}
     try:
         info = launch.probe(VLLM)
-        for name, path in broken.items():
-            job = {"kind": "load_probe", "name": name, "target": str(world / "target"), "drafter": str(path),
-                   "dtype": "bfloat16", "num_speculative_tokens": _support.dflash2_geometry()["block_size"] - 1,
-                   "max_model_len": 256}
-            (tmp_path / "job.json").write_text(json.dumps(job))
-            proc = subprocess.run([VLLM, "-m", "pipeline.serving.worker", str(tmp_path / "job.json"),
-                                   str(tmp_path / f"{name}.json")], env=launch.worker_env(info),
-                                  cwd=str(_support.REPO), capture_output=True, text=True, timeout=600)
-            result = json.loads((tmp_path / f"{name}.json").read_text())
+        jobs = [{"kind": "load_probe", "name": name, "target": str(world / "target"), "drafter": str(path),
+                 "dtype": "bfloat16", "num_speculative_tokens": _support.dflash2_geometry()["block_size"] - 1,
+                 "max_model_len": 256} for name, path in broken.items()]
+        results = launch.run_jobs(VLLM, jobs, tmp_path, 1, launch.worker_env(info), None)
+        assert [r["name"] for r in results] == list(broken) and (tmp_path / "worker.log").is_file()
+        for result in results:
             # at its load step (a tensor it has no parameter for), or already building the layer where the CPU build's
             # own int4 kernel (AVX-512) cannot take a kernel_projection's shape
-            assert proc.returncode == 1 and result["ok"] is False and result["failed_at"] in ("build", "load"), \
-                result.get("error")
+            assert result["ok"] is False and result["failed_at"] in ("build", "load"), result.get("error")
             entry = verdict.load_probe_entry(result, [], None)
             assert f"fails at its {result['failed_at']} step" in entry["problems"][0]
     finally:

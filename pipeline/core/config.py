@@ -215,6 +215,9 @@ class ServeConfig:
     # vLLM's kv_cache_dtype for every engine (target and draft KV): auto (the model dtype) | fp8 (E4M3, scales 1.0
     # unless the checkpoint has some); recorded in serve_check.json and the report beside tau and lossless
     kv_cache_dtype: str = "auto"
+    # engines one worker process builds one after another, vLLM imported once: None = all of its share on the CPU
+    # build (importing vLLM there takes longer than a tiny engine's whole check), 1 on a GPU (memory, timing)
+    engines_per_process: int | None = None
     # vLLM still checks at start-up that this fraction of the GPU is free: None = 0.9 / parallel
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None  # None = longest prompt + eval.max_new_tokens + 64

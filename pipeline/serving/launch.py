@@ -1,6 +1,7 @@
 """Starting vLLM's interpreter from the project side: the probe of `serve.python` (vLLM importable, a platform
 the workers drive), the environment, PYTHONPATH and working directory its worker processes get, and serve-check's
-worker subprocesses (`run_jobs`: one job file in, one result file out, several at once). Shared by serve-check
+worker subprocesses (`run_jobs`: one job file in, one result file out, several at once; on the CPU build
+several engines one after another in one process, `groups` and `run_batch`). Shared by serve-check
 (`pipeline.stages.serve_check`) and the cache stage's vLLM engine (`pipeline.serving.extract_stream`)."""
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.core.errors import bad_value
 from pipeline.core.io import atomic_write_json
-from pipeline.serving.records import EngineJob, LoadProbeJob, WorkerResult
+from pipeline.serving.records import LOAD_PROBE, EngineJob, LoadProbeJob, WorkerResult
 
 PLATFORMS = {"cuda", "cpu"}  # what the worker drives (pipeline/serving/worker.py)
 
@@ -113,20 +115,85 @@ def run_worker(python: str, job: EngineJob | LoadProbeJob, folder: Path, env: di
                         f"({tail[0][:300]})", job={k: v for k, v in job.items() if k not in ("prompts", "target_head")})
 
 
-def run_jobs(python: str, jobs: list, folder: Path, parallel: int, env: dict[str, str]) -> list[WorkerResult]:
-    """Every job in its own worker, `parallel` at once, the results in the jobs' order."""
+def run_batch(python: str, jobs: list, folder: Path, env: dict[str, str], log: Path, done=lambda n: None
+              ) -> list[WorkerResult]:
+    """Several jobs one after another in one worker process (`pipeline.serving.worker --batch`: vLLM imported
+    once), each with its own `<name>.json` result and `<name>.log`; the process's own output in `log`. `done(n)`
+    as results appear. A job the process left without a result (it died) is run again in its own process
+    (`run_worker`), which says how that one ends."""
+    entries = []
+    for job in jobs:
+        paths = {k: folder / f"{job['name']}{suffix}" for k, suffix in (("job", ".job.json"), ("result", ".json"),
+                                                                         ("log", ".log"))}
+        paths["result"].unlink(missing_ok=True)
+        atomic_write_json(paths["job"], job.to_json() if isinstance(job, EngineJob | LoadProbeJob) else job)
+        entries.append(paths)
+    batch = log.with_suffix(".batch.json")
+    atomic_write_json(batch, [{k: str(v) for k, v in e.items()} for e in entries])
+    seen = 0
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.Popen([python, "-m", "pipeline.serving.worker", "--batch", str(batch)], stdout=fh,
+                                stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()))
+        while proc.poll() is None:
+            time.sleep(0.5)
+            now = sum(e["result"].is_file() for e in entries)
+            if now > seen:
+                done(now - seen)
+                seen = now
+    batch.unlink(missing_ok=True)
+    results = []
+    for job, e in zip(jobs, entries):
+        e["job"].unlink(missing_ok=True)
+        if e["result"].is_file():
+            results.append(WorkerResult.from_json(json.loads(e["result"].read_text(encoding="utf-8"))))
+        else:
+            results.append(run_worker(python, job, folder, env))
+    if len(jobs) > seen:
+        done(len(jobs) - seen)
+    return results
+
+
+def _process_key(job) -> tuple:
+    """Jobs that may share a worker process: of one kind (engines, or load-and-probe) and with the same CPU
+    emulation switches (a kernel registered in a process stays registered)."""
+    return (job.get("kind") == LOAD_PROBE, job.get("cpu_nvfp4_emulation", True), job.get("cpu_int4_emulation", True))
+
+
+def groups(jobs: list, parallel: int, per_process: int | None) -> list[list]:
+    """The jobs split into the worker processes that run them, in order: at most `per_process` each (None: the
+    jobs shared out evenly over the `parallel` slots), no process holding jobs of two kinds or with different
+    emulation switches."""
+    size = per_process or max(1, -(-len(jobs) // max(1, parallel)))
+    out: list[list] = []
+    for job in jobs:
+        last = out[-1] if out else None
+        if last and len(last) < size and _process_key(last[0]) == _process_key(job):
+            last.append(job)
+        else:
+            out.append([job])
+    return out
+
+
+def run_jobs(python: str, jobs: list, folder: Path, parallel: int, env: dict[str, str],
+             per_process: int | None = 1) -> list[WorkerResult]:
+    """Every job in a worker process, `parallel` processes at once, each running up to `per_process` engines one
+    after another (`groups`; None: all of its share), the results in the jobs' order."""
     from tqdm import tqdm
 
     folder.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(jobs), desc="serve-check engines", unit="engine")
+    batches = groups(jobs, parallel, per_process)
 
-    def one(job):
-        r = run_worker(python, job, folder, env)
-        bar.update(1)
-        return r
+    def one(i_group):
+        i, group = i_group
+        if len(group) == 1:
+            r = run_worker(python, group[0], folder, env)
+            bar.update(1)
+            return [r]
+        name = "worker.log" if len(batches) == 1 else f"worker-{i}.log"
+        return run_batch(python, group, folder, env, folder / name, bar.update)
 
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        results = list(pool.map(one, jobs))
+        results = [r for rs in pool.map(one, enumerate(batches)) for r in rs]
     bar.close()
     return results
-

@@ -1,6 +1,8 @@
-"""serve-check worker: one vLLM engine, one job file in, one result file out.
+"""serve-check worker: one vLLM engine, one job file in, one result file out; or several engines one after
+another in one process (vLLM imported once), each with its own job, result and log file.
 
     <vLLM interpreter> -m pipeline.serving.worker JOB.json RESULT.json
+    <vLLM interpreter> -m pipeline.serving.worker --batch BATCH.json   # [{"job", "result", "log"}, ...]
 
 Runs inside vLLM's own interpreter (vLLM pins torch and compressed-tensors versions that
 llm-compressor cannot share), so it imports only the standard library and vLLM (and torch, which
@@ -24,16 +26,23 @@ The work is in the modules beside this one: `worker_engine` (one engine per job:
 `worker_speed` (its timing and profiling, `job["speed"]`, GPU only), `worker_load_probe` (DFlash2,
 `job["kind"] == "load_probe"`: vLLM's own model class loaded and one draft block run through it, no engine)
 and `worker_common` (log capture, versions, the CPU build's emulation kernels, the result's end). This module
-is the entry point: `--probe`, the job file in and the result file out.
+is the entry point: `--probe`, the job file in and the result file out, `--batch`.
+
+`--batch` (the launcher's `serve.engines_per_process`, the CPU build's default): every engine is built, run and
+released (`worker_common.release_engine`) before the next, the process's output goes to each job's own log
+file while that job runs, and each result is written as soon as its engine is done, so a process that dies
+leaves the results of the jobs before it and the launcher runs the rest each in its own process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
-from pipeline.serving.worker_common import cpu_runtime, platform_name, write_result
+from pipeline.serving.worker_common import cpu_runtime, platform_name, release_engine, write_result
 from pipeline.serving.worker_engine import run_job
 from pipeline.serving.worker_load_probe import LOAD_PROBE, run_load_probe
 
@@ -86,6 +95,43 @@ def model_classes(architectures: list[str]) -> dict[str, str | None]:
     return out
 
 
+@contextlib.contextmanager
+def output_to(log: Path):
+    """This process's stdout and stderr (file descriptors 1 and 2, so vLLM's and C++ output too) into `log`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log, "w", encoding="utf-8") as fh:
+        os.dup2(fh.fileno(), 1)
+        os.dup2(fh.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def run_one(job: dict) -> dict:
+    return run_load_probe(job) if job.get("kind") == LOAD_PROBE else run_job(job)
+
+
+def run_batch(entries: list[dict]) -> int:
+    """Each entry's job in turn in this process, its output in its log, its result written when it is done."""
+    failed = 0
+    for entry in entries:
+        job = json.loads(Path(entry["job"]).read_text(encoding="utf-8"))
+        with output_to(Path(entry["log"])):
+            result = run_one(job)
+            release_engine()
+        write_result(Path(entry["result"]), result)
+        failed += not result["ok"]
+    return 1 if failed else 0
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--probe"]:  # --probe [ARCH ...]: the engine, and whether it builds these model classes
         info = probe()
@@ -93,11 +139,14 @@ def main(argv: list[str]) -> int:
             info["model_classes"] = model_classes(argv[1:])
         print(json.dumps(info))
         return 0
+    if len(argv) == 2 and argv[0] == "--batch":
+        return run_batch(json.loads(Path(argv[1]).read_text(encoding="utf-8")))
     if len(argv) != 2:
-        print("usage: python -m pipeline.serving.worker JOB.json RESULT.json | --probe", file=sys.stderr)
+        print("usage: python -m pipeline.serving.worker JOB.json RESULT.json | --batch BATCH.json | --probe",
+              file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    result = run_load_probe(job) if job.get("kind") == LOAD_PROBE else run_job(job)
+    result = run_one(job)
     write_result(Path(argv[1]), result)
     return 0 if result["ok"] else 1
 

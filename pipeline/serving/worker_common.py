@@ -1,10 +1,12 @@
 """What every serve-check worker shares, inside vLLM's interpreter (standard library, vLLM and torch only; see
 `pipeline.serving.worker`): the log handler that keeps vLLM's kernel lines, the atomic result write, vLLM's
-spec-decode counters, versions and platform, the CPU build's runtime and its emulation kernels, and how a result
-records a failure and ends."""
+spec-decode counters, versions and platform, the CPU build's runtime and its emulation kernels, how a result
+records a failure and ends, and what lets one process run several jobs (`--batch`): vLLM's logging set up before
+the handler is added, each job's own peak resident set, and the engine released before the next."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -162,12 +164,43 @@ def _register_cpu_int4_emulation() -> str | None:
     return TorchEmulationWNA16LinearKernel.__name__
 
 
+_REGISTERED: dict[str, str | None] = {}  # the emulation kernels registered in this process, by kind
+
+
 def register_cpu_emulation(result: dict, job: dict) -> None:
-    """On the CPU build: the emulation kernels the job allows (both by default), named in the result."""
-    if job.get("cpu_nvfp4_emulation", True):
-        result["nvfp4_emulation"] = _register_cpu_nvfp4_emulation()
-    if job.get("cpu_int4_emulation", True):
-        result["int4_emulation"] = _register_cpu_int4_emulation()
+    """On the CPU build: the emulation kernels the job allows (both by default), named in the result; each
+    registered once per process. A kernel registered by an earlier job of a batch cannot be taken back, so a job
+    that turns it off there fails, saying so (the launcher batches only jobs with the same switches)."""
+    for kind, key, register in (("nvfp4", "cpu_nvfp4_emulation", _register_cpu_nvfp4_emulation),
+                                ("int4", "cpu_int4_emulation", _register_cpu_int4_emulation)):
+        if job.get(key, True):
+            if kind not in _REGISTERED:
+                _REGISTERED[kind] = register()
+            result[f"{kind}_emulation"] = _REGISTERED[kind]
+        elif _REGISTERED.get(kind):
+            raise RuntimeError(f"{key}=false, but an earlier job of this worker process registered "
+                               f"{_REGISTERED[kind]}: run this job in its own process")
+
+
+def reset_peak_rss() -> None:
+    """Linux: this process's peak resident set started afresh, so a job's peak is its own (also in a batch)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """The peak resident set since `reset_peak_rss` (Linux's VmHWM), else the process's own peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def record_error(result: dict, exc: BaseException) -> None:
@@ -187,3 +220,40 @@ def finish(result: dict, lines, t0: float) -> dict:
     except Exception as exc:  # noqa: BLE001
         result["versions"] = {"error": str(exc)}
     return result
+
+
+def settle_logging() -> None:
+    """vLLM's logging configured now, as an engine's start would do it (vLLM 0.32's LLMEngine calls
+    `configure_logging_if_needed`, whose dictConfig replaces the `vllm` logger's handlers, so a handler added
+    before the first engine of a process heard nothing), and vLLM's once-only messages forgotten, so every engine
+    of a batch logs its kernel lines as the first engine of a process does."""
+    try:
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging_if_needed
+    except ImportError:  # a vLLM that configures its logger once, when it is imported
+        pass
+    else:
+        configure_logging_if_needed(LoggingConfig())
+    import vllm.logger
+
+    for name in ("_print_debug_once", "_print_info_once", "_print_warning_once", "_print_error_once"):
+        getattr(getattr(vllm.logger, name, None), "cache_clear", lambda: None)()
+
+
+def release_engine() -> None:
+    """The engine of the job just run freed, with vLLM's own clean-up between engines of one process, before the
+    next job of a batch builds its own (`pipeline.serving.worker --batch`)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    except ImportError:
+        pass
+    else:
+        with contextlib.suppress(Exception):  # a failure here shows as the next engine's own error
+            cleanup_dist_env_and_memory()
+    with contextlib.suppress(OSError, AttributeError):  # glibc: the freed engine's memory back to the system,
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # so the next job's peak resident set is its own
+

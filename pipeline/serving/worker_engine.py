@@ -21,9 +21,12 @@ from pipeline.serving.worker_common import (
     counter_diff,
     cpu_runtime,
     finish,
+    peak_rss_bytes,
     platform_name,
     record_error,
     register_cpu_emulation,
+    reset_peak_rss,
+    settle_logging,
     spec_counters,
 )
 from pipeline.serving.worker_speed import measure_speed
@@ -238,10 +241,8 @@ def _memory(result: dict) -> None:
             result["gpu_used_note"] = "not measured: the device was shared by the engines of a --parallel wave"
         else:
             result["gpu_used_bytes"] = int(total - free)  # the whole device: KV cache, graphs, context too
-    else:  # the engine runs in this process on the CPU build: its peak resident set
-        import resource
-
-        result["peak_rss_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    else:  # the engine runs in this process on the CPU build: the peak resident set since the job began
+        result["peak_rss_bytes"] = peak_rss_bytes()
 
 
 def run_job(job: dict) -> dict:
@@ -249,6 +250,7 @@ def run_job(job: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the model can be inspected
     from vllm import LLM
 
+    settle_logging()
     lines = LogLines()
     logging.getLogger("vllm").addHandler(lines)
     result: dict = {"ok": False, "name": job["name"], "job": {k: v for k, v in job.items() if k != "prompts"}}
@@ -258,6 +260,7 @@ def run_job(job: dict) -> dict:
     try:
         platform = result["platform"] = platform_name()
         if platform == "cpu":
+            reset_peak_rss()
             result["cpu_runtime"] = {**cpu_runtime(), "preloaded": os.environ.get("LD_PRELOAD", "")}
             register_cpu_emulation(result, job)
         kwargs = engine_kwargs(job, platform)
@@ -272,4 +275,6 @@ def run_job(job: dict) -> dict:
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the result file
         record_error(result, exc)
+    finally:
+        logging.getLogger("vllm").removeHandler(lines)
     return finish(result, lines, t0)

@@ -22,6 +22,7 @@ from pipeline.serving.worker_common import (
     platform_name,
     record_error,
     register_cpu_emulation,
+    settle_logging,
 )
 
 LOAD_PROBE = "load_probe"  # the job kind this mode runs (`pipeline.serving.records.LOAD_PROBE`, the stage's side)
@@ -309,6 +310,7 @@ def run_load_probe(job: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
 
+    settle_logging()
     lines = LogLines()
     logging.getLogger("vllm").addHandler(lines)
     # the job as given, less the head's lookup (the project's own family facts, not a setting of the load)
@@ -335,4 +337,6 @@ def run_load_probe(job: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the result file
         record_error(result, exc)
         result["failed_at"] = at[0]
+    finally:
+        logging.getLogger("vllm").removeHandler(lines)
     return finish(result, lines, t0)

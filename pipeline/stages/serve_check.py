@@ -5,9 +5,9 @@ anything is written -> render the evaluate stage's prompt sets (same chat templa
 one job per engine: each target of the run (the configured target and every `target/<variant>/`)
 alone, and with each drafter variant (NVFP4 W4A4 drafters a second time with
 `linear_backend=emulation` where the GPU has no FP4 tensor cores, so W4A4 numerics are measured, not
-only Marlin's weight-only path) -> `serve.parallel` worker processes at once, each its own vLLM
-engine in `serve.python` (`pipeline.serving.worker`) -> lossless count against the same target
-alone, vLLM's tau per subset and acceptance per position, the kernel of every quantized layer ->
+only Marlin's weight-only path) -> `serve.parallel` worker processes at once in `serve.python`
+(`pipeline.serving.worker`), each building its engines one after another (`serve.engines_per_process`: one on
+a GPU, all on the CPU build) -> lossless count against the same target alone, vLLM's tau per subset and acceptance per position, the kernel of every quantized layer ->
 `eval/serve_check.json`, the per-job files under `eval/serve_check/`, a section in `eval/report.md`
 -> exit non-zero naming every variant that does not load, is not lossless or whose tau falls below
 `serve.min_tau_ratio` of the bf16 drafter's (same target, same kernel) or below `serve.min_tau`. Where a
@@ -100,7 +100,8 @@ def _launch(cfg, rd: RunDir, info: dict, jobs: list, prompts: dict, what: str) -
     first = next(p for ps in prompts.values() for p in ps)
     probes = {j.name: references.load_probe_inputs(cfg, j, first, folder, _loaders())
               for j in jobs if isinstance(j, LoadProbeJob)}
-    return launch.run_jobs(str(cfg.serve.python), jobs, folder, n, launch.worker_env(info)), probes
+    return launch.run_jobs(str(cfg.serve.python), jobs, folder, n, launch.worker_env(info),
+                           engines_per_process(cfg, info)), probes
 
 
 def _validate(s) -> None:
@@ -112,6 +113,9 @@ def _validate(s) -> None:
                         "in [0, 0.1]", "use e.g. 0.01 (1%), or 0 for exact equality only")
     if int(s.lossless_tie_checks) < 0:
         raise bad_value("serve.lossless_tie_checks", s.lossless_tie_checks, "it must be >= 0", "use e.g. 16")
+    if s.engines_per_process is not None and int(s.engines_per_process) < 1:
+        raise bad_value("serve.engines_per_process", s.engines_per_process, "it must be a whole number >= 1 or null",
+                        "use 1 (each engine its own process), e.g. 8, or null (all on the CPU build, 1 on a GPU)")
     if str(s.kv_cache_dtype) not in KV_CACHE_DTYPES:
         raise bad_value("serve.kv_cache_dtype", s.kv_cache_dtype, "it is not a KV cache dtype serve-check runs",
                         f"use {' or '.join(KV_CACHE_DTYPES)} (auto = the model dtype)")
@@ -286,6 +290,16 @@ def load_and_probe(path: Path) -> bool:
 def speed_on(cfg, info: dict) -> bool:
     """Whether engines are timed here: `serve.speed` on a GPU (the CPU build is not timed)."""
     return bool(cfg.serve.speed) and info.get("platform") != "cpu"
+
+
+def engines_per_process(cfg, info: dict) -> int | None:
+    """Engines one worker process builds one after another (vLLM imported once): `serve.engines_per_process`, or
+    by default every engine of its slot on the CPU build (where importing vLLM takes longer than a tiny engine's
+    whole check) and 1 on a GPU (each engine its own process: its memory and timing its own); None = all."""
+    p = cfg.serve.engines_per_process
+    if p is not None:
+        return int(p)
+    return None if info.get("platform") == "cpu" and not speed_on(cfg, info) else 1
 
 
 def parallel(cfg, info: dict) -> int:
