@@ -166,13 +166,16 @@ def pytest_runtest_makereport(item, call):
 # ---------------------------------------------------------------- order of the modules across workers
 # pytest-xdist's `--dist loadfile` hands whole modules to whichever worker runs out of work, in the order it
 # is given; by default it first sorts them by their number of tests, which puts the modules made of a few long
-# tests (a torchrun pair, the bench, real processes) last, where one of them keeps one worker busy while the
-# other has nothing left. Longest first instead: the modules below (their wall time on the 2-core machine,
-# docs/benchmarks-archive.md; test_serve_cpu's vLLM engines the longest), then the rest in collection order.
-LONGEST_FIRST = ("test_serve_cpu.py", "test_serve_dflash2.py", "test_serving_command.py", "test_quiet_and_tidy.py", "test_quant_target.py", "test_dflash2_tiny.py", "test_hybrid_eval.py", "test_verify.py", "test_quant_bench.py",
-                 "test_publish.py", "test_publish_faults.py", "test_quant_drafter.py", "test_cache.py",
-                 "test_cache_faults.py", "test_faults_stages.py", "test_evaluate.py", "test_signing.py",
-                 "test_compose.py", "test_quant_scale_search.py")
+# tests (vLLM engines, a torchrun pair, real processes) last, where one of them keeps one worker busy while the
+# other has nothing left. Longest first instead: the modules below, by their summed test time on the 2-core
+# machine (`pytest --durations=0`, 2026-12-07; test_serve_cpu's vLLM engines the longest), then the rest in
+# collection order.
+LONGEST_FIRST = ("test_serve_cpu.py", "test_serving_command.py", "test_serve_dflash2.py", "test_pairing.py",
+                 "test_repro_isolation.py", "test_hybrid_eval.py", "test_presets.py", "test_drafter_rope.py",
+                 "test_sliding_window.py", "test_quiet_and_tidy.py", "test_faults_stages.py", "test_quant_drafter.py",
+                 "test_multirun.py", "test_evaluate.py", "test_family_validation.py", "test_quant_speed.py",
+                 "test_secrets.py", "test_bench_draft_vocab.py", "test_quant_target.py", "test_verify.py",
+                 "test_vllm_profiles.py", "test_quant_scale_search.py", "test_publish_faults.py")
 
 
 def pytest_configure(config):
