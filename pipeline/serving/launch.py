@@ -97,13 +97,20 @@ def worker_env(info: dict | None = None, in_process: bool = True) -> dict[str, s
     return env
 
 
+def _job_files(job: EngineJob | LoadProbeJob | dict, folder: Path) -> dict[str, Path]:
+    """A job's files in `folder`: its job file written (atomically), its result file cleared, its log's path."""
+    files = {k: folder / f"{job['name']}{suffix}" for k, suffix in (("job", ".job.json"), ("result", ".json"),
+                                                                    ("log", ".log"))}
+    files["result"].unlink(missing_ok=True)
+    atomic_write_json(files["job"], job.to_json() if isinstance(job, EngineJob | LoadProbeJob) else job)
+    return files
+
+
 def run_worker(python: str, job: EngineJob | LoadProbeJob, folder: Path, env: dict[str, str]) -> WorkerResult:
     """One worker process for one job: `folder/<name>.json` its result, `<name>.log` its output; a worker that
     writes no result gets one saying how it exited (the job's prompts and head lookup left out)."""
-    job_file, result_file, log = (folder / f"{job['name']}.job.json", folder / f"{job['name']}.json",
-                                  folder / f"{job['name']}.log")
-    result_file.unlink(missing_ok=True)
-    atomic_write_json(job_file, job.to_json() if isinstance(job, EngineJob | LoadProbeJob) else job)
+    files = _job_files(job, folder)
+    job_file, result_file, log = files["job"], files["result"], files["log"]
     with open(log, "w", encoding="utf-8") as fh:
         proc = subprocess.run([python, "-m", "pipeline.serving.worker", str(job_file), str(result_file)],
                               stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()))
@@ -121,13 +128,7 @@ def run_batch(python: str, jobs: list, folder: Path, env: dict[str, str], log: P
     once), each with its own `<name>.json` result and `<name>.log`; the process's own output in `log`. `done(n)`
     as results appear. A job the process left without a result (it died) is run again in its own process
     (`run_worker`), which says how that one ends."""
-    entries = []
-    for job in jobs:
-        paths = {k: folder / f"{job['name']}{suffix}" for k, suffix in (("job", ".job.json"), ("result", ".json"),
-                                                                         ("log", ".log"))}
-        paths["result"].unlink(missing_ok=True)
-        atomic_write_json(paths["job"], job.to_json() if isinstance(job, EngineJob | LoadProbeJob) else job)
-        entries.append(paths)
+    entries = [_job_files(job, folder) for job in jobs]
     batch = log.with_suffix(".batch.json")
     atomic_write_json(batch, [{k: str(v) for k, v in e.items()} for e in entries])
     seen = 0
