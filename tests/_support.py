@@ -666,3 +666,29 @@ def random_samples(run_dir: Path, vocab: int, n: int = 6, max_len: int = 40) -> 
                         "loss_mask": [1] * t})
     write_samples(run_dir / "data", samples, max_seq_len=max_len)
     return samples
+
+
+# ---------------------------------------------------------------- `vllm serve` commands a run writes
+def vllm_argv(script: Path, *args: str, tmp_path: Path) -> list[str]:
+    """The argv `vllm` gets when the script runs (a stand-in `vllm` on PATH prints it)."""
+    import stat
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    stub = bindir / "vllm"
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv))\n")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "PORT": "8123"}
+    out = subprocess.run(["bash", str(script), *args], env=env, check=True, capture_output=True, text=True,
+                         cwd=REPO).stdout
+    argv = json.loads(out.strip().splitlines()[-1])
+    return ["vllm", *argv[1:]]
+
+
+def serve_parts(argv: list[str]) -> tuple[str, dict, list[str]]:
+    """(target, speculative config, the argv with both locations taken out) of one `vllm serve` command."""
+    assert argv[:2] == ["vllm", "serve"], argv
+    at = argv.index("--speculative-config")
+    spec = json.loads(argv[at + 1])
+    rest = [*argv[:2], "<target>", *argv[3:at + 1], "<spec>", *argv[at + 2:]]
+    return argv[2], spec, rest

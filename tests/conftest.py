@@ -170,7 +170,7 @@ def pytest_runtest_makereport(item, call):
 # other has nothing left. Longest first instead: the modules below, by their summed test time on the 2-core
 # machine (`pytest --durations=0`, 2026-12-07; test_serve_cpu's vLLM engines the longest), then the rest in
 # collection order.
-LONGEST_FIRST = ("test_serve_cpu.py", "test_serving_command.py", "test_serve_dflash2.py", "test_pairing.py",
+LONGEST_FIRST = ("test_serve_cpu.py", "test_serve_dflash2.py", "test_pairing.py",
                  "test_repro_isolation.py", "test_hybrid_eval.py", "test_presets.py", "test_drafter_rope.py",
                  "test_sliding_window.py", "test_quiet_and_tidy.py", "test_faults_stages.py", "test_quant_drafter.py",
                  "test_multirun.py", "test_evaluate.py", "test_family_validation.py", "test_quant_speed.py",

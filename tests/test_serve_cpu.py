@@ -4,7 +4,7 @@
 SPECQUANT_VLLM_CPU; run by hand without it, the module is skipped (it needs the 3.5 GB engine).
 
 One run of the embedded tiny world through the real stages (data, cache, quantize-target w4a16, quantize-drafter
-w4a16 / nvfp4 / nvfp4a16, each writing drafter/bf16 too), then `python -m pipeline serve-check` against the CPU
+w4a16 / nvfp4 / nvfp4a16 / fp8-dynamic / fp8, each writing drafter/bf16 too, evaluate), then `python -m pipeline serve-check` against the CPU
 build: every drafter x target pair that the build has kernels for loads and is lossless against the same target
 served alone, its tau measured against the bf16 drafter's on the same engine; W4A4 NVFP4 runs through vLLM's own
 emulation kernel and says so; weight-only NVFP4 is reported "not loadable on the CPU build", neither passed nor
@@ -24,6 +24,8 @@ The same world, its target served alone once, also serves:
 - vocabulary-trimmed drafters (`python -m pipeline convert --draft-vocab N`): the bf16 drafter and the W4A16
   checkpoint trimmed to 1/32 of the vocabulary, counted from the run's data; vLLM loads the N-row head and d2t,
   and the outputs are the target's.
+After serve-check the world goes through manifest and a dry-run publish: the `vllm serve` command the run writes
+(`provenance/vllm_serve.sh`, pipeline/serving/command.py) is what serve-check's engines ran.
 Timing is never asserted.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -45,6 +48,7 @@ pytestmark = pytest.mark.skipif(not VLLM, reason="needs vLLM's CPU build: `make 
 EVAL = ["eval.limit=3", "eval.max_new_tokens=48"]
 DRAFTERS = ("w4a16", "nvfp4", "nvfp4a16")
 FP8 = ("fp8-dynamic", "fp8")
+PUBLISH = ["publish.namespace=specquant-test", "publish.target_model=specquant-test/tiny-target"]
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -64,16 +68,21 @@ def tiny_world_run(tmp_path_factory) -> Path:
     _stage(root, "quantize-target", "target_quant=w4a16")
     _stage(root, "quantize-drafter", "-m", f"quant={','.join(DRAFTERS + FP8)}", "quant.num_samples=16",
            "quant.heldout_samples=8")  # one process, as make all runs them
+    _stage(root, "evaluate", *EVAL)
     return root
 
 
 @pytest.fixture(scope="module")
 def served(tiny_world_run) -> dict:
+    """serve-check, then manifest and a dry-run publish, as a release runs them."""
     proc = _stage(tiny_world_run, "serve-check", f"serve.python={VLLM}", *EVAL,
                   f"serve.variants=[bf16,{','.join(DRAFTERS)}]")  # the FP8 and trimmed drafters: further down
+    for stage in ("manifest", "publish"):
+        _stage(tiny_world_run, stage, *EVAL, *PUBLISH)
     summary = json.loads((tiny_world_run / "tiny" / "eval" / "serve_check.json").read_text())
+    report = (tiny_world_run / "tiny" / "eval" / "report.md").read_text()
     return {"summary": summary, "stderr": proc.stderr, "run": tiny_world_run / "tiny",
-            "report": (tiny_world_run / "tiny" / "eval" / "report.md").read_text()}
+            "report": report[report.index("## Served by vLLM (serve-check)"):]}
 
 
 def test_every_pair_the_cpu_build_can_load_is_lossless_with_its_tau_against_bf16(served):
@@ -264,3 +273,34 @@ def test_vllm_serves_the_trimmed_head_losslessly(tiny_world_run, served, tmp_pat
     alone, results, _ = _serve_beside(tiny_world_run, trimmed, tmp_path / "jobs", monkeypatch)
     for r in results:
         _lossless_and_drafting(r, alone)
+
+
+# ---------------------------------------------------------------- the command the run writes is what ran
+def test_the_commands_say_what_serve_check_ran(served, tmp_path):
+    rd = served["run"]
+    summary = json.loads((rd / "eval" / "serve_check.json").read_text(encoding="utf-8"))
+    assert summary["failures"] == [], summary["failures"]
+    for variant in ("bf16", "nvfp4", "w4a16"):
+        script = rd / "provenance" / "vllm_serve.sh"
+        target, spec, _ = _support.serve_parts(_support.vllm_argv(script, variant, tmp_path=tmp_path))
+        result = json.loads((rd / "eval" / "serve_check" / f"bf16--{variant}.json").read_text(encoding="utf-8"))
+        assert result["ok"], result.get("error")
+        engine = result["engine"]
+        assert "error" not in engine, engine["error"]
+        ran = engine["speculative_config"]
+        assert ran["method"] == spec["method"] and ran["num_speculative_tokens"] == spec["num_speculative_tokens"]
+        assert Path(ran["model"]).resolve() == Path(spec["model"]).resolve() == (rd / "drafter" / variant).resolve()
+        # the draft's quantization as vLLM resolved it: the command names it exactly when vLLM used it
+        assert ran["quantization"] == spec.get("quantization"), (variant, ran, spec)
+        assert Path(engine["model"]).resolve() == (_support.REPO / target).resolve()
+        assert engine["quantization"] is None  # the configured (unquantized) target, as the command serves it
+    # the published card serves the same command and says what the check found, in the engine's words
+    card = (rd / "publish" / "nvfp4" / "README.md").read_text(encoding="utf-8")
+    served_line = [line for line in card.splitlines() if line.startswith("vllm serve ")]
+    assert len(served_line) == 1, served_line
+    _, _, card_rest = _support.serve_parts(shlex.split(served_line[0]))
+    _, _, script_rest = _support.serve_parts(_support.vllm_argv(rd / "provenance" / "vllm_serve.sh", "nvfp4",
+                                                                tmp_path=tmp_path))
+    assert card_rest == script_rest
+    checked = next(line for line in card[card.index("## Checked in vLLM"):].splitlines() if line.startswith("- "))
+    assert "CPU build" in checked and "loads, lossless" in checked and "FAILED" not in checked, checked
