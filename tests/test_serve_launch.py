@@ -17,6 +17,7 @@ import sys
 
 from pipeline.serving import launch
 from pipeline.serving.records import LOAD_PROBE
+from tests import _support
 
 
 def _job(name: str, **extra) -> dict:
@@ -69,3 +70,10 @@ def test_a_batch_process_that_dies_leaves_its_other_jobs_to_a_process_each(tmp_p
     assert not [n for n in left if n.endswith(".job.json") or n.endswith(".batch.json")], left
     assert json.loads((folder / "bf16--w4a16.json").read_text())["process"] == "alone"
 
+
+
+def test_engines_per_process_below_one_is_refused_in_one_sentence(tmp_path):
+    rc, out, err = _support.run_main("serve-check", f"runs_root={tmp_path}", "serve.engines_per_process=0")
+    assert rc == 2 and "Traceback" not in err, err
+    assert "serve.engines_per_process" in err and "= 0" in err and "null" in err, err
+    assert not any(tmp_path.iterdir())  # refused before anything is written

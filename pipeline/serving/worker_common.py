@@ -256,4 +256,3 @@ def release_engine() -> None:
             cleanup_dist_env_and_memory()
     with contextlib.suppress(OSError, AttributeError):  # glibc: the freed engine's memory back to the system,
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # so the next job's peak resident set is its own
-

@@ -7,7 +7,8 @@ alone, and with each drafter variant (NVFP4 W4A4 drafters a second time with
 `linear_backend=emulation` where the GPU has no FP4 tensor cores, so W4A4 numerics are measured, not
 only Marlin's weight-only path) -> `serve.parallel` worker processes at once in `serve.python`
 (`pipeline.serving.worker`), each building its engines one after another (`serve.engines_per_process`: one on
-a GPU, all on the CPU build) -> lossless count against the same target alone, vLLM's tau per subset and acceptance per position, the kernel of every quantized layer ->
+a GPU, all on the CPU build) -> lossless count against the same target alone, vLLM's tau per subset and
+acceptance per position, the kernel of every quantized layer ->
 `eval/serve_check.json`, the per-job files under `eval/serve_check/`, a section in `eval/report.md`
 -> exit non-zero naming every variant that does not load, is not lossless or whose tau falls below
 `serve.min_tau_ratio` of the bf16 drafter's (same target, same kernel) or below `serve.min_tau`. Where a
@@ -299,7 +300,7 @@ def engines_per_process(cfg, info: dict) -> int | None:
     p = cfg.serve.engines_per_process
     if p is not None:
         return int(p)
-    return None if info.get("platform") == "cpu" and not speed_on(cfg, info) else 1
+    return None if info.get("platform") == "cpu" else 1  # the CPU build is never timed (`speed_on`)
 
 
 def parallel(cfg, info: dict) -> int:
