@@ -231,10 +231,19 @@ def test_evaluate_stage_writes_results_report_plots_and_commands(world):
     for png in ("tau_per_subset.png", "acceptance_per_position.png"):
         with Image.open(ev / png) as im:
             assert im.size[0] > 400 and im.size[1] > 200
-    # same config -> byte-identical results, report and plots
+    # every variant after the first took at least the prefill of each prompt from the shared target forwards
+    timings = json.loads((ev / "timings.json").read_text())
+    n_prompts = sum(st["num_prompts"] for st in res["subsets"])
+    first, *later = res["variant_order"]
+    assert timings["target_forwards"][first]["reused"] == 0
+    assert all(timings["target_forwards"][v]["reused"] >= n_prompts for v in later), timings["target_forwards"]
+    assert all(timings["speedup"][v] == {s: None for s in timings["speedup"][v]} for v in later)  # not timed whole
+    # the same config with every target forward run (eval.target_memo_mb=0) -> byte-identical results, report, plots
     before = {f: (ev / f).read_bytes() for f in ("results.json", "report.md", "tau_per_subset.png")}
-    evaluate.run(cfg)
+    evaluate.run(compose_for(world, "eval.limit=1", "eval.target_memo_mb=0"))
     assert before == {f: (ev / f).read_bytes() for f in before}
+    timings = json.loads((ev / "timings.json").read_text())
+    assert set(timings["target_forwards"].values()) == {None} and None not in timings["speedup"]["bf16"].values()
 
 
 @pytest.mark.faults("bad_input")

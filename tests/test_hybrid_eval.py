@@ -96,12 +96,16 @@ def test_spec_decode_equals_plain_greedy_token_by_token(target):
     prompts = [p for ps in load_prompts(REPO / "assets" / "tiny" / "eval", tok, 1).values() for p in ps]
     bs = drafter.config.block_size
     seen = set()
+    from pipeline.models.target_steps import StepMemo
+
+    memo = StepMemo(1 << 30)  # a recurrent state is not rows per token: the hybrid's decodes run every forward
     for ids in prompts:
-        res = spec_generate(target, drafter, ids, 64, [tok.eos_token_id])
+        res = spec_generate(target, drafter, ids, 64, [tok.eos_token_id], memo=memo)
         assert res.output_ids == greedy_generate(target, ids, 64, [tok.eos_token_id])
         seen |= set(res.acceptance_lengths)
     assert min(seen) < bs  # some drafts were rejected: the rollback ran
     assert max(seen) > 1  # some were accepted
+    assert memo.counts() == {"run": 0, "reused": 0} and memo.bytes == 0
 
 
 @pytest.mark.skipif(not os.environ.get("SPECQUANT_VLLM_CPU"),

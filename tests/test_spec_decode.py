@@ -120,3 +120,52 @@ def test_shipped_tiny_drafter_is_lossless_with_tau_above_1_5():
     recorded = json.loads((TINY / "drafter" / "tau.json").read_text())
     assert recorded["block_size"] == 8 and recorded["lossless_mismatches"] == 0
     assert f"Mean tau = {recorded['mean_tau']}" in (TINY / "drafter" / "README.md").read_text()
+
+
+class Recording(torch.nn.Module):
+    """A drafter as given, recording the context (the target's aux hidden states) of each of its drafts."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config, self.fc, self.seen = inner, inner.config, inner.fc, []
+
+    def new_cache(self):
+        return self.inner.new_cache()
+
+    def draft_block(self, ctx, block, pos, cache):
+        self.seen.append(ctx.clone())
+        return self.inner.draft_block(ctx, block, pos, cache)
+
+
+def _decode_all(target, drafter, ids_list, memo):
+    from pipeline.models.spec_decode import spec_generate as run
+
+    rec = Recording(drafter)
+    out = [run(target, rec, ids, 3 * BS, trace=True, memo=memo) for ids in ids_list]
+    return [(r.output_ids, r.acceptance_lengths, r.drafted, r.accepted, r.draft_calls) for r in out], rec.seen
+
+
+def test_shared_target_forwards_change_no_token_and_no_hidden_state(target, drafter):
+    """Decodes that take target forwards from a StepMemo (pipeline.models.target_steps) give exactly the tokens,
+    statistics and drafter contexts of decodes that run them all: for the drafter again (every forward reused),
+    for a scripted drafter beside it (the prefills reused) and with a memo too small to hold anything."""
+    from pipeline.models.target_steps import StepMemo
+
+    ids_list = list({tuple(p): p for p in prompts(6, seed=11)}.values())[:4]  # distinct prompts
+    scripted = ScriptedDrafter(greedy_generate(target, ids_list[0], 3 * BS), BS, 2, V)
+    plain = {name: _decode_all(target, d, ids_list, None) for name, d in (("drafter", drafter), ("scripted", scripted))}
+    memo = StepMemo(1 << 30)
+    first = _decode_all(target, drafter, ids_list, memo)
+    assert first[0] == plain["drafter"][0]
+    assert memo.counts() == {"run": len(ids_list) + sum(len(r[1]) for r in first[0]), "reused": 0}
+    for name, d in (("drafter", drafter), ("scripted", scripted)):
+        before = memo.counts()
+        got = _decode_all(target, d, ids_list, memo)
+        assert got[0] == plain[name][0]
+        assert len(got[1]) == len(plain[name][1]) and all(torch.equal(a, b) for a, b in zip(got[1], plain[name][1]))
+        assert memo.counts()["reused"] - before["reused"] >= len(ids_list)  # at least every prefill
+        if name == "drafter":  # the same blocks from the same states: every forward taken from the memo
+            assert memo.counts()["run"] == before["run"]
+    tiny = StepMemo(1)  # holds nothing: every forward runs
+    assert _decode_all(target, drafter, ids_list, tiny)[0] == plain["drafter"][0]
+    assert tiny.bytes == 0 and tiny.counts()["reused"] == 0

@@ -163,6 +163,11 @@ class EvalConfig:
     # first here, the rest in spawned processes (each with its share of the cores' threads); the figures do not
     # depend on it
     workers: int = 1
+    # memory (MB) for the target forwards the drafters evaluated with one target share: a drafter that feeds the
+    # target a block an earlier one fed from the same state takes that forward's result instead of running it again
+    # (pipeline/models/target_steps.py; the figures are the same, the loop's wall times in timings.json then cover
+    # the forwards actually run); 0 = every decode runs all its forwards
+    target_memo_mb: int = 2048
     include_source: bool = False  # also evaluate drafter.path as variant "source" (e.g. fp32, before bf16 rounding)
     # another drafter of the same target (a local folder) evaluated as variant "baseline" in the main table, e.g. the
     # DFlash drafter beside a DFlash2 run's variants; null = none

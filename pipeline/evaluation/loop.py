@@ -33,7 +33,10 @@ def merge(per_subset: dict[str, list], block_size: int) -> dict:
     return subset_stats([r for rs in per_subset.values() for r in rs], block_size)
 
 
-def evaluate_variant(target, drafter, subsets, max_new_tokens, stop, device, greedy, desc):
+def evaluate_variant(target, drafter, subsets, max_new_tokens, stop, device, greedy, desc, memo=None):
+    """Every prompt of `subsets` decoded with `drafter` beside `target`: ({subset: [SpecResult]}, {subset: seconds},
+    {subset: outputs that differ from `greedy`}). `memo`: a `pipeline.models.target_steps.StepMemo` of this target,
+    shared by the drafters evaluated with it (their decodes reuse each other's target forwards)."""
     from tqdm import tqdm
 
     from pipeline.models.spec_decode import spec_generate
@@ -45,7 +48,7 @@ def evaluate_variant(target, drafter, subsets, max_new_tokens, stop, device, gre
         for i, ids in enumerate(s.prompts):
             sync(device)
             t0 = time.perf_counter()
-            r = spec_generate(target, drafter, ids, max_new_tokens, stop)
+            r = spec_generate(target, drafter, ids, max_new_tokens, stop, memo=memo)
             sync(device)
             seconds[s.name] += time.perf_counter() - t0
             mismatches[s.name] += int(r.output_ids != greedy[s.name][i])

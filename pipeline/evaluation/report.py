@@ -364,3 +364,29 @@ def render_vllm_commands(results: dict, prompt_files: dict[str, str]) -> str:
     lines += [f'  *) echo "usage: $0 serve <{"|".join(variants)}> | bench <{"|".join(subsets)}>" >&2; exit 2 ;;',
               "esac", ""]
     return "\n".join(lines)
+
+
+def with_vllm_ranges(text: str, ranges: dict[str, dict | None]) -> str:
+    """vllm_commands.sh with a comment, above its first command, naming the vLLM range each drafter variant was
+    written for (quant.vllm) or saying that none is recorded."""
+    lines = text.split("\n")
+    at = next((i for i, line in enumerate(lines) if i and not line.startswith("#")), len(lines))
+    note = ["# The vLLM range each drafter was written and checked for (quant.vllm, pipeline/serving/contract.py):"]
+    note += [f"#   {v}: " + (f"vLLM {r['versions']} (profile {r['profile']})" if r and r.get("versions") else
+                              "not recorded (no quantize-drafter record names one)")
+             for v, r in ranges.items()]
+    return "\n".join(lines[:at] + note + lines[at:])
+
+
+def tau_table(results: dict, reference: str = REFERENCE) -> list[dict]:
+    """Flat rows {variant, subset, tau, relative_to_bf16} (what the model card reads); subset "all" included."""
+    ref = results["variants"].get(reference)
+    rows = []
+    for v in results["variant_order"]:
+        d = results["variants"][v]
+        for s, st in [*d["subsets"].items(), ("all", d["overall"])]:
+            base = (ref["overall"] if s == "all" else ref["subsets"][s])["tau"] if ref else None
+            change = rel_change(st["tau"], base) if base is not None and v != reference else None
+            rows.append({"variant": v, "subset": s, "tau": st["tau"],
+                         "relative_to_bf16": None if change is None else round(change, 6)})
+    return rows

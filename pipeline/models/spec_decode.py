@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from pipeline.core.errors import bad_value
+from pipeline.models.target_steps import StepMemo, TargetSteps, aux_hidden, target_step  # noqa: F401 - re-exported
 from pipeline.models.targets import decode_cache
 
 
@@ -39,16 +39,6 @@ class SpecResult:
     @property
     def mean_tau(self) -> float:
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
-
-
-def aux_hidden(hidden_states: tuple[torch.Tensor, ...], aux_layer_ids: list[int]) -> torch.Tensor:
-    """Concatenate HF hidden_states[m] for m in aux_layer_ids along features -> [B, S, n_aux*H]."""
-    return torch.cat([hidden_states[m] for m in aux_layer_ids], dim=-1)
-
-
-def _target_step(target, ids: torch.Tensor, cache: DynamicCache, want_hidden: bool):
-    out = target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=want_hidden)
-    return out.logits, out.hidden_states
 
 
 def _finish(tokens: list[int], prompt_len: int, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
@@ -68,7 +58,7 @@ def greedy_generate(target, input_ids: list[int], max_new_tokens: int, stop_toke
     ids = torch.tensor([tokens], device=dev)
     stop = set(stop_token_ids)
     for _ in range(max_new_tokens):
-        logits, _ = _target_step(target, ids, cache, False)
+        logits, _ = target_step(target, ids, cache, False)
         nxt = int(logits[0, -1].argmax())
         tokens.append(nxt)
         if nxt in stop:
@@ -79,24 +69,24 @@ def greedy_generate(target, input_ids: list[int], max_new_tokens: int, stop_toke
 
 @torch.no_grad()
 def spec_generate(target, drafter, input_ids: list[int], max_new_tokens: int, stop_token_ids=(),
-                  block_size: int | None = None, trace: bool = False) -> SpecResult:
-    """Greedy speculative decoding; returns the tokens and per-step acceptance statistics."""
+                  block_size: int | None = None, trace: bool = False, memo: StepMemo | None = None) -> SpecResult:
+    """Greedy speculative decoding; returns the tokens and per-step acceptance statistics. `memo`: target
+    forwards of earlier decodes with this target, taken instead of running them again (same results;
+    `pipeline.models.target_steps`)."""
     cfg = drafter.config
     bs = int(block_size or cfg.block_size)
     if not 2 <= bs <= cfg.block_size:
         raise bad_value("block_size", bs, f"the drafter drafts blocks of at most {cfg.block_size} tokens",
                         f"use 2 <= block_size <= {cfg.block_size}")
-    dev, mask_id, aux_ids = target.device, int(cfg.mask_token_id), list(cfg.aux_layer_ids)
+    dev, mask_id = target.device, int(cfg.mask_token_id)
     selector = bool(getattr(cfg, "has_selector", False)) and hasattr(drafter, "draft_path")  # DFlash2
     stop = set(stop_token_ids)
     prompt_len = len(input_ids)
     max_len = prompt_len + max_new_tokens
-    tstate, dcache = decode_cache(target), drafter.new_cache()  # the family's cache and its rollback
-    tcache = tstate.cache
+    steps, dcache = TargetSteps(target, decode_cache(target), list(cfg.aux_layer_ids), memo), drafter.new_cache()
 
-    logits, hs = _target_step(target, torch.tensor([list(input_ids)], device=dev), tcache, True)
-    tokens = list(input_ids) + [int(logits[0, -1].argmax())]
-    ctx = aux_hidden(hs, aux_ids)
+    first, ctx = steps.prefill(list(input_ids))
+    tokens = list(input_ids) + [first]
     res = SpecResult(output_ids=[], acceptance_lengths=[], drafted=[0] * (bs - 1), accepted=[0] * (bs - 1))
     start = prompt_len
     while start < max_len and tokens[start] not in stop:
@@ -113,18 +103,13 @@ def spec_generate(target, drafter, input_ids: list[int], max_new_tokens: int, st
             res.draft_calls.append({"cache_len_before": cache_len, "ctx_len": int(ctx.shape[1]),
                                     "position_ids": pos[0].tolist(), "draft_tokens": draft.tolist()})
         block[0, 1:] = draft
-        tstate.checkpoint()
-        tlogits, hs = _target_step(target, block, tcache, True)
-        posterior = tlogits[0].argmax(-1)
-        acc = int(torch.cumprod((draft == posterior[:-1]).long(), 0).sum())
+        posterior, acc, ctx = steps.verify(block, draft)
         tokens[start + 1:] = block[0, 1:acc + 1].tolist() + [int(posterior[acc])]
         for k in range(bs - 1):
             res.drafted[k] += 1
             res.accepted[k] += int(acc > k)
         res.acceptance_lengths.append(acc + 1)
         start += acc + 1
-        tstate.keep(acc + 1, block, target)  # the block's first token and the accepted draft stay
-        ctx = aux_hidden(hs, aux_ids)[:, : acc + 1]
         if any(t in stop for t in tokens[start - acc:start + 1]):
             break
     res.output_ids = _finish(tokens, prompt_len, max_new_tokens, stop)

@@ -166,6 +166,8 @@ class DecodeCache:
     `checkpoint()` before a verify forward, `keep(n, fed, target)` after it keeps the first `n` of the
     `fed` ids [1, F] (the accepted draft and its first token) and forgets the rest: K/V rows are cropped."""
 
+    reusable = True  # rows per token: `tail` / `load_rows` rebuild it (pipeline.models.target_steps)
+
     def __init__(self, model) -> None:
         from transformers import DynamicCache
 
@@ -177,6 +179,16 @@ class DecodeCache:
     def keep(self, n: int, fed, target) -> None:
         self.cache.crop(n - int(fed.shape[-1]))  # negative = tokens to drop (transformers >= 5.17)
 
+    def tail(self, n: int) -> list:
+        """[(keys, values)] per layer: copies of the last `n` rows."""
+        return [(layer.keys[..., -n:, :].clone(), layer.values[..., -n:, :].clone()) for layer in self.cache.layers]
+
+    def load_rows(self, layers: list) -> None:
+        """The cache holding exactly `layers` ([(keys, values)] per layer, all rows)."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(ddp_cache_data=layers)
+
 
 class RecurrentDecodeCache(DecodeCache):
     """A hybrid target's cache (built from its config: linear-attention layers hold a convolution and a
@@ -184,6 +196,8 @@ class RecurrentDecodeCache(DecodeCache):
     the linear-attention states before the verify forward and `keep` after a rejection puts them back,
     crops the attention layers' K/V to where they were and runs the `n` kept ids through the target again;
     a fully accepted block is kept as the verify forward left it."""
+
+    reusable = False  # a recurrent state is not rows per token
 
     def __init__(self, model) -> None:
         from transformers import DynamicCache

@@ -27,6 +27,9 @@ from pipeline.quant import pairing
 
 REFERENCE = "bf16"
 SOURCE = "source"
+TIMINGS_NOTE = ("speedup = target_only_s / speculative_s of the reference loop; null where the variant took target "
+                "forwards from an earlier drafter's decodes (target_forwards.reused > 0, eval.target_memo_mb): its "
+                "loop time leaves those forwards out. eval.target_memo_mb=0 runs and times every forward.")
 BASELINE = "baseline"  # eval.baseline_drafter: another drafter of the same target, in the main table beside the run's
 
 
@@ -105,22 +108,6 @@ def _stop_ids(tokenizer, target) -> list[int]:
     eos = getattr(gen, "eos_token_id", None)
     ids |= set(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if i is not None)
-
-
-def tau_table(results: dict) -> list[dict]:
-    """Flat rows {variant, subset, tau, relative_to_bf16} (what the model card reads); subset "all" included."""
-    from pipeline.evaluation.report import rel_change
-
-    ref = results["variants"].get(REFERENCE)
-    rows = []
-    for v in results["variant_order"]:
-        d = results["variants"][v]
-        for s, st in [*d["subsets"].items(), ("all", d["overall"])]:
-            base = (ref["overall"] if s == "all" else ref["subsets"][s])["tau"] if ref else None
-            change = rel_change(st["tau"], base) if base is not None and v != REFERENCE else None
-            rows.append({"variant": v, "subset": s, "tau": st["tau"],
-                         "relative_to_bf16": None if change is None else round(change, 6)})
-    return rows
 
 
 def calibration_comparison(rd: RunDir, results: dict, per_prompt: dict, seed: int) -> list[dict]:
@@ -241,7 +228,8 @@ def _config_record(cfg) -> dict:
     from pipeline.core.secrets import scrub_obj
 
     full = OmegaConf.to_container(cfg, resolve=True)
-    full["eval"].pop("workers", None)  # how the work was spread, not what was computed: results.json is the same
+    for knob in ("workers", "target_memo_mb"):  # how the work was done, not what was computed: results.json is the same
+        full["eval"].pop(knob, None)
     return scrub_obj({k: full[k] for k in ("run_name", "seed", "target", "drafter", "eval")})
 
 
@@ -262,18 +250,6 @@ def _vllm_ranges(rd: RunDir, variants) -> dict[str, dict | None]:
     return out
 
 
-def with_vllm_ranges(text: str, ranges: dict[str, dict | None]) -> str:
-    """vllm_commands.sh with a comment, above its first command, naming the vLLM range each drafter variant was
-    written for (quant.vllm) or saying that none is recorded."""
-    lines = text.split("\n")
-    at = next((i for i, line in enumerate(lines) if i and not line.startswith("#")), len(lines))
-    note = ["# The vLLM range each drafter was written and checked for (quant.vllm, pipeline/serving/contract.py):"]
-    note += [f"#   {v}: " + (f"vLLM {r['versions']} (profile {r['profile']})" if r and r.get("versions") else
-                              "not recorded (no quantize-drafter record names one)")
-             for v, r in ranges.items()]
-    return "\n".join(lines[:at] + note + lines[at:])
-
-
 def _write_outputs(out: Path, doc: eval_results.EvalResults, timings: dict, subsets,
                    ranges: dict[str, dict | None] | None = None) -> list[str]:
     from pipeline.evaluation import plots, report
@@ -291,8 +267,8 @@ def _write_outputs(out: Path, doc: eval_results.EvalResults, timings: dict, subs
     eval_results.write_results(out, doc)
     atomic_write_json(out / "timings.json", timings)
     atomic_write_text(out / "report.md", report.render_report(results))
-    eval_results.write_vllm_commands(out, with_vllm_ranges(report.render_vllm_commands(results, prompt_files),
-                                                           ranges or {v: None for v in results["variant_order"]}))
+    eval_results.write_vllm_commands(out, report.with_vllm_ranges(report.render_vllm_commands(results, prompt_files),
+                                                                  ranges or {v: None for v in results["variant_order"]}))
     plots.tau_bars(results, out / "tau_per_subset.png")
     plots.acceptance_curves(results, out / "acceptance_per_position.png")
     plots.calibration_pairs(results, out / "calibration_vs_datafree.png")
@@ -308,6 +284,9 @@ def _check_knobs(cfg) -> None:
         raise bad_value("target.dtype", cfg.target.dtype, "unknown dtype", f"use one of {', '.join(TORCH_DTYPES)}")
     if int(cfg.eval.max_new_tokens) < 1:
         raise bad_value("eval.max_new_tokens", cfg.eval.max_new_tokens, "it must be positive", "use a value >= 1")
+    if int(cfg.eval.target_memo_mb) < 0:
+        raise bad_value("eval.target_memo_mb", cfg.eval.target_memo_mb, "it cannot be negative",
+                        "use 0 (every decode runs all its target forwards) or the MB the shared forwards may hold")
     if int(cfg.eval.workers) < 1:
         raise bad_value("eval.workers", cfg.eval.workers, "it must be at least 1",
                         "use 1 (everything in this process) or the number of cores to spread the pairs over")
@@ -393,6 +372,7 @@ def _pairs_job(cfg, plan: _Plan, chunk: list[tuple[str, list[str]]], max_new: in
     from pipeline.core.dtypes import TORCH_DTYPES
     from pipeline.core.seeding import seed_everything
     from pipeline.evaluation.fakequant import load_drafter_variant, load_target
+    from pipeline.models.target_steps import StepMemo
 
     seed_everything(int(cfg.seed))
     rd, dtype, device = RunDir.from_cfg(cfg), TORCH_DTYPES[cfg.target.dtype], str(cfg.target.device)
@@ -405,18 +385,22 @@ def _pairs_job(cfg, plan: _Plan, chunk: list[tuple[str, list[str]]], max_new: in
             cfg.target.attn_implementation)
         ref = greedy if mine and greedy is not None else _greedy_reference(model, plan.subsets, max_new, plan.stop,
                                                                             device)[0]
+        memo = StepMemo(int(cfg.eval.target_memo_mb) << 20) if int(cfg.eval.target_memo_mb) else None
         for v in drafters:
             path = plan.drafters[v]
             drafter, summary = load_drafter_variant(path, model, dtype, device)
+            before = memo.counts() if memo else None
             runs, spec_s, mismatches = _evaluate_variant(model, drafter, plan.subsets, max_new, plan.stop, device, ref,
-                                                         f"evaluate {v}" + ("" if t == plan.primary else f" with target {t}"))
+                                                         f"evaluate {v}" + ("" if t == plan.primary else f" with target {t}"),
+                                                         memo)
             del drafter
             stats = {"subsets": {s: subset_stats(rs, plan.block_size) for s, rs in runs.items()},
                      "overall": _merge(runs, plan.block_size), "lossless_mismatches": mismatches}
             entry = ({"path": str(path), "files": _tree(path), **summary, **_variant_meta(rd, v, summary), **stats}
                      if t == plan.primary else stats)
-            out[(t, v)] = {"entry": entry, "per_prompt": _per_prompt(runs), "spec_s": spec_s}
-        del model
+            out[(t, v)] = {"entry": entry, "per_prompt": _per_prompt(runs), "spec_s": spec_s,
+                           "forwards": {k: n - before[k] for k, n in memo.counts().items()} if memo else None}
+        del model, memo
     return out
 
 
@@ -456,12 +440,15 @@ def run(cfg) -> dict:
     del target
     variants, per_prompt = {}, {}
     timings = {"device": device, "target_only_s": {k: round(v, 4) for k, v in target_s.items()},
-               "speculative_s": {}, "speedup": {}}
+               "speculative_s": {}, "speedup": {}, "target_forwards": {}, "note": TIMINGS_NOTE}
     for v in plan.drafters:
         o = done[(plan.primary, v)]
         variants[v], per_prompt[v] = o["entry"], o["per_prompt"]
         timings["speculative_s"][v] = {k: round(x, 4) for k, x in o["spec_s"].items()}
-        timings["speedup"][v] = {k: round(target_s[k] / x, 4) if x else None for k, x in o["spec_s"].items()}
+        shared = bool(o["forwards"] and o["forwards"]["reused"])
+        timings["speedup"][v] = {k: round(target_s[k] / x, 4) if x and not shared else None
+                                 for k, x in o["spec_s"].items()}
+        timings["target_forwards"][v] = o["forwards"]
     matrix = {plan.primary: {v: _pair_entry(variants[v], rd, v) for v in _matrix_drafters(plan.drafters)}}
     pair_prompts = {plan.primary: per_prompt}
     for t in [t for t in plan.pair_targets if t != plan.primary]:
@@ -473,6 +460,8 @@ def run(cfg) -> dict:
 def _finish(cfg, rd: RunDir, plan: _Plan, variants: dict, per_prompt: dict, matrix: dict, pair_prompts: dict,
             timings: dict) -> dict:
     """results.json, the report, plots and commands from the passes; the stage's result."""
+    from pipeline.evaluation import report
+
     results = {
         "stage": "evaluate", "config": _config_record(cfg), "block_size": plan.block_size,
         "max_new_tokens": int(cfg.eval.max_new_tokens), "stop_token_ids": plan.stop,
@@ -485,7 +474,7 @@ def _finish(cfg, rd: RunDir, plan: _Plan, variants: dict, per_prompt: dict, matr
                      "prompt_tokens": sum(len(p) for p in s.prompts)} for s in plan.subsets],
     }
     doc = eval_results.EvalResults(
-        **results, table=[eval_results.TauRow(**r) for r in tau_table(results)],
+        **results, table=[eval_results.TauRow(**r) for r in report.tau_table(results, REFERENCE)],
         calibration_comparison=[eval_results.CalibrationComparison(**c)
                                 for c in calibration_comparison(rd, results, per_prompt, int(cfg.seed))],
         pairs={"targets": list(matrix), "served": plan.served, "matrix": matrix,
