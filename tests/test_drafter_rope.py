@@ -17,17 +17,21 @@ REPO = Path(__file__).resolve().parent.parent
 VLLM = os.environ.get("SPECQUANT_VLLM_CPU")
 DRAFTER = REPO / "assets" / "tiny-hybrid" / "drafter"
 
+# every case of one module in one vLLM process (importing vLLM takes most of a case's time): argv[1] is a JSON
+# list of [rope args, input file, output file]
 VLLM_ROPE = """
 import json, sys, torch
 from safetensors.torch import load_file, save_file
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.rotary_embedding import get_rope
-a = json.loads(sys.argv[1]); t = load_file(sys.argv[2])
-with set_current_vllm_config(VllmConfig()):
-    rope = get_rope(a["head_dim"], max_position=a["max_position"], rope_parameters=a["rope_parameters"])
-q, k = rope.forward_native(t["positions"], t["q"].clone(), t["k"].clone())
-save_file({"q": q.contiguous(), "k": k.contiguous()}, sys.argv[3])
+for a, src, dst in json.loads(sys.argv[1]):
+    t = load_file(src)
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(a["head_dim"], max_position=a["max_position"], rope_parameters=a["rope_parameters"])
+    q, k = rope.forward_native(t["positions"], t["q"].clone(), t["k"].clone())
+    save_file({"q": q.contiguous(), "k": k.contiguous()}, dst)
 """
+FACTORS = [None, 0.25, 0.5]
 
 
 def _ours(config, positions, x):
@@ -39,32 +43,48 @@ def _ours(config, positions, x):
     return apply_rope(x, (emb.cos() * scale)[None], (emb.sin() * scale)[None])  # x [1, heads, S, D]
 
 
-@pytest.mark.parametrize("factor", [None, 0.25, 0.5])
-def test_the_reference_rotates_what_vllm_rotates(tmp_path, factor):
-    from safetensors.torch import load_file, save_file
-
+def _case(factor):
+    """(the drafter config with `partial_rotary_factor` = factor (None: absent), positions, q, k, get_rope's args)."""
     from pipeline.models.formats import load_drafter_config
 
-    if not VLLM:
-        pytest.skip("needs vLLM's CPU build (SPECQUANT_VLLM_CPU)")
     config = load_drafter_config(DRAFTER)
     rp = {k: v for k, v in config.rope_parameters.items() if k != "partial_rotary_factor"}
     if factor is not None:
         rp["partial_rotary_factor"] = factor
     config.rope_parameters = rp
     d, heads, n = config.head_dim, config.num_attention_heads, 37
-    assert config.rotary_dim == int(d * (factor or 1.0))
     g = torch.Generator().manual_seed(0)
     positions = torch.randint(0, config.max_position_embeddings, (n,), generator=g)
     q = torch.randn(n, heads * d, generator=g)
     k = torch.randn(n, heads * d, generator=g)
-    save_file({"positions": positions, "q": q, "k": k}, str(tmp_path / "in.safetensors"))
-    args = {"head_dim": d, "max_position": config.max_position_embeddings, "rope_parameters": rp}
-    proc = subprocess.run([VLLM, "-c", VLLM_ROPE, json.dumps(args), str(tmp_path / "in.safetensors"),
-                           str(tmp_path / "out.safetensors")], capture_output=True, text=True, timeout=600,
+    return config, positions, q, k, {"head_dim": d, "max_position": config.max_position_embeddings,
+                                     "rope_parameters": rp}
+
+
+@pytest.fixture(scope="module")
+def vllm_rotated(tmp_path_factory) -> dict:
+    """{factor: vLLM's rotated q and k} for every FACTORS case, from one process of vLLM's CPU build."""
+    from safetensors.torch import load_file, save_file
+
+    if not VLLM:
+        pytest.skip("needs vLLM's CPU build (SPECQUANT_VLLM_CPU)")
+    folder, cases = tmp_path_factory.mktemp("rope"), []
+    for i, factor in enumerate(FACTORS):
+        _, positions, q, k, args = _case(factor)
+        save_file({"positions": positions, "q": q, "k": k}, str(folder / f"in-{i}.safetensors"))
+        cases.append([args, str(folder / f"in-{i}.safetensors"), str(folder / f"out-{i}.safetensors")])
+    proc = subprocess.run([VLLM, "-c", VLLM_ROPE, json.dumps(cases)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = load_file(str(tmp_path / "out.safetensors"))
+    return {factor: load_file(case[2]) for factor, case in zip(FACTORS, cases)}
+
+
+@pytest.mark.parametrize("factor", FACTORS)
+def test_the_reference_rotates_what_vllm_rotates(vllm_rotated, factor):
+    config, positions, q, k, _ = _case(factor)
+    d, heads, n = config.head_dim, config.num_attention_heads, len(positions)
+    assert config.rotary_dim == int(d * (factor or 1.0))
+    got = vllm_rotated[factor]
     for name, x in (("q", q), ("k", k)):
         ours = _ours(config, positions, x.view(n, heads, d).transpose(0, 1)[None])[0].transpose(0, 1).reshape(n, -1)
         assert torch.allclose(ours, got[name], atol=1e-5, rtol=1e-5), (name, (ours - got[name]).abs().max())
