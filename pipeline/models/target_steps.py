@@ -99,7 +99,7 @@ class TargetSteps:
     def verify(self, block: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
         """The target on `block` [1, B] (its first token, then `draft`): (argmax per row, accepted drafts, aux
         hidden states of the kept rows); its cache keeps the block's first token and the accepted draft."""
-        key = tuple(block[0].tolist())
+        key = tuple(block[0].tolist()) if self.memo is not None else ()  # no host copy of the block without a memo
         if self.memo is not None and (child := self.node.children.get(key)) is not None:
             self.memo.reused += 1
             self.node = child
